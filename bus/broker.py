@@ -1,0 +1,287 @@
+"""The step broker: serves whichever workers are ready, batches their observations for one
+policy inference, stamps actions with the policy version, and forwards experience.
+
+Never waits for the slowest worker: a result is acted on as soon as every other worker has also
+replied, or `batch_wait_ms` after it arrived, whichever is first.
+
+Flow control is a credit window: the broker steps at most `window` env steps beyond what the
+trainer reports as consumed (in each WEIGHTS message). That bounds policy lag and memory, and
+makes stepping pause, not drop, while no trainer is consuming.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+
+from stepbus.bus import node, wiring
+from stepbus.bus import protocol as p
+from stepbus.trainer import model, spaces
+
+HORIZON_ALLOWANCE = 32  # steps per env the window leaves for trajectories still being built
+
+
+@dataclass
+class Config:
+    steps: str = field(default_factory=wiring.ENDPOINTS["steps"].resolve,
+                       metadata={"help": "ROUTER endpoint to bind for workers"})
+    policy: str = field(default_factory=wiring.ENDPOINTS["policy"].resolve,
+                        metadata={"help": "ROUTER endpoint to bind for trainers"})
+    experience: str = field(default_factory=wiring.ENDPOINTS["experience"].resolve,
+                            metadata={"help": "assembler endpoint to PUSH experience to"})
+    controller: str = field(default_factory=wiring.ENDPOINTS["controller"].resolve,
+                            metadata={"help": "controller endpoint to connect"})
+    broadcast: str = field(default_factory=wiring.ENDPOINTS["broadcast"].resolve,
+                           metadata={"help": "controller broadcast endpoint to connect"})
+    batch_wait_ms: float = field(default=2.0, metadata={
+        "help": "longest wait for more workers to fill one inference batch"})
+    max_steps_ahead: int = field(default=0, metadata={
+        "help": "credit window in env steps beyond what the trainer consumed "
+                "(0: the trainer's batch + 32 per env)"})
+    seed: int = field(default=0, metadata={"help": "seeds the policy's action sampling"})
+
+
+class Phase(enum.Enum):
+    RUNNING = "running"
+    BARRIER = "barrier"  # stepping paused until every live worker has reset into the new epoch
+
+
+@dataclass
+class Worker:
+    ident: bytes
+    name: str
+    incarnation: str
+    num_envs: int
+    last_seen: float
+    seq: int = 0  # the seq of the reply we expect next
+    in_flight: bool = True  # a RESET or STEP was sent and its reply has not arrived
+    result: p.StepResult | None = None  # a reply waiting for inference
+    ready_since: float = 0.0
+    epoch: int = -1  # the epoch the worker has reset into
+
+
+@dataclass
+class Credit:
+    """Env steps stepped but not yet reported consumed by the current trainer incarnation."""
+
+    produced: int = 0
+    baseline: int = 0
+    consumed: int = 0
+    trainer: str = ""
+    batch_steps: int = 256
+    topups: int = 0
+
+    def outstanding(self) -> int:
+        return self.produced - self.baseline - self.consumed
+
+
+def run(cfg: Config) -> int:
+    log = node.setup_logging("broker")
+    stop = node.StopFlag()
+    ctx = zmq.Context()
+    link = node.ControllerLink(ctx, role="broker", name="broker", controller=cfg.controller,
+                               broadcast=cfg.broadcast, log=log)
+    steps = wiring.socket(ctx, zmq.ROUTER, bind=cfg.steps)
+    steps.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a departed worker is an error, not a silent drop
+    policy_sock = wiring.socket(ctx, zmq.ROUTER, bind=cfg.policy)
+    experience = wiring.socket(ctx, zmq.PUSH, connect=cfg.experience)
+    rejects = node.RejectLog(log)
+    rng = np.random.default_rng(cfg.seed)
+
+    workers: dict[bytes, Worker] = {}
+    env_id, spec = "", None  # the spaces every worker must share
+    params: dict[str, np.ndarray] | None = None
+    version = -1
+    action_space: model.ActionSpace | None = None
+    credit = Credit()
+    phase, epoch, options = Phase.RUNNING, 0, {}
+    counts = {"stale_dropped": 0, "experience_dropped": 0, "workers_lost": 0, "spec_refused": 0}
+    rate_steps, rate_t0, steps_per_s = 0, time.monotonic(), 0.0
+    log.info("broker: workers on %s, trainers on %s, experience to %s",
+             cfg.steps, cfg.policy, cfg.experience)
+
+    def window() -> int:
+        live_envs = sum(w.num_envs for w in workers.values())
+        return cfg.max_steps_ahead or credit.batch_steps + HORIZON_ALLOWANCE * live_envs
+
+    def send_worker(w: Worker, msg: p.Message) -> None:
+        if not node.send(steps, msg, to=w.ident, block=False):
+            forget(w, "unreachable")
+
+    def forget(w: Worker, why: str) -> None:
+        if workers.pop(w.ident, None) is not None:
+            counts["workers_lost"] += 1
+            log.warning("worker %s %s; serving the others", w.name, why)
+
+    def forward(w: Worker, r: p.StepResult, outputs: tuple | None) -> None:
+        action, logp, value = outputs if outputs is not None else (None, None, None)
+        msg = p.Experience(worker=w.name, incarnation=w.incarnation, epoch=r.epoch, seq=r.seq,
+                           first=r.first, policy_version=version if outputs else -1, obs=r.obs,
+                           reward=r.reward, terminated=r.terminated, truncated=r.truncated,
+                           final_obs=r.final_obs, action=action, logp=logp, value=value)
+        if not node.send(experience, msg, block=False):
+            counts["experience_dropped"] += 1
+            rejects.log.warning("assembler not keeping up: experience dropped (%d so far)",
+                                counts["experience_dropped"])
+
+    def reset_worker(w: Worker) -> None:
+        if w.result is not None:  # its observation gets no action: it becomes a bootstrap
+            forward(w, w.result, None)
+            w.result = None
+        w.seq, w.in_flight = 0, True
+        send_worker(w, p.Reset(epoch=epoch, options=options))
+
+    def on_hello(ident: bytes, msg: p.WorkerHello, now: float) -> None:
+        nonlocal env_id, spec, action_space
+        w = workers.get(ident)
+        if w is not None and w.incarnation == msg.incarnation:
+            w.last_seen = now
+            if w.in_flight and now - w.ready_since > 2 * node.HEARTBEAT_INTERVAL_S:
+                reset_worker(w)  # it is idle, yet we wait on it: a message was lost
+                w.ready_since = now
+            return
+        if spec is None:
+            env_id, spec = msg.env_id, msg.spec
+            action_space = spaces.action_space(spec)
+        elif msg.spec != spec:
+            counts["spec_refused"] += 1
+            rejects.refuse(msg.worker, p.ProtocolError(
+                "spec mismatch", f"{msg.env_id} {msg.spec} differs from {env_id} {spec}"))
+            return
+        if w is not None:
+            log.info("worker %s restarted (incarnation %s)", msg.worker, msg.incarnation)
+        else:
+            log.info("worker %s joined: %d x %s", msg.worker, msg.num_envs, msg.env_id)
+        w = workers[ident] = Worker(ident, msg.worker, msg.incarnation, msg.num_envs, now,
+                                    ready_since=now)
+        reset_worker(w)
+
+    def on_result(ident: bytes, msg: p.StepResult, now: float) -> None:
+        w = workers.get(ident)
+        if w is None or not w.in_flight or msg.incarnation != w.incarnation or msg.seq != w.seq:
+            counts["stale_dropped"] += 1
+            return
+        w.last_seen, w.in_flight = now, False
+        if msg.epoch != epoch:  # drained from before a barrier: keep the transition, then reset
+            forward(w, msg, None)
+            reset_worker(w)
+            return
+        if msg.obs.shape[0] != w.num_envs:
+            rejects.refuse(w.name, p.ProtocolError("bad step result", f"{msg.obs.shape}"))
+            reset_worker(w)
+            return
+        w.epoch, w.result, w.ready_since = msg.epoch, msg, now
+
+    def on_trainer_hello(ident: bytes, msg: p.TrainerHello, now: float) -> None:
+        if spec is not None:
+            node.send(policy_sock, p.EnvSpec(env_id=env_id, spec=spec, policy_version=version),
+                      to=ident, block=False)
+
+    def on_weights(ident: bytes, msg: p.Weights, now: float) -> None:
+        nonlocal params, version
+        if msg.incarnation != credit.trainer:
+            credit.trainer, credit.baseline = msg.incarnation, credit.produced - msg.consumed_steps
+            log.info("trainer %s (incarnation %s) connected at policy version %d",
+                     msg.trainer, msg.incarnation, msg.version)
+        credit.consumed, credit.batch_steps = msg.consumed_steps, msg.batch_steps
+        if msg.starving and credit.outstanding() >= window():
+            credit.baseline -= credit.batch_steps  # its data is stuck or lost upstream
+            credit.topups += 1
+        if msg.version > version:
+            params, version = dict(msg.params), msg.version
+
+    def on_barrier(new_epoch: int, new_options: dict) -> None:
+        nonlocal phase, epoch, options
+        if new_epoch <= epoch:
+            return
+        phase, epoch, options = Phase.BARRIER, new_epoch, new_options
+        log.info("barrier: epoch %d, draining %d workers", epoch, len(workers))
+        for w in list(workers.values()):
+            if not w.in_flight:
+                reset_worker(w)
+
+    def dispatch(now: float) -> None:
+        nonlocal rate_steps
+        ready = [w for w in workers.values() if w.result is not None]
+        if not ready or params is None or action_space is None:
+            return
+        waiting = any(w.in_flight for w in workers.values())
+        oldest = min(w.ready_since for w in ready)
+        if waiting and now - oldest < cfg.batch_wait_ms / 1000:
+            return
+        if credit.outstanding() >= window():
+            return
+        obs = np.concatenate([w.result.obs for w in ready])  # type: ignore[union-attr]
+        actions, logp, value = model.act(params, obs, action_space, rng)
+        start = 0
+        for w in ready:
+            r, end = w.result, start + w.num_envs
+            assert r is not None
+            w.seq, w.in_flight, w.result = r.seq + 1, True, None
+            w.ready_since = now
+            send_worker(w, p.Step(epoch=epoch, seq=w.seq, policy_version=version,
+                                  actions=actions[start:end]))
+            forward(w, r, (actions[start:end], logp[start:end], value[start:end]))
+            start = end
+        credit.produced += start
+        rate_steps += start
+
+    handlers = {
+        p.WorkerHello: on_hello,
+        p.StepResult: on_result,
+        p.TrainerHello: on_trainer_hello,
+        p.Weights: on_weights,
+    }
+
+    def handle(sock: zmq.Socket) -> None:
+        ident, msg = node.recv(sock, rejects, routed=True)
+        handler = handlers.get(type(msg)) if msg is not None else None
+        if handler is not None and ident is not None:
+            handler(ident, msg, time.monotonic())
+        elif msg is not None:
+            rejects.refuse(repr(ident), p.ProtocolError("unexpected kind", msg.KIND.name))
+
+    poller = zmq.Poller()
+    for sock in (steps, policy_sock, *link.sockets()):
+        poller.register(sock, zmq.POLLIN)
+    try:
+        while not stop and not link.shutdown_reason:
+            now = time.monotonic()
+            if now - rate_t0 >= 2.0:
+                steps_per_s, rate_steps, rate_t0 = rate_steps / (now - rate_t0), 0, now
+            next_beat = link.beat(now, {
+                "workers": len(workers), "policy_version": version, "epoch": epoch,
+                "steps_per_s": round(steps_per_s), "outstanding_steps": credit.outstanding(),
+                "credit_window": window(), "rejected": rejects.total, **counts})
+            timeout_s = next_beat - now
+            if any(w.result is not None for w in workers.values()):
+                timeout_s = min(timeout_s, cfg.batch_wait_ms / 1000)
+            events = dict(poller.poll(max(0, min(timeout_s * 1000, node.MAX_POLL_MS))))
+            for msg in link.poll(events):
+                if isinstance(msg, p.Barrier):
+                    on_barrier(msg.epoch, msg.options)
+            if link.state is not None and link.state.epoch > epoch:  # a missed broadcast
+                on_barrier(link.state.epoch, link.state.options)
+            if steps in events:
+                node.drain(steps, lambda: handle(steps))
+            if policy_sock in events:
+                node.drain(policy_sock, lambda: handle(policy_sock))
+            now = time.monotonic()
+            for w in list(workers.values()):
+                if now - w.last_seen > node.HEARTBEAT_INTERVAL_S * node.LIVENESS_INTERVALS:
+                    forget(w, f"silent for {now - w.last_seen:.1f}s")
+            if phase is Phase.BARRIER and all(w.epoch == epoch for w in workers.values()):
+                phase = Phase.RUNNING
+                log.info("barrier epoch %d complete: %d workers reset", epoch, len(workers))
+                link.send(p.BarrierDone(epoch=epoch, workers_reset=len(workers)))
+            if phase is Phase.RUNNING:
+                dispatch(now)
+        log.info("broker stopping (%s)", link.shutdown_reason or stop.reason)
+        return 0
+    finally:
+        link.close()
+        ctx.destroy(linger=wiring.LINGER_MS)

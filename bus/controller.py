@@ -1,0 +1,173 @@
+"""The controller: who is alive, the run's identity, reset barriers and the shutdown broadcast.
+
+One ROUTER takes heartbeats (which register) and commands; one PUB broadcasts. Every heartbeat
+is answered with the run state, so a process that missed a broadcast catches up within one beat.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import zmq
+
+from stepbus.bus import node, wiring
+from stepbus.bus import protocol as p
+
+
+@dataclass
+class Config:
+    controller: str = field(default_factory=wiring.ENDPOINTS["controller"].resolve,
+                            metadata={"help": "ROUTER endpoint to bind"})
+    broadcast: str = field(default_factory=wiring.ENDPOINTS["broadcast"].resolve,
+                           metadata={"help": "PUB endpoint to bind"})
+    barrier_timeout_s: float = field(default=10.0, metadata={
+        "help": "a reset barrier the broker has not completed by then fails with an error"})
+    shutdown_grace_s: float = field(default=3.0, metadata={
+        "help": "after a shutdown broadcast, wait this long for processes to leave"})
+
+
+@dataclass
+class Peer:
+    role: str
+    name: str
+    host: str
+    pid: int
+    first_seen: float
+    last_seen: float
+    figures: dict = field(default_factory=dict)
+
+
+@dataclass
+class PendingReset:
+    requester: bytes
+    epoch: int
+    deadline: float
+
+
+def run(cfg: Config) -> int:
+    log = node.setup_logging("controller")
+    stop = node.StopFlag()
+    ctx = zmq.Context()
+    router = wiring.socket(ctx, zmq.ROUTER, bind=cfg.controller)
+    pub = wiring.socket(ctx, zmq.PUB, bind=cfg.broadcast)
+    rejects = node.RejectLog(log)
+    run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+    peers: dict[bytes, Peer] = {}
+    epoch, options = 0, {}
+    shutting_down_since: float | None = None
+    pending_reset: PendingReset | None = None
+    log.info("run %s: controller on %s, broadcasts on %s", run_id, cfg.controller, cfg.broadcast)
+
+    def state() -> p.RunState:
+        return p.RunState(run_id=run_id, epoch=epoch, options=options,
+                          shutting_down=shutting_down_since is not None)
+
+    def begin_shutdown(reason: str) -> None:
+        nonlocal shutting_down_since
+        if shutting_down_since is None:
+            shutting_down_since = time.monotonic()
+            log.info("shutdown: %s", reason)
+        node.send(pub, p.Shutdown(reason=reason), block=False)
+
+    def on_heartbeat(sender: bytes, msg: p.Heartbeat, now: float) -> None:
+        peer = peers.get(sender)
+        if msg.leaving:
+            if peer is not None:
+                del peers[sender]
+                log.info("%s %s left", msg.role, msg.name)
+            return
+        if peer is None:
+            peer = peers[sender] = Peer(msg.role, msg.name, msg.host, msg.pid, now, now)
+            log.info("%s %s joined (host %s, pid %d)", msg.role, msg.name, msg.host, msg.pid)
+        peer.last_seen, peer.figures = now, msg.figures
+        node.send(router, state(), to=sender, block=False)
+
+    def on_status(sender: bytes, msg: p.StatusRequest, now: float) -> None:
+        rows = [{"role": q.role, "name": q.name, "host": q.host, "pid": q.pid,
+                 "uptime_s": round(now - q.first_seen, 1),
+                 "last_heartbeat_s": round(now - q.last_seen, 2), **q.figures}
+                for q in peers.values()]
+        node.send(router, p.StatusReply(run_id=run_id, epoch=epoch, processes=rows), to=sender,
+                  block=False)
+
+    def on_reset(sender: bytes, msg: p.ResetRequest, now: float) -> None:
+        nonlocal epoch, options, pending_reset
+        if not any(q.role == "broker" for q in peers.values()):
+            node.send(router, p.Reply(ok=False, detail="no broker is registered"), to=sender)
+            return
+        if pending_reset is not None:
+            node.send(router, p.Reply(ok=False, detail="a reset barrier is already running"),
+                      to=sender)
+            return
+        epoch, options = epoch + 1, msg.options
+        pending_reset = PendingReset(sender, epoch, now + cfg.barrier_timeout_s)
+        log.info("reset barrier: epoch %d, options %s", epoch, options)
+        node.send(pub, p.Barrier(epoch=epoch, options=options), block=False)
+
+    def on_barrier_done(sender: bytes, msg: p.BarrierDone, now: float) -> None:
+        nonlocal pending_reset
+        if pending_reset is not None and msg.epoch == pending_reset.epoch:
+            detail = f"epoch {msg.epoch}: {msg.workers_reset} workers reset"
+            log.info("reset barrier complete, %s", detail)
+            node.send(router, p.Reply(ok=True, detail=detail), to=pending_reset.requester)
+            pending_reset = None
+
+    def on_shutdown(sender: bytes, msg: p.ShutdownRequest, now: float) -> None:
+        begin_shutdown(msg.reason)
+        node.send(router, p.Reply(ok=True, detail="shutting down"), to=sender, block=False)
+
+    def on_remote_error(sender: bytes, msg: p.RemoteError, now: float) -> None:
+        log.error("error in %s: %s: %s %s\n%s", msg.origin, msg.error_type, msg.message,
+                  msg.context, msg.traceback)
+
+    handlers = {
+        p.Heartbeat: on_heartbeat,
+        p.StatusRequest: on_status,
+        p.ResetRequest: on_reset,
+        p.BarrierDone: on_barrier_done,
+        p.ShutdownRequest: on_shutdown,
+        p.RemoteError: on_remote_error,
+    }
+
+    def handle_one() -> None:
+        sender, msg = node.recv(router, rejects, routed=True)
+        handler = handlers.get(type(msg)) if msg is not None else None
+        if handler is not None and sender is not None:
+            handler(sender, msg, time.monotonic())
+        elif msg is not None:
+            rejects.refuse(repr(sender), p.ProtocolError("unexpected kind", msg.KIND.name))
+
+    poller = zmq.Poller()
+    poller.register(router, zmq.POLLIN)
+    next_rebroadcast = 0.0
+    try:
+        while True:
+            if stop:
+                begin_shutdown(f"controller received {stop.reason}")
+            if dict(poller.poll(node.MAX_POLL_MS)).get(router):
+                node.drain(router, handle_one)
+            now = time.monotonic()
+            expiry = node.HEARTBEAT_INTERVAL_S * node.LIVENESS_INTERVALS
+            for ident, peer in list(peers.items()):
+                if now - peer.last_seen > expiry:
+                    log.warning("%s %s expired (silent %.1fs)", peer.role, peer.name,
+                                now - peer.last_seen)
+                    del peers[ident]
+            if pending_reset is not None and now > pending_reset.deadline:
+                node.send(router, p.Reply(ok=False, detail=(
+                    f"reset barrier epoch {pending_reset.epoch} not completed within "
+                    f"{cfg.barrier_timeout_s}s")), to=pending_reset.requester, block=False)
+                pending_reset = None
+            if shutting_down_since is not None:
+                if now >= next_rebroadcast:  # late subscribers still hear it
+                    node.send(pub, p.Shutdown(reason="shutdown"), block=False)
+                    next_rebroadcast = now + 0.2
+                gone = not any(q.role != "cli" for q in peers.values())
+                if gone or now - shutting_down_since > cfg.shutdown_grace_s:
+                    log.info("all processes left; controller exiting" if gone else
+                             "shutdown grace over; controller exiting")
+                    return 0
+    finally:
+        ctx.destroy(linger=wiring.LINGER_MS)

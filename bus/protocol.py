@@ -1,0 +1,579 @@
+"""The stepbus wire protocol: every message kind, its fields, the codec, and nothing else.
+
+A message is one multipart ZeroMQ message::
+
+    frame 0      msgpack header: [PROTOCOL_VERSION, kind, {field: value}, [[name, dtype, shape], ...]]
+    frame 1..n   the raw bytes of each numpy array named in the header, in order
+
+Arrays never pass through msgpack, so observation bytes are neither copied nor re-encoded between
+an environment and the wire, and a broker can forward a worker's array frames untouched. The
+decoder trusts nothing: it accepts only declared kinds and fields, numeric and bool dtypes, shapes
+that match byte lengths, and sizes under bounds. Every failure becomes one `ProtocolError`.
+
+Who sends what (sender -> receiver, socket pair):
+
+    WORKER_HELLO      worker -> broker          DEALER -> ROUTER   env spec; repeated while idle
+    RESET             broker -> worker          ROUTER -> DEALER   reset every env with options
+    STEP              broker -> worker          ROUTER -> DEALER   one action batch
+    STEP_RESULT       worker -> broker          DEALER -> ROUTER   one reply per action batch
+    EXPERIENCE        broker -> assembler       PUSH   -> PULL     a step result + policy outputs
+    TRAJECTORY        assembler -> trainer      PUSH   -> PULL     one agent's contiguous steps
+    TRAINER_HELLO     trainer -> broker         DEALER -> ROUTER   asks for the env spec
+    ENV_SPEC          broker -> trainer         ROUTER -> DEALER   spaces the workers declared
+    WEIGHTS           trainer -> broker         DEALER -> ROUTER   versioned policy parameters
+    HEARTBEAT         any -> controller         DEALER -> ROUTER   registration, liveness, figures
+    RUN_STATE         controller -> any         ROUTER -> DEALER   reply to every HEARTBEAT
+    STATUS_REQUEST    cli -> controller         DEALER -> ROUTER
+    STATUS_REPLY      controller -> cli         ROUTER -> DEALER
+    RESET_REQUEST     cli/trainer -> controller DEALER -> ROUTER   start a reset barrier
+    SHUTDOWN_REQUEST  cli/trainer -> controller DEALER -> ROUTER
+    REPLY             controller -> cli         ROUTER -> DEALER   outcome of a request
+    BARRIER           controller -> broker      PUB    -> SUB      pause, drain, reset, resume
+    BARRIER_DONE      broker -> controller      DEALER -> ROUTER   every live env was reset
+    SHUTDOWN          controller -> all         PUB    -> SUB      finish duties and exit 0
+    REMOTE_ERROR      any -> controller         DEALER -> ROUTER   an error, as data
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+MAX_HEADER_BYTES = 1 << 20
+MAX_ARRAYS = 256
+MAX_NDIM = 8
+MAX_ARRAY_BYTES = 1 << 30
+MAX_JSON_DEPTH = 4
+
+# Numeric and bool only: no object, string, void or datetime dtypes ever come off the wire.
+ALLOWED_DTYPES = frozenset(
+    np.dtype(name).str
+    for name in (
+        "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+        "float16", "float32", "float64",
+    )
+)
+
+
+class ProtocolError(ValueError):
+    """Raised for any bytes that are not a valid stepbus message; `reason` is a short category."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+class Kind(enum.IntEnum):
+    WORKER_HELLO = 1
+    RESET = 2
+    STEP = 3
+    STEP_RESULT = 4
+    EXPERIENCE = 5
+    TRAJECTORY = 6
+    TRAINER_HELLO = 7
+    ENV_SPEC = 8
+    WEIGHTS = 9
+    HEARTBEAT = 11
+    RUN_STATE = 12
+    STATUS_REQUEST = 13
+    STATUS_REPLY = 14
+    RESET_REQUEST = 15
+    SHUTDOWN_REQUEST = 16
+    REPLY = 17
+    BARRIER = 18
+    BARRIER_DONE = 19
+    SHUTDOWN = 20
+    REMOTE_ERROR = 21
+
+
+# A JSON-like value (str keys, scalars, lists, maps) of bounded depth: options, figures, status.
+Json = Any
+Scalar = Union[int, float, str, bool, None]
+ArrayMap = dict[str, np.ndarray]
+
+
+class Message:
+    """Base of every message dataclass; `KIND` ties the class to its wire kind."""
+
+    KIND: ClassVar[Kind]
+
+
+@dataclass(frozen=True)
+class SpaceSpec:
+    """Observation and action spaces, as workers declare them and learners build policies."""
+
+    obs_shape: list[int]
+    obs_dtype: str
+    action_kind: str  # "discrete" or "box"
+    action_n: int = 0
+    action_shape: list[int] = field(default_factory=list)
+    action_low: list[float] = field(default_factory=list)
+    action_high: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class WorkerHello(Message):
+    KIND: ClassVar[Kind] = Kind.WORKER_HELLO
+    worker: str
+    incarnation: str
+    env_id: str
+    num_envs: int
+    seed: int
+    spec: dict[str, Json]  # SpaceSpec as a map
+
+
+@dataclass(frozen=True)
+class Reset(Message):
+    KIND: ClassVar[Kind] = Kind.RESET
+    epoch: int
+    options: dict[str, Json]
+
+
+@dataclass(frozen=True)
+class Step(Message):
+    KIND: ClassVar[Kind] = Kind.STEP
+    epoch: int
+    seq: int
+    policy_version: int
+    actions: np.ndarray
+
+
+@dataclass(frozen=True)
+class StepResult(Message):
+    """One reply per action batch. `first` marks observations straight after a reset (no reward).
+
+    Autoreset is explicit: env i ended its episode on this step iff terminated[i] or truncated[i];
+    then obs[i] is the first observation of the next episode and the observation the episode ended
+    on is the matching row of `final_obs` (rows in order of the ended envs).
+    """
+
+    KIND: ClassVar[Kind] = Kind.STEP_RESULT
+    incarnation: str
+    epoch: int
+    seq: int
+    first: bool
+    obs: np.ndarray
+    reward: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    final_obs: np.ndarray
+
+
+@dataclass(frozen=True)
+class Experience(Message):
+    """A worker's step result forwarded with the policy outputs chosen for its observations.
+
+    `policy_version` is -1 and the action arrays are None when no action was taken on `obs`
+    (a barrier or shutdown drained it): the assembler then keeps `obs` only as a bootstrap.
+    """
+
+    KIND: ClassVar[Kind] = Kind.EXPERIENCE
+    worker: str
+    incarnation: str
+    epoch: int
+    seq: int
+    first: bool
+    policy_version: int
+    obs: np.ndarray
+    reward: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    final_obs: np.ndarray
+    action: np.ndarray | None = None
+    logp: np.ndarray | None = None
+    value: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class Trajectory(Message):
+    """One agent's contiguous steps, cut at episode end, the horizon, a barrier or a lost worker.
+
+    terminated: the episode ended in a terminal state (bootstrap value 0).
+    truncated: the episode was cut short (time limit, lost worker, barrier): bootstrap from
+    `bootstrap_obs`. Neither: a horizon cut inside a running episode, bootstrap from `bootstrap_obs`.
+    `episode_return`/`episode_length` are set when this trajectory ends an episode the env ended.
+    """
+
+    KIND: ClassVar[Kind] = Kind.TRAJECTORY
+    agent: str
+    epoch: int
+    terminated: bool
+    truncated: bool
+    episode_return: float | None
+    episode_length: int | None
+    obs: np.ndarray
+    actions: np.ndarray
+    logp: np.ndarray
+    values: np.ndarray
+    rewards: np.ndarray
+    policy_versions: np.ndarray
+    bootstrap_obs: np.ndarray
+
+
+@dataclass(frozen=True)
+class TrainerHello(Message):
+    KIND: ClassVar[Kind] = Kind.TRAINER_HELLO
+    trainer: str
+    policy: str
+
+
+@dataclass(frozen=True)
+class EnvSpec(Message):
+    """The spaces a trainer builds its policy for, and the newest policy version the broker
+    holds, so a restarted trainer continues above it."""
+
+    KIND: ClassVar[Kind] = Kind.ENV_SPEC
+    env_id: str
+    spec: dict[str, Json]
+    policy_version: int
+
+
+@dataclass(frozen=True)
+class Weights(Message):
+    """Versioned policy parameters. `consumed_steps` (env steps this trainer incarnation has
+    trained on) is the credit that lets the broker keep stepping: see the broker's flow control."""
+
+    KIND: ClassVar[Kind] = Kind.WEIGHTS
+    trainer: str
+    incarnation: str
+    policy: str
+    version: int
+    consumed_steps: int
+    batch_steps: int
+    starving: bool
+    params: ArrayMap
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """Registration and liveness in one: the first heartbeat registers, `leaving` deregisters."""
+
+    KIND: ClassVar[Kind] = Kind.HEARTBEAT
+    role: str
+    name: str
+    host: str
+    pid: int
+    leaving: bool
+    figures: dict[str, Json]
+
+
+@dataclass(frozen=True)
+class RunState(Message):
+    KIND: ClassVar[Kind] = Kind.RUN_STATE
+    run_id: str
+    epoch: int
+    options: dict[str, Json]
+    shutting_down: bool
+
+
+@dataclass(frozen=True)
+class StatusRequest(Message):
+    KIND: ClassVar[Kind] = Kind.STATUS_REQUEST
+
+
+@dataclass(frozen=True)
+class StatusReply(Message):
+    KIND: ClassVar[Kind] = Kind.STATUS_REPLY
+    run_id: str
+    epoch: int
+    processes: list[Json]
+
+
+@dataclass(frozen=True)
+class ResetRequest(Message):
+    KIND: ClassVar[Kind] = Kind.RESET_REQUEST
+    options: dict[str, Json]
+
+
+@dataclass(frozen=True)
+class ShutdownRequest(Message):
+    KIND: ClassVar[Kind] = Kind.SHUTDOWN_REQUEST
+    reason: str
+
+
+@dataclass(frozen=True)
+class Reply(Message):
+    KIND: ClassVar[Kind] = Kind.REPLY
+    ok: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class Barrier(Message):
+    KIND: ClassVar[Kind] = Kind.BARRIER
+    epoch: int
+    options: dict[str, Json]
+
+
+@dataclass(frozen=True)
+class BarrierDone(Message):
+    KIND: ClassVar[Kind] = Kind.BARRIER_DONE
+    epoch: int
+    workers_reset: int
+
+
+@dataclass(frozen=True)
+class Shutdown(Message):
+    KIND: ClassVar[Kind] = Kind.SHUTDOWN
+    reason: str
+
+
+@dataclass(frozen=True)
+class RemoteError(Message):
+    """An error as data: raised on one side, logged and counted on the other, type name kept."""
+
+    KIND: ClassVar[Kind] = Kind.REMOTE_ERROR
+    origin: str
+    error_type: str
+    message: str
+    traceback: str
+    context: dict[str, Json]
+
+
+MESSAGE_TYPES: dict[Kind, type[Message]] = {
+    cls.KIND: cls
+    for cls in (
+        WorkerHello, Reset, Step, StepResult, Experience, Trajectory, TrainerHello, EnvSpec,
+        Weights, Heartbeat, RunState, StatusRequest, StatusReply, ResetRequest,
+        ShutdownRequest, Reply, Barrier, BarrierDone, Shutdown, RemoteError,
+    )
+}
+assert set(MESSAGE_TYPES) == set(Kind), "every kind needs exactly one message class"
+
+
+# ---------------------------------------------------------------------------------------------
+# Field schemas, derived once from the dataclass annotations.
+
+_ARRAY, _OPT_ARRAY, _ARRAY_MAP = "array", "optional array", "array map"
+
+
+@dataclass(frozen=True)
+class _Schema:
+    scalars: dict[str, Any]  # name -> annotation
+    arrays: dict[str, str]  # name -> _ARRAY | _OPT_ARRAY | _ARRAY_MAP
+    required: frozenset[str]
+
+
+def _schema(cls: type[Message]) -> _Schema:
+    hints = typing.get_type_hints(cls, globalns={**globals(), "Json": Json})
+    scalars: dict[str, Any] = {}
+    arrays: dict[str, str] = {}
+    required = set()
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        hint = hints[f.name]
+        if hint is np.ndarray:
+            arrays[f.name] = _ARRAY
+        elif _is_optional(hint) and _strip_optional(hint) is np.ndarray:
+            arrays[f.name] = _OPT_ARRAY
+        elif hint == ArrayMap:
+            arrays[f.name] = _ARRAY_MAP
+        else:
+            scalars[f.name] = hint
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            required.add(f.name)
+    return _Schema(scalars, arrays, frozenset(required))
+
+
+def _is_optional(hint: Any) -> bool:
+    return typing.get_origin(hint) in (Union, types.UnionType) and type(None) in typing.get_args(
+        hint
+    )
+
+
+def _strip_optional(hint: Any) -> Any:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if len(args) == 1 else Union[tuple(args)]
+
+
+_SCHEMAS: dict[Kind, _Schema] = {kind: _schema(cls) for kind, cls in MESSAGE_TYPES.items()}
+
+
+def _check_json(value: Any, depth: int = 0) -> bool:
+    if depth > MAX_JSON_DEPTH:
+        return False
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, list):
+        return all(_check_json(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _check_json(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def _check_value(value: Any, hint: Any) -> bool:
+    if hint is Json:
+        return _check_json(value)
+    if _is_optional(hint):
+        return value is None or _check_value(value, _strip_optional(hint))
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    origin = typing.get_origin(hint)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_check_value(v, item) for v in value)
+    if origin is dict:
+        _, item = typing.get_args(hint)
+        return isinstance(value, dict) and all(
+            isinstance(k, str) and _check_value(v, item) for k, v in value.items()
+        )
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# The codec pair.
+
+
+def _array_buffer(name: str, value: Any, descs: list[list[Any]], frames: list[Any]) -> None:
+    arr = np.ascontiguousarray(value)
+    if arr.dtype.str not in ALLOWED_DTYPES:
+        raise ProtocolError("bad dtype", f"{name}: {arr.dtype} is not numeric or bool")
+    descs.append([name, arr.dtype.str, list(arr.shape)])
+    frames.append(arr.data if arr.nbytes else b"")
+
+
+def encode(msg: Message) -> list[Any]:
+    """Message -> frames for `send_multipart(frames, copy=False)`; arrays are not copied."""
+    schema = _SCHEMAS[msg.KIND]
+    fields: dict[str, Any] = {}
+    descs: list[list[Any]] = []
+    frames: list[Any] = []
+    for name in schema.scalars:
+        fields[name] = getattr(msg, name)
+    for name, how in schema.arrays.items():
+        value = getattr(msg, name)
+        if how == _ARRAY_MAP:
+            for key, arr in value.items():
+                _array_buffer(f"{name}.{key}", arr, descs, frames)
+        elif value is not None:
+            _array_buffer(name, value, descs, frames)
+    header = msgpack.packb([PROTOCOL_VERSION, int(msg.KIND), fields, descs], use_bin_type=True)
+    return [header, *frames]
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError("ext type", f"msgpack ext type {code} is not allowed")
+
+
+def _buffer(frame: Any) -> memoryview:
+    buf = getattr(frame, "buffer", None)  # zmq.Frame received with copy=False
+    return memoryview(buf if buf is not None else frame)
+
+
+def _decode_array(desc: Any, frame: Any) -> tuple[str, np.ndarray]:
+    if not (isinstance(desc, list) and len(desc) == 3):
+        raise ProtocolError("bad array descriptor", repr(desc)[:80])
+    name, dtype, shape = desc
+    if not isinstance(name, str) or not isinstance(dtype, str) or not isinstance(shape, list):
+        raise ProtocolError("bad array descriptor", repr(desc)[:80])
+    if dtype not in ALLOWED_DTYPES:
+        raise ProtocolError("bad dtype", f"{name}: {dtype!r}")
+    if len(shape) > MAX_NDIM or not all(
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_ARRAY_BYTES for d in shape
+    ):
+        raise ProtocolError("bad shape", f"{name}: {shape!r}"[:120])
+    dt = np.dtype(dtype)
+    count = 1
+    for d in shape:
+        count *= d
+    buf = _buffer(frame)
+    if count * dt.itemsize != buf.nbytes or buf.nbytes > MAX_ARRAY_BYTES:
+        raise ProtocolError("shape mismatch", f"{name}: {shape} x {dt} != {buf.nbytes} bytes")
+    arr = np.frombuffer(buf, dtype=dt) if count else np.empty(0, dtype=dt)
+    return name, arr.reshape(shape)
+
+
+def decode(frames: Sequence[Any]) -> Message:
+    """Frames (bytes, memoryviews or zmq.Frames, routing identity removed) -> a Message.
+
+    Raises:
+        ProtocolError: for anything that is not a well-formed message of a declared kind.
+    """
+    if not frames:
+        raise ProtocolError("empty message")
+    head = _buffer(frames[0])
+    if head.nbytes > MAX_HEADER_BYTES:
+        raise ProtocolError("header too large", f"{head.nbytes} bytes")
+    try:
+        header = msgpack.unpackb(
+            head, raw=False, strict_map_key=True, ext_hook=_refuse_ext, use_list=True
+        )
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises many types (ValueError, StackError, ...)
+        raise ProtocolError("bad msgpack", f"{type(exc).__name__}: {exc}"[:160]) from None
+    if not (isinstance(header, list) and len(header) == 4):
+        raise ProtocolError("bad header", "expected [version, kind, fields, arrays]")
+    version, kind_value, fields, descs = header
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            "protocol version", f"got {version!r}, this side speaks {PROTOCOL_VERSION}"
+        )
+    if not isinstance(kind_value, int) or isinstance(kind_value, bool):
+        raise ProtocolError("unknown kind", repr(kind_value)[:40])
+    try:
+        kind = Kind(kind_value)
+    except ValueError:
+        raise ProtocolError("unknown kind", repr(kind_value)[:40]) from None
+    if not isinstance(fields, dict) or not isinstance(descs, list):
+        raise ProtocolError("bad header", "fields must be a map and arrays a list")
+    if len(descs) > MAX_ARRAYS or len(descs) != len(frames) - 1:
+        raise ProtocolError(
+            "frame count", f"{kind.name}: {len(descs)} arrays declared, {len(frames) - 1} frames"
+        )
+    schema = _SCHEMAS[kind]
+    if set(fields) != set(schema.scalars):
+        raise ProtocolError("bad fields", f"{kind.name}: {sorted(map(str, fields))}"[:160])
+    for name, hint in schema.scalars.items():
+        if not _check_value(fields[name], hint):
+            raise ProtocolError("bad field", f"{kind.name}.{name}: {fields[name]!r}"[:160])
+    values: dict[str, Any] = dict(fields)
+    for desc, frame in zip(descs, frames[1:]):
+        name, arr = _decode_array(desc, frame)
+        top, dot, key = name.partition(".")
+        how = schema.arrays.get(top)
+        if how == _ARRAY_MAP and dot and key:
+            values.setdefault(top, {})
+            if key in values[top]:
+                raise ProtocolError("bad array name", f"{kind.name}: duplicate {name}")
+            values[top][key] = arr
+        elif how in (_ARRAY, _OPT_ARRAY) and not dot and top not in values:
+            values[top] = arr
+        else:
+            raise ProtocolError("bad array name", f"{kind.name}: {name!r}"[:120])
+    for name, how in schema.arrays.items():
+        if name not in values:
+            if how == _ARRAY:
+                raise ProtocolError("missing array", f"{kind.name}.{name}")
+            values[name] = {} if how == _ARRAY_MAP else None
+    cls = MESSAGE_TYPES[kind]
+    missing = schema.required - set(values)
+    if missing:
+        raise ProtocolError("bad fields", f"{kind.name}: missing {sorted(missing)}")
+    return cls(**values)
+
+
+def peek_kind(frames: Sequence[Any]) -> Kind | None:
+    """Best-effort kind of a message that failed to decode, for per-kind error counts."""
+    try:
+        header = msgpack.unpackb(_buffer(frames[0]), raw=False, strict_map_key=True,
+                                 ext_hook=_refuse_ext)
+        return Kind(header[1])
+    except Exception:
+        return None

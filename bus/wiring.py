@@ -1,0 +1,83 @@
+"""Where every socket lives: endpoints, their environment variables, socket types and options.
+
+Long-lived processes bind (controller, broker, assembler); processes that come and go connect
+(workers, trainer, the CLI). Every endpoint has one flag and one `STEPBUS_*` variable (honcho
+reads `.env`), defaulting to loopback so nothing listens on a network unless told to.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import zmq
+
+
+@dataclass(frozen=True)
+class EndpointSpec:
+    name: str
+    env_var: str
+    default: str
+    help: str
+
+    def resolve(self) -> str:
+        return os.environ.get(self.env_var) or self.default
+
+
+ENDPOINTS: dict[str, EndpointSpec] = {
+    spec.name: spec
+    for spec in (
+        EndpointSpec("controller", "STEPBUS_CONTROLLER", "tcp://127.0.0.1:7340",
+                     "controller ROUTER: heartbeats and commands"),
+        EndpointSpec("broadcast", "STEPBUS_BROADCAST", "tcp://127.0.0.1:7341",
+                     "controller PUB: barrier and shutdown broadcasts"),
+        EndpointSpec("steps", "STEPBUS_STEPS", "tcp://127.0.0.1:7342",
+                     "broker ROUTER facing worker DEALERs"),
+        EndpointSpec("policy", "STEPBUS_POLICY", "tcp://127.0.0.1:7343",
+                     "broker ROUTER receiving trainer weights"),
+        EndpointSpec("experience", "STEPBUS_EXPERIENCE", "tcp://127.0.0.1:7344",
+                     "assembler PULL receiving experience from the broker"),
+        EndpointSpec("trajectories", "STEPBUS_TRAJECTORIES", "tcp://127.0.0.1:7345",
+                     "assembler PUSH sending trajectories to the trainer"),
+    )
+}
+
+# Socket options. LINGER is bounded everywhere so no process can hang in ctx.term().
+LINGER_MS = 500
+MAX_MESSAGE_BYTES = 256 << 20  # bound sockets refuse a peer declaring a larger frame
+HWM = 10_000
+RECONNECT_IVL_MS = 100
+RECONNECT_IVL_MAX_MS = 2_000  # reconnect backoff ceiling
+TCP_HEARTBEAT_IVL_MS = 1_000
+TCP_HEARTBEAT_TIMEOUT_MS = 3_000
+ZAP_DOMAIN = b"stepbus"  # refuses ZMTP 1.0 peers, so raw bytes never become messages
+
+
+def socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,
+           identity: bytes | None = None) -> zmq.Socket:
+    """One socket with the project's options; exactly one of bind/connect."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
+    sock.setsockopt(zmq.SNDHWM, HWM)
+    sock.setsockopt(zmq.RCVHWM, HWM)
+    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, TCP_HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, TCP_HEARTBEAT_TIMEOUT_MS)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if kind == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer with the same name is served
+    if kind == zmq.SUB:
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+    if bind is not None:
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+        try:
+            sock.bind(bind)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise SystemExit(f"cannot bind {bind}: {exc}") from None
+    elif connect is not None:
+        sock.connect(connect)
+    return sock

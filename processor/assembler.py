@@ -1,0 +1,208 @@
+"""The trajectory assembler: one experience buffer per global agent id, cut into trajectories.
+
+An EXPERIENCE message carries a worker's step result (reward and done flags for the previous
+action, the next observation) plus the action the policy chose on that observation. Pairing them
+per agent gives transitions; a trajectory is emitted when the episode ends (terminated or
+truncated, with the final observation as bootstrap) or `horizon` steps accumulate (bootstrap
+from the next observation). A worker's new incarnation, a reset, or shutdown closes open
+trajectories as truncated, bootstrapping from the last observation seen. Nothing is emitted twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+
+from stepbus.bus import node, wiring
+from stepbus.bus import protocol as p
+
+
+@dataclass
+class Config:
+    experience: str = field(default_factory=wiring.ENDPOINTS["experience"].resolve,
+                            metadata={"help": "PULL endpoint to bind for the broker"})
+    trajectories: str = field(default_factory=wiring.ENDPOINTS["trajectories"].resolve,
+                              metadata={"help": "PUSH endpoint to bind for trainers"})
+    controller: str = field(default_factory=wiring.ENDPOINTS["controller"].resolve,
+                            metadata={"help": "controller endpoint to connect"})
+    broadcast: str = field(default_factory=wiring.ENDPOINTS["broadcast"].resolve,
+                           metadata={"help": "controller broadcast endpoint to connect"})
+    horizon: int = field(default=32, metadata={"help": "longest trajectory, in steps"})
+    max_buffered: int = field(default=10_000, metadata={
+        "help": "trajectories held while no trainer takes them; past it, intake pauses"})
+
+
+class AgentBuffer:
+    """One agent's steps since its last trajectory. Arrays are allocated anew after each
+    trajectory, so what was handed to ZeroMQ is never overwritten."""
+
+    def __init__(self, agent: str, horizon: int) -> None:
+        self.agent, self.horizon = agent, horizon
+        self.n = 0
+        self.pending = False  # obs/action at row n chosen, reward not yet seen
+        self.arrays: dict[str, np.ndarray] = {}
+        self.episode_return, self.episode_length = 0.0, 0
+        self.stats_valid = True  # False when we joined mid-episode (assembler restart)
+
+    def choose(self, obs: np.ndarray, action: np.ndarray, logp: float, value: float,
+               version: int) -> None:
+        if not self.arrays:
+            h = self.horizon
+            self.arrays = {
+                "obs": np.empty((h, *obs.shape), obs.dtype),
+                "actions": np.empty((h, *action.shape), action.dtype),
+                "logp": np.empty(h, np.float32), "values": np.empty(h, np.float32),
+                "rewards": np.empty(h, np.float32), "policy_versions": np.empty(h, np.int64),
+            }
+        a, n = self.arrays, self.n
+        a["obs"][n], a["actions"][n], a["logp"][n], a["values"][n] = obs, action, logp, value
+        a["policy_versions"][n] = version
+        self.pending = True
+
+    def complete(self, reward: float) -> None:
+        self.arrays["rewards"][self.n] = reward
+        self.n += 1
+        self.pending = False
+        self.episode_return += float(reward)
+        self.episode_length += 1
+
+    def take(self, epoch: int, bootstrap: np.ndarray, *, terminated: bool = False,
+             truncated: bool = False, episode_end: bool = False) -> p.Trajectory | None:
+        """The trajectory so far (None if empty); the buffer starts afresh."""
+        traj = None
+        if self.n:
+            a, n = self.arrays, self.n
+            ended = episode_end and self.stats_valid
+            traj = p.Trajectory(
+                agent=self.agent, epoch=epoch, terminated=terminated, truncated=truncated,
+                episode_return=self.episode_return if ended else None,
+                episode_length=self.episode_length if ended else None,
+                obs=a["obs"][:n], actions=a["actions"][:n], logp=a["logp"][:n],
+                values=a["values"][:n], rewards=a["rewards"][:n],
+                policy_versions=a["policy_versions"][:n], bootstrap_obs=bootstrap)
+            self.arrays = {}
+        self.n, self.pending = 0, False
+        if episode_end or truncated:
+            self.episode_return, self.episode_length, self.stats_valid = 0.0, 0, True
+        return traj
+
+
+@dataclass
+class WorkerTrack:
+    incarnation: str
+    epoch: int
+    agents: list[AgentBuffer]
+    last_obs: np.ndarray
+
+
+def run(cfg: Config) -> int:
+    log = node.setup_logging("assembler")
+    stop = node.StopFlag()
+    ctx = zmq.Context()
+    link = node.ControllerLink(ctx, role="assembler", name="assembler",
+                               controller=cfg.controller, broadcast=cfg.broadcast, log=log)
+    intake = wiring.socket(ctx, zmq.PULL, bind=cfg.experience)
+    outlet = wiring.socket(ctx, zmq.PUSH, bind=cfg.trajectories)
+    outlet.setsockopt(zmq.SNDHWM, 64)  # beyond this, trajectories wait in `held` (counted)
+    rejects = node.RejectLog(log)
+    tracks: dict[str, WorkerTrack] = {}
+    held: collections.deque[p.Trajectory] = collections.deque()
+    counts = {"steps": 0, "trajectories": 0, "episodes": 0, "closed_truncated": 0}
+    log.info("assembler: experience on %s, trajectories on %s, horizon %d",
+             cfg.experience, cfg.trajectories, cfg.horizon)
+
+    def emit(traj: p.Trajectory | None) -> None:
+        if traj is None:
+            return
+        counts["trajectories"] += 1
+        counts["episodes"] += traj.episode_return is not None
+        if held or not node.send(outlet, traj, block=False):
+            held.append(traj)
+
+    def close(name: str, why: str) -> None:
+        track = tracks.pop(name)
+        for i, agent in enumerate(track.agents):
+            if agent.n:
+                counts["closed_truncated"] += 1
+            emit(agent.take(track.epoch, track.last_obs[i], truncated=True))
+        log.debug("closed %s's trajectories: %s", name, why)
+
+    def on_experience(m: p.Experience) -> None:
+        k = m.obs.shape[0]
+        track = tracks.get(m.worker)
+        if track is not None and (track.incarnation != m.incarnation or m.first
+                                  or len(track.agents) != k):
+            close(m.worker, "reset" if m.first else "new incarnation")
+            track = None
+        if track is None:
+            agents = [AgentBuffer(f"{m.worker}/{i}", cfg.horizon) for i in range(k)]
+            for agent in agents:
+                agent.stats_valid = m.first
+            track = tracks[m.worker] = WorkerTrack(m.incarnation, m.epoch, agents, m.obs)
+        elif not m.first:
+            done = m.terminated | m.truncated
+            final_rows = np.cumsum(done) - 1
+            if m.final_obs.shape[0] != int(done.sum()):
+                rejects.refuse(m.worker, p.ProtocolError("bad experience", "final_obs rows"))
+                close(m.worker, "bad experience")
+                return
+            for i, agent in enumerate(track.agents):
+                if not agent.pending:
+                    continue
+                agent.complete(m.reward[i])
+                counts["steps"] += 1
+                if done[i]:
+                    term = bool(m.terminated[i])
+                    emit(agent.take(m.epoch, m.final_obs[final_rows[i]], terminated=term,
+                                    truncated=not term, episode_end=True))
+                elif agent.n >= cfg.horizon:
+                    emit(agent.take(m.epoch, m.obs[i]))
+        track.last_obs, track.epoch = m.obs, m.epoch
+        if m.action is not None and m.logp is not None and m.value is not None:
+            for i, agent in enumerate(track.agents):
+                agent.choose(m.obs[i], m.action[i], m.logp[i], m.value[i], m.policy_version)
+        else:
+            for agent in track.agents:
+                agent.pending = False
+
+    def flush_held() -> None:
+        while held and node.send(outlet, held[0], block=False):
+            held.popleft()
+
+    poller = zmq.Poller()
+    for sock in link.sockets():
+        poller.register(sock, zmq.POLLIN)
+    try:
+        while not stop and not link.shutdown_reason:
+            now = time.monotonic()
+            next_beat = link.beat(now, {**counts, "held": len(held), "open_agents": sum(
+                len(t.agents) for t in tracks.values()), "rejected": rejects.total})
+            # Backpressure: while too much is held, stop taking experience in.
+            poller.register(intake, zmq.POLLIN if len(held) < cfg.max_buffered else 0)
+            poller.register(outlet, zmq.POLLOUT if held else 0)
+            events = dict(poller.poll(max(0, min((next_beat - now) * 1000, node.MAX_POLL_MS))))
+            link.poll(events)
+            if outlet in events:
+                flush_held()
+            if intake in events:
+                def take_one() -> None:
+                    _, msg = node.recv(intake, rejects)
+                    if isinstance(msg, p.Experience):
+                        on_experience(msg)
+                    elif msg is not None:
+                        rejects.refuse("broker", p.ProtocolError("unexpected kind", msg.KIND.name))
+                node.drain(intake, take_one)
+        for name in list(tracks):
+            close(name, "shutdown")
+        flush_held()
+        log.info("assembler stopping (%s): %d trajectories, %d episodes, %d held unsent",
+                 link.shutdown_reason or stop.reason, counts["trajectories"],
+                 counts["episodes"], len(held))
+        return 0
+    finally:
+        link.close()
+        ctx.destroy(linger=wiring.LINGER_MS)

@@ -1,0 +1,5 @@
+import sys
+
+from stepbus.cli import main
+
+sys.exit(main())

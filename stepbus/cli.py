@@ -1,0 +1,166 @@
+"""The `stepbus` command: one subcommand per process, plus the controller's client commands.
+
+Flags are generated from each process's Config dataclass (field name -> --field-name, the field's
+help as help, its default as default), so `--help` cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import typing
+from collections.abc import Callable
+from typing import Any
+
+from stepbus import __version__
+from stepbus.bus import broker, controller, node, wiring
+from stepbus.bus import protocol as p
+from stepbus.processor import assembler
+from stepbus.trainer import learner
+from stepbus.workers import worker
+
+PROCESSES: dict[str, tuple[type, Callable[[Any], int], str]] = {
+    "controller": (controller.Config, controller.run,
+                   "registration, heartbeats, status, reset barriers, shutdown broadcast"),
+    "broker": (broker.Config, broker.run,
+               "step broker: serves ready workers, batched policy inference"),
+    "worker": (worker.Config, worker.run, "environment worker hosting K environments"),
+    "assembler": (assembler.Config, assembler.run,
+                  "trajectory assembler: per-agent trajectories cut at a horizon"),
+    "trainer": (learner.Config, learner.run,
+                "learner: PPO on trajectories, versioned weights, checkpoints"),
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, cls: type, env_help: dict[str, str]) -> None:
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if dataclasses.is_dataclass(hint):
+            group = parser.add_argument_group(f"{f.name} settings")
+            _add_config_flags(group, hint, env_help)  # type: ignore[arg-type]
+            continue
+        doc = f.metadata.get("help", "")
+        if f.name in env_help:
+            doc += f" (env {env_help[f.name]})"
+        kwargs: dict[str, Any] = {"default": default, "dest": f.name,
+                                  "help": f"{doc} [default: {default}]".strip()}
+        if hint is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(hint) is tuple:
+            kwargs["type"] = lambda s: tuple(int(x) for x in s.split(",") if x)
+            kwargs["metavar"] = "N,N"
+            kwargs["help"] = f"{doc} [default: {','.join(map(str, default))}]"
+        else:
+            kwargs["type"] = hint
+        parser.add_argument(_flag(f.name), **kwargs)
+
+
+def _build_config(cls: type, args: argparse.Namespace) -> Any:
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            values[f.name] = _build_config(hints[f.name], args)
+        else:
+            values[f.name] = getattr(args, f.name)
+    return cls(**values)
+
+
+def _ask(endpoint: str, request: p.Message, timeout_s: float) -> p.Message:
+    """One request to the controller; exits 1 naming the address if nobody answers."""
+    import zmq
+
+    ctx = zmq.Context()
+    try:
+        sock = wiring.socket(ctx, zmq.DEALER, connect=endpoint)
+        node.send(sock, request)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if sock.poll(100):
+                frames = sock.recv_multipart(copy=False)
+                msg = p.decode(frames)
+                if not isinstance(msg, p.RunState):
+                    return msg
+        raise SystemExit(f"stepbus: controller unreachable at {endpoint} "
+                         f"(no reply within {timeout_s:g}s)")
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _parse_option(text: str) -> tuple[str, Any]:
+    key, eq, raw = text.partition("=")
+    if not eq or not key:
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw
+
+
+def _print_status(reply: p.StatusReply) -> None:
+    print(f"run {reply.run_id}, epoch {reply.epoch}, {len(reply.processes)} processes")
+    fixed = ["role", "name", "host", "pid", "uptime_s", "last_heartbeat_s"]
+    for row in sorted(reply.processes, key=lambda r: (str(r.get("role")), str(r.get("name")))):
+        head = "  ".join(f"{row.get(k, '')}" for k in fixed)
+        rest = ", ".join(f"{k}={v}" for k, v in row.items() if k not in fixed)
+        print(f"{head}  {rest}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    env_help = {name: spec.env_var for name, spec in wiring.ENDPOINTS.items()}
+    env_help["runs_dir"] = "STEPBUS_RUNS_DIR"
+    parser = argparse.ArgumentParser(
+        prog="stepbus", description="RL experience pipeline on a ZeroMQ bus. Start the five "
+        "processes with `honcho start` (see Procfile) or one subcommand each.")
+    parser.add_argument("--version", action="version", version=f"stepbus {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (cls, _, doc) in PROCESSES.items():
+        _add_config_flags(sub.add_parser(name, help=doc, description=doc), cls, env_help)
+    for name, doc in (("status", "print every live process, from the controller"),
+                      ("reset", "reset barrier: pause, drain, reset every env, resume"),
+                      ("shutdown", "stop the whole pipeline through the controller")):
+        cmd = sub.add_parser(name, help=doc, description=doc)
+        cmd.add_argument("--controller", default=wiring.ENDPOINTS["controller"].resolve(),
+                         help="controller endpoint (env STEPBUS_CONTROLLER)")
+        cmd.add_argument("--timeout", type=float, default=15.0 if name == "reset" else 5.0,
+                         help="seconds to wait for the controller's answer")
+        if name == "status":
+            cmd.add_argument("--json", action="store_true", help="print JSON for scripts")
+        if name == "reset":
+            cmd.add_argument("--option", action="append", type=_parse_option, default=[],
+                             metavar="KEY=VALUE",
+                             help="passed to env.reset(options=...); VALUE parsed as JSON "
+                                  "when it is JSON, else a string; repeatable")
+    args = parser.parse_args(argv)
+
+    if args.command in PROCESSES:
+        cls, run, _ = PROCESSES[args.command]
+        return run(_build_config(cls, args))
+    if args.command == "status":
+        reply = _ask(args.controller, p.StatusRequest(), args.timeout)
+        assert isinstance(reply, p.StatusReply)
+        if args.json:
+            print(json.dumps({"run_id": reply.run_id, "epoch": reply.epoch,
+                              "processes": reply.processes}))
+        else:
+            _print_status(reply)
+        return 0
+    request: p.Message = (p.ResetRequest(options=dict(args.option)) if args.command == "reset"
+                          else p.ShutdownRequest(reason="stepbus shutdown"))
+    reply = _ask(args.controller, request, args.timeout)
+    assert isinstance(reply, p.Reply)
+    print(reply.detail)
+    return 0 if reply.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

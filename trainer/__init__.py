@@ -1,0 +1,1 @@
+"""stepbus.trainer"""

@@ -1,0 +1,267 @@
+"""The trainer process: pulls trajectories, runs PPO, publishes versioned weights, checkpoints.
+
+Startup: learn the run id from the controller (the run directory is `runs_dir/run_id`), ask the
+broker for the env spec and its newest policy version, resume from the run's checkpoint if there
+is one, and publish weights at a version above both. A trainer killed and started again inside
+the same run therefore continues where the last checkpoint left off, with higher versions.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import socket as pysocket
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from stepbus.bus import node, wiring
+from stepbus.bus import protocol as p
+from stepbus.trainer import checkpoint, model, ppo, spaces
+
+
+@dataclass
+class Config:
+    policy: str = field(default_factory=wiring.ENDPOINTS["policy"].resolve,
+                        metadata={"help": "broker endpoint to send weights to"})
+    trajectories: str = field(default_factory=wiring.ENDPOINTS["trajectories"].resolve,
+                              metadata={"help": "assembler endpoint to pull trajectories from"})
+    controller: str = field(default_factory=wiring.ENDPOINTS["controller"].resolve,
+                            metadata={"help": "controller endpoint to connect"})
+    broadcast: str = field(default_factory=wiring.ENDPOINTS["broadcast"].resolve,
+                           metadata={"help": "controller broadcast endpoint to connect"})
+    runs_dir: str = field(default_factory=lambda: os.environ.get("STEPBUS_RUNS_DIR", "runs"),
+                          metadata={"help": "runs live in RUNS_DIR/<run id from the controller>"})
+    run_dir: str = field(default="", metadata={
+        "help": "use this run directory instead (resumes its checkpoint if present)"})
+    target_return: float = field(default=475.0, metadata={
+        "help": "stop the whole pipeline once the mean return of the last "
+                "--target-episodes episodes reaches this (0: never)"})
+    target_episodes: int = field(default=20, metadata={"help": "episodes in the mean"})
+    max_policy_lag: int = field(default=8, metadata={
+        "help": "trajectories acted by a policy this many versions old are dropped (counted)"})
+    checkpoint_interval_s: float = field(default=5.0, metadata={
+        "help": "seconds between checkpoints (one is also written on exit)"})
+    seed: int = field(default=0, metadata={"help": "seeds initial weights and minibatches"})
+    ppo: ppo.PPOConfig = field(default_factory=ppo.PPOConfig)
+
+
+@dataclass
+class Progress:
+    """What the checkpoint carries besides weights, so a resumed trainer continues the run."""
+
+    version: int = 0
+    generation: int = 0
+    env_steps: int = 0
+    episodes: int = 0
+    recent_returns: list[float] = field(default_factory=list)
+
+
+def run(cfg: Config) -> int:
+    log = node.setup_logging("trainer")
+    stop = node.StopFlag()
+    ctx = zmq.Context()
+    name = os.environ.get("HONCHO_PROCESS_NAME") or f"trainer-{pysocket.gethostname()}"
+    incarnation = uuid.uuid4().hex[:8]
+    link = node.ControllerLink(ctx, role="trainer", name=name, controller=cfg.controller,
+                               broadcast=cfg.broadcast, log=log)
+    broker = wiring.socket(ctx, zmq.DEALER, connect=cfg.policy)
+    broker.setsockopt(zmq.SNDHWM, 4)  # weights are only worth sending fresh
+    intake = wiring.socket(ctx, zmq.PULL, connect=cfg.trajectories)
+    rejects = node.RejectLog(log)
+    poller = zmq.Poller()
+    for sock in (broker, intake, *link.sockets()):
+        poller.register(sock, zmq.POLLIN)
+    try:
+        return _learn(cfg, log, stop, link, broker, intake, rejects, poller, name, incarnation)
+    finally:
+        link.close()
+        ctx.destroy(linger=wiring.LINGER_MS)
+
+
+def _wait_for_setup(cfg: Config, log, stop, link, broker, rejects, poller,
+                    name: str) -> tuple[Path, p.EnvSpec] | None:
+    """Block (with a log line) until the controller gave the run id and the broker the spec."""
+    env_spec: p.EnvSpec | None = None
+    started, warned = time.monotonic(), False
+    next_hello = 0.0
+    while not stop and not link.shutdown_reason:
+        now = time.monotonic()
+        link.beat(now, {"state": "starting"})
+        if now >= next_hello:
+            node.send(broker, p.TrainerHello(trainer=name, policy="default"), block=False)
+            next_hello = now + node.HEARTBEAT_INTERVAL_S
+        events = dict(poller.poll(node.MAX_POLL_MS))
+        link.poll(events)
+        if broker in events:
+            _, msg = node.recv(broker, rejects)
+            if isinstance(msg, p.EnvSpec):
+                env_spec = msg
+        have_run = cfg.run_dir or link.state is not None
+        if have_run and env_spec is not None:
+            run_dir = Path(cfg.run_dir) if cfg.run_dir else Path(cfg.runs_dir) / link.state.run_id
+            return run_dir, env_spec
+        if not warned and now - started > 3.0:
+            warned = True
+            log.info("waiting for %s", " and ".join(
+                w for w, ok in ((f"controller at {cfg.controller}", have_run),
+                                (f"broker (and a worker) at {cfg.policy}", env_spec)) if not ok))
+    return None
+
+
+def _learn(cfg: Config, log, stop, link, broker, intake, rejects, poller, name: str,
+           incarnation: str) -> int:
+    setup = _wait_for_setup(cfg, log, stop, link, broker, rejects, poller, name)
+    if setup is None:
+        return 0
+    run_dir, env_spec = setup
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _link_latest(run_dir)
+    spec = env_spec.spec
+    action = spaces.action_space(spec)
+    rng = np.random.default_rng(cfg.seed)
+    adam = model.Adam(lr=cfg.ppo.lr)
+    ckpt_path = run_dir / "checkpoint.npz"
+    progress = Progress()
+    if ckpt_path.exists():
+        params, progress_dict = checkpoint.load(ckpt_path, adam)
+        progress = Progress(**progress_dict)
+        if spaces.obs_dim(spec) != params["pi.0.w"].shape[0]:
+            log.error("checkpoint %s was trained on other spaces than %s", ckpt_path, spec)
+            return 2
+        log.info("resumed from %s (version %d, generation %d, %d env steps)", ckpt_path,
+                 progress.version, progress.generation, progress.env_steps)
+    else:
+        params = model.init_params(spaces.obs_dim(spec), action, cfg.ppo.hidden, rng)
+    progress.generation += 1
+    progress.version = max(progress.version, env_spec.policy_version) + 1
+    returns: collections.deque[float] = collections.deque(progress.recent_returns,
+                                                          maxlen=cfg.target_episodes)
+    metrics = (run_dir / "metrics.jsonl").open("a", buffering=1)
+    log.info("run directory %s; policy version %d, generation %d", run_dir, progress.version,
+             progress.generation)
+
+    batch: list[ppo.Trajectory] = []
+    batch_steps = consumed = 0
+    counts = {"stale_dropped": 0, "updates": 0}
+    t_start = last_record_t = time.monotonic()
+    last_record_steps = progress.env_steps
+    last_data = last_publish = last_ckpt = t_start
+    solved = False
+    last_log = 0.0
+
+    def publish(starving: bool = False) -> None:
+        nonlocal last_publish
+        node.send(broker, p.Weights(trainer=name, incarnation=incarnation, policy="default",
+                                    version=progress.version, consumed_steps=consumed,
+                                    batch_steps=cfg.ppo.batch_steps, starving=starving,
+                                    params=params), block=False)
+        last_publish = time.monotonic()
+
+    def mean_return() -> float | None:
+        return float(np.mean(returns)) if returns else None
+
+    def save() -> None:
+        progress.recent_returns = list(returns)
+        checkpoint.save(ckpt_path, params, adam, progress.__dict__)
+
+    def record(stats: dict[str, float]) -> None:
+        nonlocal last_record_t, last_record_steps
+        now = time.monotonic()
+        rate = (progress.env_steps - last_record_steps) / max(now - last_record_t, 1e-9)
+        last_record_t, last_record_steps = now, progress.env_steps
+        metrics.write(json.dumps({
+            "time": time.time(), "wall_s": round(now - t_start, 3),
+            "env_steps": progress.env_steps, "episodes": progress.episodes,
+            "mean_return": mean_return(), "policy_version": progress.version,
+            "generation": progress.generation, "steps_per_second": round(rate, 1),
+            "stale_dropped": counts["stale_dropped"], **{k: round(v, 6) for k, v in stats.items()},
+        }) + "\n")
+
+    def on_trajectory(t: p.Trajectory) -> None:
+        nonlocal batch_steps
+        n = t.rewards.shape[0]
+        if not (t.obs.shape[0] == n == t.actions.shape[0] == t.logp.shape[0]
+                and list(t.obs.shape[1:]) == spec["obs_shape"] and n > 0):
+            rejects.refuse("assembler", p.ProtocolError("bad trajectory", f"{t.obs.shape}"))
+            return
+        progress.env_steps += n
+        if t.episode_return is not None:
+            progress.episodes += 1
+            returns.append(t.episode_return)
+        if int(t.policy_versions.min()) < progress.version - cfg.max_policy_lag:
+            counts["stale_dropped"] += 1
+            return
+        batch.append(ppo.Trajectory(obs=t.obs, actions=t.actions, logp=t.logp, values=t.values,
+                                    rewards=t.rewards, terminated=t.terminated,
+                                    truncated=t.truncated, bootstrap_obs=t.bootstrap_obs))
+        batch_steps += n
+
+    publish()
+    while not stop and not link.shutdown_reason:
+        now = time.monotonic()
+        link.beat(now, {"policy_version": progress.version, "env_steps": progress.env_steps,
+                        "episodes": progress.episodes, "mean_return": mean_return(),
+                        "generation": progress.generation, "rejected": rejects.total, **counts})
+        events = dict(poller.poll(node.MAX_POLL_MS))
+        link.poll(events)
+        if broker in events:
+            node.drain(broker, lambda: node.recv(broker, rejects))  # late EnvSpec replies
+        if intake in events and not solved:
+            def take_one() -> None:
+                _, msg = node.recv(intake, rejects)
+                if isinstance(msg, p.Trajectory):
+                    on_trajectory(msg)
+            node.drain(intake, take_one)
+            last_data = time.monotonic()
+        if batch_steps >= cfg.ppo.batch_steps and not solved:
+            stats = ppo.ppo_update(params, adam, batch, cfg.ppo, rng, action=action)
+            consumed += batch_steps
+            batch, batch_steps = [], 0
+            progress.version += 1
+            counts["updates"] += 1
+            publish()
+            record(stats)
+            mean = mean_return()
+            if (cfg.target_return and len(returns) >= cfg.target_episodes and mean is not None
+                    and mean >= cfg.target_return):
+                solved = True
+                save()
+                log.info("solved: mean return %.1f over the last %d episodes at %d env steps "
+                         "(%.1fs); asking the controller to shut the pipeline down", mean,
+                         len(returns), progress.env_steps, time.monotonic() - t_start)
+                link.send(p.ShutdownRequest(reason=f"trainer reached mean return {mean:.1f}"))
+        now = time.monotonic()
+        if now - last_data > node.HEARTBEAT_INTERVAL_S and now - last_publish > 1.0:
+            publish(starving=True)  # a restarted broker gets weights; a stalled credit refills
+        if now - last_ckpt > cfg.checkpoint_interval_s:
+            save()
+            last_ckpt = now
+        if now - last_log > 2.0:
+            last_log = now
+            mean = mean_return()
+            log.info("env steps %d, %.0f steps/s, mean return %s, policy version %d",
+                     progress.env_steps, progress.env_steps / max(now - t_start, 1e-9),
+                     f"{mean:.1f}" if mean is not None else "-", progress.version)
+    save()
+    metrics.close()
+    log.info("trainer stopping (%s); checkpoint at %s", link.shutdown_reason or stop.reason,
+             ckpt_path)
+    return 0
+
+
+def _link_latest(run_dir: Path) -> None:
+    """runs/latest points at the newest run, for humans and scripts."""
+    latest = run_dir.parent / "latest"
+    try:
+        tmp = run_dir.parent / f".latest-{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(run_dir.name)
+        os.replace(tmp, latest)
+    except OSError:
+        pass

@@ -1,0 +1,194 @@
+"""PPO on trajectories that arrive in pieces from many workers.
+
+Reads top to bottom: config, the trajectory record the trainer receives, GAE, the update.
+Semantics follow SB3's PPO (clipped surrogate, per-minibatch advantage normalisation, global
+grad-norm clipping, Adam eps 1e-5), except that the critic is re-evaluated with the current
+params before GAE, because data on a bus can be a few policy versions old.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from stepbus.trainer.model import (
+    ActionSpace,
+    Adam,
+    Params,
+    clip_grad_norm,
+    infer_action_space,
+    ppo_loss_and_grads,
+    value,
+)
+
+
+@dataclass
+class PPOConfig:
+    """Hyperparameters; defaults are rl-zoo's SB3 PPO settings for CartPole-v1."""
+
+    gamma: float = 0.98
+    """Discount factor."""
+    gae_lambda: float = 0.8
+    """GAE bias/variance trade-off (1 = Monte Carlo, 0 = one-step TD)."""
+    clip_range: float = 0.2
+    """PPO ratio clip; rl-zoo decays it linearly to 0 (pass ``clip_range=`` to ppo_update)."""
+    ent_coef: float = 0.0
+    """Entropy bonus weight."""
+    vf_coef: float = 0.5
+    """Value loss weight in the shared loss (the nets are separate, so it scales critic lr)."""
+    lr: float = 1e-3
+    """Adam learning rate; rl-zoo decays it linearly to 0 (pass ``lr=`` to ppo_update)."""
+    n_epochs: int = 20
+    """Passes over each batch."""
+    minibatch_size: int = 256
+    """Samples per gradient step; equal to batch_steps means one full-batch step per epoch."""
+    batch_steps: int = 256
+    """Env steps collected per update (rl-zoo: 8 envs x n_steps 32)."""
+    max_grad_norm: float = 0.5
+    """Global L2 grad-norm clip."""
+    hidden: tuple[int, ...] = (64, 64)
+    """Hidden widths of both the policy and value MLPs."""
+
+
+@dataclass
+class Trajectory:
+    """One agent's contiguous steps, cut at an episode end or at an arbitrary horizon.
+
+    ``bootstrap_obs`` is the observation after the last step. If ``terminated`` its value is
+    taken as 0; otherwise (``truncated`` by a time limit, or a plain horizon cut with both flags
+    False) the return is bootstrapped with V(bootstrap_obs).
+    """
+
+    obs: np.ndarray
+    """(T, *obs_shape) observations the actions were taken in."""
+    actions: np.ndarray
+    """(T,) int for discrete, (T, *action_shape) float for box, unclipped as sampled."""
+    logp: np.ndarray
+    """(T,) behaviour-policy log-probs of ``actions``, used for the importance ratio."""
+    values: np.ndarray
+    """(T,) behaviour critic values; informational, GAE recomputes them."""
+    rewards: np.ndarray
+    """(T,) rewards."""
+    terminated: bool
+    """The last step ended the episode in a terminal state (no bootstrap)."""
+    truncated: bool
+    """The last step ended the episode by a time limit (bootstrap from ``bootstrap_obs``)."""
+    bootstrap_obs: np.ndarray
+    """(*obs_shape) observation following the last step."""
+
+    def __len__(self) -> int:
+        return len(self.rewards)
+
+
+def compute_gae(
+    trajs: Sequence[Trajectory], params: Params, cfg: PPOConfig
+) -> tuple[np.ndarray, np.ndarray]:
+    """(advantages, returns), float64, concatenated in trajectory order.
+
+    All values, bootstrap ones included, come from one forward pass with the current critic, so
+    stale behaviour values never enter the targets.
+    """
+    trajs = [t for t in trajs if len(t)]
+    if not trajs:
+        return np.zeros(0), np.zeros(0)
+    lengths = np.array([len(t) for t in trajs])
+    n, n_traj = int(lengths.sum()), len(trajs)
+    obs_dim = trajs[0].bootstrap_obs.size
+    all_obs = np.concatenate(
+        [t.obs.reshape(len(t), obs_dim) for t in trajs]
+        + [np.stack([t.bootstrap_obs.reshape(obs_dim) for t in trajs])]
+    )
+    all_values = value(params, all_obs)
+    values, boot_values = all_values[:n], all_values[n:]
+    boot_values[[t.terminated for t in trajs]] = 0.0
+
+    # next-state value: the following step inside a trajectory, the bootstrap at its end
+    ends = np.cumsum(lengths) - 1
+    next_values = np.empty(n)
+    next_values[:-1] = values[1:]
+    next_values[ends] = boot_values
+    rewards = np.concatenate([np.asarray(t.rewards, dtype=np.float64) for t in trajs])
+    deltas = rewards + cfg.gamma * next_values - values
+
+    # discounted reverse cumsum of deltas per trajectory, vectorised across trajectories on a
+    # zero-padded (n_traj, T_max) grid; zeros past the end make the recursion stop there
+    rows = np.repeat(np.arange(n_traj), lengths)
+    cols = np.arange(n) - np.repeat(ends - lengths + 1, lengths)
+    grid = np.zeros((n_traj, int(lengths.max()) + 1))
+    grid[rows, cols] = deltas
+    decay = cfg.gamma * cfg.gae_lambda
+    for t in range(grid.shape[1] - 2, -1, -1):
+        grid[:, t] += decay * grid[:, t + 1]
+    advantages = grid[rows, cols]
+    return advantages, advantages + values
+
+
+def ppo_update(
+    params: Params,
+    adam: Adam,
+    trajs: Sequence[Trajectory],
+    cfg: PPOConfig,
+    rng: np.random.Generator,
+    lr: float | None = None,
+    clip_range: float | None = None,
+    action: ActionSpace | None = None,
+) -> dict[str, float]:
+    """Run ``cfg.n_epochs`` of minibatch PPO on ``trajs``, updating ``params`` in place.
+
+    ``lr`` / ``clip_range`` override the config (for schedules). ``action`` defaults to what the
+    params imply (discrete if there is no ``log_std``). Returns stats averaged over all
+    gradient steps, plus the explained variance of the recomputed critic.
+    """
+    trajs = [t for t in trajs if len(t)]
+    if not trajs:
+        return {}
+    lr = cfg.lr if lr is None else lr
+    clip_range = cfg.clip_range if clip_range is None else clip_range
+    action = infer_action_space(params) if action is None else action
+
+    b_obs = np.concatenate([t.obs.reshape(len(t), -1) for t in trajs]).astype(np.float64)
+    b_actions = np.concatenate([np.asarray(t.actions).reshape(len(t), -1) for t in trajs])
+    if action.kind == "discrete":
+        b_actions = b_actions[:, 0]
+    b_logp = np.concatenate([np.asarray(t.logp, dtype=np.float64) for t in trajs])
+    b_adv, b_returns = compute_gae(trajs, params, cfg)
+    b_values = b_returns - b_adv
+    n = len(b_adv)
+
+    totals: dict[str, float] = {}
+    n_steps = 0
+    for _epoch in range(cfg.n_epochs):
+        perm = rng.permutation(n)
+        for start in range(0, n, cfg.minibatch_size):
+            mb_inds = perm[start : start + cfg.minibatch_size]
+            mb_adv = b_adv[mb_inds]
+            if len(mb_adv) > 1:  # torch's unbiased std, as SB3
+                mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std(ddof=1) + 1e-8)
+            stats, grads = ppo_loss_and_grads(
+                params,
+                action,
+                b_obs[mb_inds],
+                b_actions[mb_inds],
+                b_logp[mb_inds],
+                mb_adv,
+                b_returns[mb_inds],
+                clip_range=clip_range,
+                ent_coef=cfg.ent_coef,
+                vf_coef=cfg.vf_coef,
+            )
+            stats["grad_norm"] = clip_grad_norm(grads, cfg.max_grad_norm)
+            adam.step(params, grads, lr)
+            for key, val in stats.items():
+                totals[key] = totals.get(key, 0.0) + val
+            n_steps += 1
+
+    out = {key: val / n_steps for key, val in totals.items()}
+    var_returns = float(np.var(b_returns))
+    out["explained_variance"] = (
+        float("nan") if var_returns == 0 else 1.0 - float(np.var(b_returns - b_values)) / var_returns
+    )
+    out["n_samples"] = float(n)
+    out["n_grad_steps"] = float(n_steps)
+    return out

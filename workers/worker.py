@@ -1,0 +1,193 @@
+"""An environment worker: K environments, one DEALER to the broker, one reply per action batch.
+
+The worker never decides anything: it announces its spaces (WORKER_HELLO, repeated while it
+waits, so a restarted broker learns of it), resets when told, and steps when told. Episodes
+autoreset in the same step; the observation an episode ended on travels in `final_obs`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket as pysocket
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+
+from stepbus.bus import node, wiring
+from stepbus.bus import protocol as p
+from stepbus.workers.envs import env_seed, make_env, space_spec
+
+
+def _default_name() -> str:
+    return os.environ.get("HONCHO_PROCESS_NAME") or f"worker-{pysocket.gethostname()}-{os.getpid()}"
+
+
+def _default_index() -> int:
+    """honcho names workers worker.1, worker.2, ...: index 0, 1, ..."""
+    name = os.environ.get("HONCHO_PROCESS_NAME", "")
+    suffix = name.rpartition(".")[2]
+    return int(suffix) - 1 if suffix.isdigit() else 0
+
+
+@dataclass
+class Config:
+    env: str = field(default="CartPole-v1", metadata={
+        "help": "Gymnasium id, or module:callable returning an env"})
+    envs_per_worker: int = field(default=8, metadata={"help": "environments hosted (K)"})
+    seed: int = field(default=0, metadata={"help": "base seed; env i of worker w is seeded "
+                                                   "from (seed, w, i)"})
+    worker_index: int = field(default_factory=_default_index, metadata={
+        "help": "w in the seed derivation (default: from honcho's worker.N, else 0)"})
+    name: str = field(default_factory=_default_name, metadata={
+        "help": "unique worker name (default: honcho's process name, else host and pid)"})
+    steps: str = field(default_factory=wiring.ENDPOINTS["steps"].resolve,
+                       metadata={"help": "broker endpoint to connect"})
+    controller: str = field(default_factory=wiring.ENDPOINTS["controller"].resolve,
+                            metadata={"help": "controller endpoint to connect"})
+    broadcast: str = field(default_factory=wiring.ENDPOINTS["broadcast"].resolve,
+                           metadata={"help": "controller broadcast endpoint to connect"})
+
+
+class EnvSet:
+    """K environments stepped together; an env that raises is reported and recreated."""
+
+    def __init__(self, cfg: Config, report: node.ControllerLink, log) -> None:
+        self.cfg, self.report, self.log = cfg, report, log
+        self.envs = [make_env(cfg.env) for _ in range(cfg.envs_per_worker)]
+        self.spec = space_spec(self.envs[0])
+        self.obs_dtype = np.dtype(self.spec.obs_dtype)
+        self.seeds = [env_seed(cfg.seed, cfg.worker_index, i) for i in range(len(self.envs))]
+        self.last_obs = np.zeros((len(self.envs), *self.spec.obs_shape), self.obs_dtype)
+        self.seeded = False
+        self.errors = 0
+        low, high = self.spec.action_low, self.spec.action_high
+        self.action_bounds = (np.asarray(low), np.asarray(high)) if low else None
+
+    def reset(self, options: dict) -> np.ndarray:
+        obs = np.empty_like(self.last_obs)
+        for i, env in enumerate(self.envs):
+            seed = self.seeds[i] if not self.seeded else None
+            obs[i] = env.reset(seed=seed, options=options or None)[0]
+        if not self.seeded:
+            for i, env in enumerate(self.envs):
+                env.action_space.seed(self.seeds[i])
+        self.seeded = True
+        self.last_obs = obs
+        return obs
+
+    def step(self, actions: np.ndarray, options: dict) -> p.StepResult:
+        k = len(self.envs)
+        obs = np.empty_like(self.last_obs)
+        reward = np.zeros(k, np.float32)
+        terminated = np.zeros(k, bool)
+        truncated = np.zeros(k, bool)
+        finals: list[np.ndarray] = []
+        if self.action_bounds is not None:
+            shape = (k, *self.spec.action_shape)
+            actions = np.clip(actions.reshape(k, -1), *self.action_bounds).reshape(shape)
+        for i, env in enumerate(self.envs):
+            try:
+                obs[i], reward[i], terminated[i], truncated[i], _ = env.step(actions[i])
+            except Exception as exc:  # the env's fault, not ours: cut the episode, go on
+                obs[i], truncated[i] = self.last_obs[i], True
+                finals.append(obs[i].copy())
+                obs[i] = self._recreate(i, exc, options)
+                continue
+            if terminated[i] or truncated[i]:
+                finals.append(obs[i].copy())
+                obs[i] = env.reset(options=options or None)[0]
+        self.last_obs = obs
+        final_obs = (np.stack(finals) if finals
+                     else np.zeros((0, *self.spec.obs_shape), self.obs_dtype))
+        return p.StepResult(incarnation="", epoch=0, seq=0, first=False, obs=obs, reward=reward,
+                            terminated=terminated, truncated=truncated, final_obs=final_obs)
+
+    def _recreate(self, i: int, exc: Exception, options: dict) -> np.ndarray:
+        self.errors += 1
+        tb = traceback.format_exc()
+        self.log.error("env %d (%s, seed %d) raised %s: %s; recreating it", i, self.cfg.env,
+                       self.seeds[i], type(exc).__name__, exc)
+        self.report.send(p.RemoteError(
+            origin=self.cfg.name, error_type=type(exc).__name__, message=str(exc), traceback=tb,
+            context={"env": self.cfg.env, "env_index": i, "seed": self.seeds[i]}))
+        try:
+            self.envs[i].close()
+        except Exception:
+            pass
+        self.envs[i] = make_env(self.cfg.env)
+        seed = self.seeds[i] + self.errors
+        return np.asarray(self.envs[i].reset(seed=seed, options=options or None)[0])
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
+
+
+def run(cfg: Config) -> int:
+    log = node.setup_logging("worker")
+    stop = node.StopFlag()
+    ctx = zmq.Context()
+    link = node.ControllerLink(ctx, role="worker", name=cfg.name, controller=cfg.controller,
+                               broadcast=cfg.broadcast, log=log)
+    dealer = wiring.socket(ctx, zmq.DEALER, connect=cfg.steps, identity=cfg.name.encode())
+    dealer.setsockopt(zmq.IMMEDIATE, 1)  # while no broker is connected, hellos are not queued
+    rejects = node.RejectLog(log)
+    envs = EnvSet(cfg, link, log)
+    incarnation = uuid.uuid4().hex[:8]
+    hello = p.WorkerHello(worker=cfg.name, incarnation=incarnation, env_id=cfg.env,
+                          num_envs=cfg.envs_per_worker, seed=cfg.seed,
+                          spec=dataclasses.asdict(envs.spec))
+    epoch, options, seq = -1, {}, 0
+    steps_done = 0
+    log.info("%s: %d x %s, connecting to %s", cfg.name, cfg.envs_per_worker, cfg.env, cfg.steps)
+
+    def reply(result: p.StepResult) -> None:
+        node.send(dealer, dataclasses.replace(result, incarnation=incarnation, epoch=epoch,
+                                              seq=seq), block=False)
+
+    poller = zmq.Poller()
+    poller.register(dealer, zmq.POLLIN)
+    for sock in link.sockets():
+        poller.register(sock, zmq.POLLIN)
+    last_heard = 0.0
+    try:
+        while not stop and not link.shutdown_reason:
+            now = time.monotonic()
+            if now - last_heard >= node.HEARTBEAT_INTERVAL_S:
+                node.send(dealer, hello, block=False)  # registration and liveness
+                last_heard = now
+            link.beat(now, {"env_steps": steps_done, "env_errors": envs.errors,
+                            "rejected": rejects.total})
+            events = dict(poller.poll(node.MAX_POLL_MS))
+            link.poll(events)
+            if dealer not in events:
+                continue
+            for _ in range(100):
+                if not dealer.poll(0, zmq.POLLIN):
+                    break
+                _, msg = node.recv(dealer, rejects)
+                last_heard = time.monotonic()
+                if isinstance(msg, p.Step) and msg.epoch == epoch:
+                    seq = msg.seq
+                    reply(envs.step(msg.actions, options))
+                    steps_done += cfg.envs_per_worker
+                elif isinstance(msg, p.Reset):
+                    epoch, options, seq = msg.epoch, msg.options, 0
+                    obs = envs.reset(options)
+                    k = cfg.envs_per_worker
+                    reply(p.StepResult(
+                        incarnation="", epoch=0, seq=0, first=True, obs=obs,
+                        reward=np.zeros(k, np.float32), terminated=np.zeros(k, bool),
+                        truncated=np.zeros(k, bool), final_obs=obs[:0]))
+        log.info("%s stopping (%s) after %d env steps", cfg.name,
+                 link.shutdown_reason or stop.reason, steps_done)
+        return 0
+    finally:
+        link.close()
+        envs.close()
+        ctx.destroy(linger=wiring.LINGER_MS)
