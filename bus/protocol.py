@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import reprlib
 import types
 import typing
 from collections.abc import Sequence
@@ -441,7 +442,7 @@ def _check_value(value: Any, hint: Any) -> bool:
 
 
 def _array_buffer(name: str, value: Any, descs: list[list[Any]], frames: list[Any]) -> None:
-    arr = np.ascontiguousarray(value)
+    arr = np.asarray(value, order="C")  # not ascontiguousarray: it turns 0-d into (1,)
     if arr.dtype.str not in ALLOWED_DTYPES:
         raise ProtocolError("bad dtype", f"{name}: {arr.dtype} is not numeric or bool")
     descs.append([name, arr.dtype.str, list(arr.shape)])
@@ -478,20 +479,23 @@ def _buffer(frame: Any) -> memoryview:
 
 def _decode_array(desc: Any, frame: Any) -> tuple[str, np.ndarray]:
     if not (isinstance(desc, list) and len(desc) == 3):
-        raise ProtocolError("bad array descriptor", repr(desc)[:80])
+        raise ProtocolError("bad array descriptor", reprlib.repr(desc))
     name, dtype, shape = desc
     if not isinstance(name, str) or not isinstance(dtype, str) or not isinstance(shape, list):
-        raise ProtocolError("bad array descriptor", repr(desc)[:80])
+        raise ProtocolError("bad array descriptor", reprlib.repr(desc))
     if dtype not in ALLOWED_DTYPES:
         raise ProtocolError("bad dtype", f"{name}: {dtype!r}")
     if len(shape) > MAX_NDIM or not all(
         isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_ARRAY_BYTES for d in shape
     ):
-        raise ProtocolError("bad shape", f"{name}: {shape!r}"[:120])
+        raise ProtocolError("bad shape", f"{name}: {reprlib.repr(shape)}"[:120])
     dt = np.dtype(dtype)
-    count = 1
+    count = bound = 1
     for d in shape:
         count *= d
+        bound *= max(d, 1)  # a 0 dim must not hide huge others: numpy refuses those shapes
+    if bound * dt.itemsize > MAX_ARRAY_BYTES:
+        raise ProtocolError("bad shape", f"{name}: {shape} x {dt} is too large"[:120])
     buf = _buffer(frame)
     if count * dt.itemsize != buf.nbytes or buf.nbytes > MAX_ARRAY_BYTES:
         raise ProtocolError("shape mismatch", f"{name}: {shape} x {dt} != {buf.nbytes} bytes")
@@ -521,16 +525,16 @@ def decode(frames: Sequence[Any]) -> Message:
     if not (isinstance(header, list) and len(header) == 4):
         raise ProtocolError("bad header", "expected [version, kind, fields, arrays]")
     version, kind_value, fields, descs = header
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(
-            "protocol version", f"got {version!r}, this side speaks {PROTOCOL_VERSION}"
+            "protocol version", f"got {reprlib.repr(version)}, this side speaks {PROTOCOL_VERSION}"
         )
     if not isinstance(kind_value, int) or isinstance(kind_value, bool):
-        raise ProtocolError("unknown kind", repr(kind_value)[:40])
+        raise ProtocolError("unknown kind", reprlib.repr(kind_value))
     try:
         kind = Kind(kind_value)
     except ValueError:
-        raise ProtocolError("unknown kind", repr(kind_value)[:40]) from None
+        raise ProtocolError("unknown kind", reprlib.repr(kind_value)) from None
     if not isinstance(fields, dict) or not isinstance(descs, list):
         raise ProtocolError("bad header", "fields must be a map and arrays a list")
     if len(descs) > MAX_ARRAYS or len(descs) != len(frames) - 1:
@@ -542,7 +546,9 @@ def decode(frames: Sequence[Any]) -> Message:
         raise ProtocolError("bad fields", f"{kind.name}: {sorted(map(str, fields))}"[:160])
     for name, hint in schema.scalars.items():
         if not _check_value(fields[name], hint):
-            raise ProtocolError("bad field", f"{kind.name}.{name}: {fields[name]!r}"[:160])
+            raise ProtocolError(
+                "bad field", f"{kind.name}.{name}: {reprlib.repr(fields[name])}"[:160]
+            )
     values: dict[str, Any] = dict(fields)
     for desc, frame in zip(descs, frames[1:]):
         name, arr = _decode_array(desc, frame)

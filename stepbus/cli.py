@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 import typing
@@ -144,7 +145,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command in PROCESSES:
         cls, run, _ = PROCESSES[args.command]
-        return run(_build_config(cls, args))
+        code = run(_build_config(cls, args))
+        # Sockets are closed and files written by now. Skip interpreter finalisation: it restores
+        # default signal handlers, so honcho's SIGTERM to a process already exiting would turn
+        # a clean exit 0 into death by signal.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     if args.command == "status":
         reply = _ask(args.controller, p.StatusRequest(), args.timeout)
         assert isinstance(reply, p.StatusReply)

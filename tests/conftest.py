@@ -1,0 +1,166 @@
+"""Real processes on real sockets, and nothing left behind even when a test fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from stepbus.bus import protocol as p
+
+TESTS_DIR = Path(__file__).parent
+ROLES = ("controller", "broker", "worker", "assembler", "trainer")
+
+
+class Proc:
+    def __init__(self, name: str, popen: subprocess.Popen, log_path: Path) -> None:
+        self.name, self.popen, self.log_path = name, popen, log_path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def wait(self, timeout: float) -> int:
+        return self.popen.wait(timeout=timeout)
+
+    def signal(self, sig: int) -> None:
+        if self.popen.poll() is None:
+            os.kill(self.popen.pid, sig)
+
+
+class Cluster:
+    """Starts stepbus processes wired on ipc:// endpoints in a private temp dir."""
+
+    def __init__(self) -> None:
+        # ipc paths must stay short (108 bytes), so not pytest's long tmp_path.
+        self.dir = Path(tempfile.mkdtemp(prefix="sb-"))
+        self.endpoints = {name: f"ipc://{self.dir}/{name}" for name in (
+            "controller", "broadcast", "steps", "policy", "experience", "trajectories")}
+        self.procs: list[Proc] = []
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.dir / "runs"
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        env.pop("HONCHO_PROCESS_NAME", None)
+        env.update({f"STEPBUS_{k.upper()}": v for k, v in self.endpoints.items()})
+        env["STEPBUS_RUNS_DIR"] = str(self.runs_dir)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR),
+                                                          env.get("PYTHONPATH", "")]))
+        env["PYTHONUNBUFFERED"] = "1"
+        env.update(extra or {})
+        return env
+
+    def start(self, role: str, *args: str, name: str | None = None,
+              env: dict[str, str] | None = None) -> Proc:
+        name = name or f"{role}{sum(p.name.startswith(role) for p in self.procs)}"
+        log_path = self.dir / f"{name}.log"
+        with open(log_path, "wb") as log:
+            popen = subprocess.Popen([sys.executable, "-m", "stepbus", role, *args],
+                                     stdout=log, stderr=subprocess.STDOUT, env=self.env(env),
+                                     cwd=self.dir, start_new_session=True)
+        proc = Proc(name, popen, log_path)
+        self.procs.append(proc)
+        return proc
+
+    def start_all(self, trainer_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = (),
+                  workers: int = 1) -> dict[str, Proc]:
+        procs = {"controller": self.start("controller"), "broker": self.start("broker"),
+                 "assembler": self.start("assembler")}
+        for i in range(workers):
+            procs[f"worker{i}"] = self.start("worker", "--name", f"w{i}", "--worker-index",
+                                             str(i), *worker_args)
+        procs["trainer"] = self.start("trainer", *trainer_args)
+        return procs
+
+    def socket(self, kind: int, endpoint: str, *, bind: bool = False) -> zmq.Socket:
+        sock = zmq.Context.instance().socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if kind == zmq.SUB:
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+        (sock.bind if bind else sock.connect)(endpoint)
+        return sock
+
+    def cli(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "stepbus", *args], capture_output=True,
+                              text=True, env=self.env(), cwd=self.dir, timeout=timeout)
+
+    def metrics(self) -> list[dict[str, Any]]:
+        files = sorted(self.runs_dir.glob("*/metrics.jsonl"))
+        if not files:
+            return []
+        return [json.loads(line) for line in files[-1].read_text().splitlines() if line]
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            proc.signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+
+    def dump(self) -> str:
+        return "\n".join(f"----- {p.name} (rc={p.popen.poll()}) -----\n{p.output()[-4000:]}"
+                         for p in self.procs)
+
+
+@pytest.fixture
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    c = Cluster()
+    try:
+        yield c
+    finally:
+        c.kill_all()
+        failed = getattr(request.node, "rep_call", None)
+        if failed is not None and failed.failed:
+            print(c.dump())
+        shutil.rmtree(c.dir, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True, hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Iterator[None]:
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, f"rep_{rep.when}", rep)
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
+             interval: float = 0.05) -> Any:
+    """Poll a cheap predicate until it holds; fail with `what` on timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def recv_message(sock: zmq.Socket, timeout: float = 5.0) -> p.Message:
+    """The next message on a socket, or an assertion error after `timeout` seconds."""
+    if not sock.poll(int(timeout * 1000)):
+        raise AssertionError(f"no message within {timeout}s")
+    return p.decode(sock.recv_multipart(copy=False))
+
+
+def send_message(sock: zmq.Socket, msg: p.Message) -> None:
+    sock.send_multipart(p.encode(msg), copy=False)

@@ -1,0 +1,21 @@
+"""Environments the tests start workers with (`--env scripted_envs:FACTORY`)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import gymnasium as gym
+
+
+class ResetRecorder(gym.Wrapper):
+    """CartPole that appends every reset's options to $RESET_LOG, one JSON line each."""
+
+    def reset(self, *, seed=None, options=None):
+        with open(os.environ["RESET_LOG"], "a") as f:
+            f.write(json.dumps(options or {}) + "\n")
+        return self.env.reset(seed=seed)
+
+
+def recording_cartpole() -> gym.Env:
+    return ResetRecorder(gym.make("CartPole-v1"))

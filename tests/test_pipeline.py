@@ -1,0 +1,156 @@
+"""The whole pipeline as a user runs it: real processes, real sockets, real learning."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import Cluster, wait_for
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def exits(procs, timeout: float) -> dict[str, int]:
+    deadline = time.monotonic() + timeout
+    return {name: proc.wait(max(0.1, deadline - time.monotonic())) for name, proc in procs.items()}
+
+
+def test_pipeline_learns_cartpole_and_shuts_itself_down(cluster: Cluster):
+    procs = cluster.start_all()
+    codes = exits(procs, timeout=90)
+    assert codes == dict.fromkeys(procs, 0), cluster.dump()
+    records = cluster.metrics()
+    assert records[-1]["mean_return"] >= 475
+    assert records[0]["mean_return"] < 100, "the return rose from a random policy's"
+    versions = [r["policy_version"] for r in records]
+    assert versions == sorted(versions) and len(set(versions)) == len(versions)
+    for proc in procs.values():
+        assert "Traceback" not in proc.output()
+
+
+def test_killed_trainer_resumes_from_its_checkpoint_with_a_higher_policy_version(cluster: Cluster):
+    procs = cluster.start_all(trainer_args=("--checkpoint-interval-s", "0.2"))
+    wait_for(lambda: len(cluster.metrics()) >= 15 and list(cluster.runs_dir.glob(
+        "*/checkpoint.npz")), 60, "15 updates and a checkpoint")
+    procs["trainer"].signal(signal.SIGKILL)
+    procs["trainer"].wait(5)
+    killed_at = max(r["policy_version"] for r in cluster.metrics())
+    procs["trainer"] = cluster.start("trainer")
+    codes = exits(procs, timeout=90)
+    assert codes == {**dict.fromkeys(procs, 0), "trainer": 0}, cluster.dump()
+    records = cluster.metrics()
+    second = [r for r in records if r["generation"] == 2]
+    assert second, "the new trainer wrote to the same run"
+    assert min(r["policy_version"] for r in second) > killed_at
+    assert second[0]["env_steps"] > 0, "progress was resumed, not restarted"
+    assert "resumed from" in procs["trainer"].output()
+    assert records[-1]["mean_return"] >= 475
+
+
+def test_reset_barrier_resets_every_env_with_the_options_and_stepping_resumes(cluster: Cluster):
+    reset_log = cluster.dir / "resets.jsonl"
+    os.environ["RESET_LOG"] = str(reset_log)
+    try:
+        procs = {"controller": cluster.start("controller"), "broker": cluster.start("broker"),
+                 "assembler": cluster.start("assembler"),
+                 "trainer": cluster.start("trainer", "--target-return", "0")}
+        for i in range(2):
+            procs[f"w{i}"] = cluster.start("worker", "--env", "scripted_envs:recording_cartpole",
+                                           "--envs-per-worker", "3", "--name", f"w{i}")
+        wait_for(lambda: len(cluster.metrics()) >= 3, 60, "training under way")
+        done = cluster.cli("reset", "--option", "level=3", "--option", "mode=hard")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "2 workers reset" in done.stdout
+        resets = [json.loads(line) for line in reset_log.read_text().splitlines()]
+        assert resets.count({"level": 3, "mode": "hard"}) >= 6, "every env of every worker"
+        steps_at_barrier = cluster.metrics()[-1]["env_steps"]
+        wait_for(lambda: cluster.metrics()[-1]["env_steps"] > steps_at_barrier + 1000, 30,
+                 "stepping to resume after the barrier")
+        status = cluster.cli("status", "--json")
+        assert status.returncode == 0
+        roles = sorted(row["role"] for row in json.loads(status.stdout)["processes"])
+        assert roles == ["assembler", "broker", "trainer", "worker", "worker"]
+        assert cluster.cli("shutdown").returncode == 0
+        assert exits(procs, timeout=10) == dict.fromkeys(procs, 0), cluster.dump()
+    finally:
+        os.environ.pop("RESET_LOG", None)
+
+
+def test_status_names_the_address_it_tried_when_no_controller_answers(cluster: Cluster):
+    res = cluster.cli("status", "--controller", "tcp://127.0.0.1:9", "--timeout", "0.5")
+    assert res.returncode != 0
+    assert "tcp://127.0.0.1:9" in res.stderr
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def honcho(cluster: Cluster, *args: str, target: str | None = None) -> subprocess.Popen:
+    """`honcho start` on the repo's Procfile, endpoints on free TCP ports."""
+    procfile = cluster.dir / "Procfile"
+    text = (REPO / "Procfile").read_text()
+    if target is not None:
+        text = text.replace("exec stepbus trainer", f"exec stepbus trainer --target-return {target}")
+    procfile.write_text(text)
+    names = ["controller", "broadcast", "steps", "policy", "experience", "trajectories"]
+    env = cluster.env({f"STEPBUS_{n.upper()}": f"tcp://127.0.0.1:{port}"
+                       for n, port in zip(names, free_ports(len(names)))})
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    honcho_bin = shutil.which("honcho", path=env["PATH"])
+    assert honcho_bin, "honcho is a dependency"
+    return subprocess.Popen([honcho_bin, "start", *args], cwd=cluster.dir, env=env,
+                            stdout=open(cluster.dir / "honcho.out", "wb"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stepbus_pids(cluster: Cluster) -> list[str]:
+    out = subprocess.run(["pgrep", "-f", str(cluster.dir)], capture_output=True, text=True)
+    return out.stdout.split()
+
+
+def test_honcho_start_with_three_workers_solves_cartpole_and_exits_zero(cluster: Cluster):
+    proc = honcho(cluster, "-c", "worker=3")
+    try:
+        rc = proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = (cluster.dir / "honcho.out").read_text()
+    assert rc == 0, out[-5000:]
+    assert out.count("stopped (rc=0)") == 7, out[-5000:]
+    assert "Traceback" not in out
+    assert cluster.metrics()[-1]["mean_return"] >= 475
+    assert "worker.3" in out
+
+
+def test_ctrl_c_in_honcho_stops_every_process_within_five_seconds(cluster: Cluster):
+    proc = honcho(cluster, target="0")
+    try:
+        wait_for(lambda: len(cluster.metrics()) >= 3, 60, "training under way")
+        proc.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        proc.wait(timeout=10)
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = (cluster.dir / "honcho.out").read_text()
+    assert elapsed < 5, out[-3000:]
+    assert out.count("stopped (rc=0)") == 5, out[-5000:]
+    assert "Traceback" not in out
+    assert list(cluster.runs_dir.glob("*/checkpoint.npz")), "the trainer checkpointed"
+    assert stepbus_pids(cluster) == []
