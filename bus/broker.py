@@ -22,7 +22,10 @@ from stepbus.bus import node, wiring
 from stepbus.bus import protocol as p
 from stepbus.trainer import model, spaces
 
-HORIZON_ALLOWANCE = 32  # steps per env the window leaves for trajectories still being built
+# Steps per env the window leaves for what is neither trained on nor trainable yet: a partial
+# trajectory in the assembler (up to the default horizon, 32), the step awaiting its reward, and
+# the step in flight. Too small a window deadlocks until the trainer reports itself starving.
+HORIZON_ALLOWANCE = 32 + 2
 
 
 @dataclass
@@ -41,7 +44,7 @@ class Config:
         "help": "longest wait for more workers to fill one inference batch"})
     max_steps_ahead: int = field(default=0, metadata={
         "help": "credit window in env steps beyond what the trainer consumed "
-                "(0: the trainer's batch + 32 per env)"})
+                "(0: two trainer batches + 34 per env)"})
     seed: int = field(default=0, metadata={"help": "seeds the policy's action sampling"})
 
 
@@ -106,7 +109,7 @@ def run(cfg: Config) -> int:
 
     def window() -> int:
         live_envs = sum(w.num_envs for w in workers.values())
-        return cfg.max_steps_ahead or credit.batch_steps + HORIZON_ALLOWANCE * live_envs
+        return cfg.max_steps_ahead or 2 * credit.batch_steps + HORIZON_ALLOWANCE * live_envs
 
     def send_worker(w: Worker, msg: p.Message) -> None:
         if not node.send(steps, msg, to=w.ident, block=False):
@@ -116,6 +119,8 @@ def run(cfg: Config) -> int:
         if workers.pop(w.ident, None) is not None:
             counts["workers_lost"] += 1
             log.warning("worker %s %s; serving the others", w.name, why)
+            node.send(experience, p.WorkerLost(worker=w.name, incarnation=w.incarnation,
+                                               reason=why), block=False)
 
     def forward(w: Worker, r: p.StepResult, outputs: tuple | None) -> None:
         action, logp, value = outputs if outputs is not None else (None, None, None)

@@ -32,6 +32,7 @@ Who sends what (sender -> receiver, socket pair):
     BARRIER_DONE      broker -> controller      DEALER -> ROUTER   every live env was reset
     SHUTDOWN          controller -> all         PUB    -> SUB      finish duties and exit 0
     REMOTE_ERROR      any -> controller         DEALER -> ROUTER   an error, as data
+    WORKER_LOST       broker -> assembler       PUSH   -> PULL     close its open trajectories
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ class Kind(enum.IntEnum):
     BARRIER_DONE = 19
     SHUTDOWN = 20
     REMOTE_ERROR = 21
+    WORKER_LOST = 22
 
 
 # A JSON-like value (str keys, scalars, lists, maps) of bounded depth: options, figures, status.
@@ -342,12 +344,20 @@ class RemoteError(Message):
     context: dict[str, Json]
 
 
+@dataclass(frozen=True)
+class WorkerLost(Message):
+    KIND: ClassVar[Kind] = Kind.WORKER_LOST
+    worker: str
+    incarnation: str
+    reason: str
+
+
 MESSAGE_TYPES: dict[Kind, type[Message]] = {
     cls.KIND: cls
     for cls in (
         WorkerHello, Reset, Step, StepResult, Experience, Trajectory, TrainerHello, EnvSpec,
         Weights, Heartbeat, RunState, StatusRequest, StatusReply, ResetRequest,
-        ShutdownRequest, Reply, Barrier, BarrierDone, Shutdown, RemoteError,
+        ShutdownRequest, Reply, Barrier, BarrierDone, Shutdown, RemoteError, WorkerLost,
     )
 }
 assert set(MESSAGE_TYPES) == set(Kind), "every kind needs exactly one message class"

@@ -21,6 +21,9 @@ from stepbus.bus import node, wiring
 from stepbus.bus import protocol as p
 
 
+SHUTDOWN_FLUSH_S = 1.0  # how long shutdown waits for a trainer to take the last trajectories
+
+
 @dataclass
 class Config:
     experience: str = field(default_factory=wiring.ENDPOINTS["experience"].resolve,
@@ -169,6 +172,17 @@ def run(cfg: Config) -> int:
             for agent in track.agents:
                 agent.pending = False
 
+    def take_one() -> None:
+        _, msg = node.recv(intake, rejects)
+        if isinstance(msg, p.Experience):
+            on_experience(msg)
+        elif isinstance(msg, p.WorkerLost):
+            track = tracks.get(msg.worker)
+            if track is not None and track.incarnation == msg.incarnation:
+                close(msg.worker, f"worker lost: {msg.reason}")
+        elif msg is not None:
+            rejects.refuse("broker", p.ProtocolError("unexpected kind", msg.KIND.name))
+
     def flush_held() -> None:
         while held and node.send(outlet, held[0], block=False):
             held.popleft()
@@ -189,16 +203,14 @@ def run(cfg: Config) -> int:
             if outlet in events:
                 flush_held()
             if intake in events:
-                def take_one() -> None:
-                    _, msg = node.recv(intake, rejects)
-                    if isinstance(msg, p.Experience):
-                        on_experience(msg)
-                    elif msg is not None:
-                        rejects.refuse("broker", p.ProtocolError("unexpected kind", msg.KIND.name))
                 node.drain(intake, take_one)
+        node.drain(intake, take_one)  # what the broker already sent is not lost
         for name in list(tracks):
             close(name, "shutdown")
-        flush_held()
+        deadline = time.monotonic() + SHUTDOWN_FLUSH_S  # a trainer may be (re)connecting
+        while held and time.monotonic() < deadline:
+            if outlet.poll(50, zmq.POLLOUT):
+                flush_held()
         log.info("assembler stopping (%s): %d trajectories, %d episodes, %d held unsent",
                  link.shutdown_reason or stop.reason, counts["trajectories"],
                  counts["episodes"], len(held))

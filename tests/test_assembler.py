@@ -157,12 +157,13 @@ def test_a_reset_closes_open_trajectories_and_drained_steps_complete_them(assemb
 def test_shutdown_flushes_partial_trajectories_as_truncated(assembler):
     proc, push, pull = assembler
     s = Script(k=2)
-    feed(push, s.first(), s.step(), s.step())
-    assert not pull.poll(300)
+    feed(push, s.first(), s.step(), s.step(), s.step(terminated=[0]))
+    ended = recv_message(pull)  # proves every step so far reached the assembler
+    assert ended.agent == "w/0" and ended.terminated
     proc.signal(signal.SIGTERM)
-    got = sorted((recv_message(pull) for _ in range(2)), key=lambda t: t.agent)
-    assert [t.agent for t in got] == ["w/0", "w/1"]
-    assert all(t.truncated and len(t.rewards) == 2 for t in got)
+    flushed = recv_message(pull)
+    assert flushed.agent == "w/1" and flushed.truncated and not flushed.terminated
+    assert len(flushed.rewards) == 3 and flushed.bootstrap_obs.tolist() == [1, 3]
     assert proc.wait(5) == 0
     assert "Traceback" not in proc.output()
 
@@ -176,3 +177,16 @@ def test_garbage_is_counted_and_the_assembler_keeps_serving(assembler):
     assert isinstance(recv_message(pull), p.Trajectory)
     assert proc.popen.poll() is None
     assert "dropped message" in proc.output()
+
+
+def test_a_lost_worker_has_its_open_trajectories_closed_as_truncated(assembler):
+    _, push, pull = assembler
+    s = Script(k=2)
+    feed(push, s.first(), s.step(), s.step(), s.step())
+    send_message(push, p.WorkerLost(worker="w", incarnation="other", reason="not this one"))
+    assert not pull.poll(300), "a lost message for another incarnation changes nothing"
+    send_message(push, p.WorkerLost(worker="w", incarnation="i1", reason="silent"))
+    got = sorted((recv_message(pull) for _ in range(2)), key=lambda t: t.agent)
+    assert all(t.truncated and len(t.rewards) == 3 for t in got)
+    assert [t.bootstrap_obs.tolist() for t in got] == [[0, 3], [1, 3]]
+    assert not pull.poll(300), "nothing is emitted twice"

@@ -237,7 +237,7 @@ def _learn(cfg: Config, log, stop, link, broker, intake, rejects, poller, name: 
                          len(returns), progress.env_steps, time.monotonic() - t_start)
                 link.send(p.ShutdownRequest(reason=f"trainer reached mean return {mean:.1f}"))
         now = time.monotonic()
-        if now - last_data > node.HEARTBEAT_INTERVAL_S and now - last_publish > 1.0:
+        if now - last_data > 0.25 and now - last_publish > 0.25:
             publish(starving=True)  # a restarted broker gets weights; a stalled credit refills
         if now - last_ckpt > cfg.checkpoint_interval_s:
             save()

@@ -1,0 +1,737 @@
+"""The wire codec: round trips of every message kind, a corpus of malformed messages that must
+each be refused with exactly one `ProtocolError`, the msgpack-numpy pickle attack, mutation
+fuzzing, and a timing sanity check on rejections (not a speed test)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import pickle
+import statistics
+import struct
+import time
+import types
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple, Union
+
+import msgpack
+import msgpack_numpy
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from stepbus.bus import protocol as p
+
+
+def fast(max_examples: int) -> settings:
+    return settings(max_examples=max_examples, deadline=None, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+# ---------------------------------------------------------------------------------------------
+# Strategies derived from the message dataclasses' annotations.
+
+ALLOWED = sorted(p.ALLOWED_DTYPES)
+WIRE_INTS = st.integers(-(2**63), 2**64 - 1)  # everything msgpack can carry
+TEXT = st.text(max_size=12)
+SCALARS = st.none() | st.booleans() | WIRE_INTS | st.floats() | TEXT
+
+
+def json_values(levels: int) -> st.SearchStrategy[Any]:
+    """JSON-like values with at most `levels` nested containers: within MAX_JSON_DEPTH for 4."""
+    if levels == 0:
+        return SCALARS
+    inner = json_values(levels - 1)
+    return SCALARS | st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3)
+
+
+JSON = json_values(p.MAX_JSON_DEPTH)
+SHAPES = hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=3) | hnp.array_shapes(
+    min_dims=0, max_dims=4, min_side=1, max_side=4)
+
+
+def _strided(arr: np.ndarray) -> np.ndarray:
+    """A non-C-contiguous view of the same values where one exists, so encode must copy."""
+    return arr.T if arr.ndim >= 2 else arr[::-1] if arr.ndim == 1 else arr
+
+
+ARRAYS = st.sampled_from(ALLOWED).flatmap(lambda dt: hnp.arrays(dt, SHAPES)).flatmap(
+    lambda arr: st.sampled_from([arr, _strided(arr)]))
+ARRAY_MAPS = st.dictionaries(st.text(min_size=1, max_size=8), ARRAYS, max_size=3)
+
+
+def strategy_for(hint: Any) -> st.SearchStrategy[Any]:
+    if hint is np.ndarray:
+        return ARRAYS
+    if hint == p.ArrayMap:
+        return ARRAY_MAPS
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType) and type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        return st.none() | strategy_for(inner)
+    if hint is Any:  # Json
+        return JSON
+    simple = {bool: st.booleans(), int: WIRE_INTS, float: st.floats(), str: TEXT}
+    if hint in simple:
+        return simple[hint]
+    if origin is dict and args[0] is str:
+        return st.dictionaries(TEXT, strategy_for(args[1]), max_size=3)
+    if origin is list:
+        return st.lists(strategy_for(args[0]), max_size=3)
+    raise NotImplementedError(f"no strategy for {hint!r}: teach test_codec the new field type")
+
+
+def messages(cls: type[p.Message]) -> st.SearchStrategy[p.Message]:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: strategy_for(hints[f.name]) for f in dataclasses.fields(cls)}
+    return st.builds(cls, **fields)
+
+
+CLASSES = list(p.MESSAGE_TYPES.values())
+MESSAGES = {cls: messages(cls) for cls in CLASSES}
+ANY_MESSAGE = st.sampled_from(CLASSES).flatmap(MESSAGES.__getitem__)
+
+
+def assert_same(expected: Any, got: Any, where: str) -> None:
+    """Equal field by field: arrays bit for bit with dtype and shape, floats NaN-aware."""
+    if isinstance(expected, np.ndarray):
+        assert isinstance(got, np.ndarray), where
+        assert got.dtype == expected.dtype and got.shape == expected.shape, where
+        assert np.array_equal(got, expected, equal_nan=expected.dtype.kind == "f"), where
+        assert got.tobytes() == expected.tobytes(), where  # NaN payloads and -0.0 too
+    elif isinstance(expected, dict):
+        assert type(got) is dict and list(got) == list(expected), where
+        for key, value in expected.items():
+            assert_same(value, got[key], f"{where}[{key!r}]")
+    elif isinstance(expected, list):
+        assert type(got) is list and len(got) == len(expected), where
+        for i, value in enumerate(expected):
+            assert_same(value, got[i], f"{where}[{i}]")
+    elif isinstance(expected, float):
+        assert type(got) is float, where
+        assert struct.pack("<d", got) == struct.pack("<d", expected), f"{where}: {got!r}"
+    else:
+        assert type(got) is type(expected) and got == expected, f"{where}: {got!r}"
+
+
+def assert_same_message(expected: p.Message, got: p.Message) -> None:
+    assert type(got) is type(expected)
+    for f in dataclasses.fields(expected):  # type: ignore[arg-type]
+        assert_same(getattr(expected, f.name), getattr(got, f.name), f.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Round trips.
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda cls: cls.__name__)
+@fast(25)
+@given(data=st.data())
+def test_every_message_kind_round_trips_field_by_field(cls: type[p.Message], data: Any) -> None:
+    msg = data.draw(MESSAGES[cls])
+    frames = p.encode(msg)
+    assert isinstance(frames[0], bytes)
+    assert p.peek_kind(frames) is cls.KIND
+    assert_same_message(msg, p.decode(frames))  # the frame objects encode made
+    copies = [bytes(frame) for frame in frames]
+    assert_same_message(msg, p.decode(copies))  # bytes, as recv_multipart() gives
+    assert_same_message(msg, p.decode([zmq.Frame(c) for c in copies]))  # recv(copy=False)
+
+
+@pytest.mark.parametrize("dtype", ALLOWED)
+def test_every_allowed_dtype_round_trips_in_every_rank_including_empty(dtype: str) -> None:
+    shapes = [(), (0,), (5,), (3, 0), (2, 3), (0, 2, 3), (2, 1, 3, 2), (1,) * p.MAX_NDIM]
+    for shape in shapes:
+        arr = np.arange(math.prod(shape)).astype(dtype).reshape(shape)
+        if arr.dtype.kind == "f" and arr.size >= 3:
+            arr.flat[:3] = [np.nan, -0.0, np.inf]  # bit-exact, not just "equal"
+        for value in (arr, _strided(arr)):
+            msg = p.Step(epoch=1, seq=2, policy_version=3, actions=value)
+            for frames in (p.encode(msg), [bytes(f) for f in p.encode(msg)]):
+                assert_same_message(msg, p.decode(frames))
+
+
+def test_zero_dimensional_arrays_keep_their_shape() -> None:
+    msg = p.Trajectory(agent="a", epoch=0, terminated=False, truncated=True, episode_return=None,
+                       episode_length=None, obs=np.float32(1.5), actions=np.array(3),
+                       logp=np.zeros(()), values=np.zeros(()), rewards=np.zeros(()),
+                       policy_versions=np.zeros((), np.int64), bootstrap_obs=np.array(True))
+    got = p.decode(p.encode(msg))
+    assert got.obs.shape == () and got.obs.dtype == np.float32 and got.obs == 1.5
+    assert got.actions.shape == () and got.bootstrap_obs.shape == ()
+
+
+def test_optional_arrays_may_be_absent_or_present() -> None:
+    base = dict(worker="w", incarnation="i", epoch=0, seq=1, first=True, policy_version=-1,
+                obs=np.zeros((2, 3), np.float32), reward=np.zeros(2, np.float32),
+                terminated=np.zeros(2, bool), truncated=np.zeros(2, bool),
+                final_obs=np.zeros((0, 3), np.float32))
+    absent = p.Experience(**base)
+    assert p.decode(p.encode(absent)).action is None
+    present = p.Experience(**base, action=np.array([1, 0]), logp=np.zeros(2), value=np.ones(2))
+    assert_same_message(present, p.decode(p.encode(present)))
+    only_logp = p.Experience(**base, logp=np.zeros(2))
+    got = p.decode(p.encode(only_logp))
+    assert got.action is None and got.value is None and got.logp is not None
+
+
+def test_array_maps_round_trip_with_dotted_keys_and_when_empty() -> None:
+    params = {"pi.w": np.ones((4, 2), np.float32), "v": np.zeros(0, np.float16),
+              "b.c.d": np.array(3, np.int8)}
+    for value in (params, {}):
+        msg = p.Weights(trainer="t", incarnation="i", policy="p", version=7, consumed_steps=0,
+                        batch_steps=1, starving=False, params=value)
+        assert_same_message(msg, p.decode([bytes(f) for f in p.encode(msg)]))
+
+
+def test_the_limits_themselves_are_accepted() -> None:
+    params = {str(i): np.array([i], np.int16) for i in range(p.MAX_ARRAYS)}
+    msg = p.Weights(trainer="t", incarnation="i", policy="p", version=1, consumed_steps=0,
+                    batch_steps=1, starving=True, params=params)
+    assert_same_message(msg, p.decode(p.encode(msg)))
+    deepest = {"a": [[{"b": [1.5]}]], "c": {"d": {"e": {"f": None}}}}  # scalars at MAX_JSON_DEPTH
+    msg = p.Reset(epoch=3, options=deepest)
+    assert_same_message(msg, p.decode(p.encode(msg)))
+    msg = p.StatusReply(run_id="r", epoch=0, processes=[[[["x"]]], {"a": {"b": {"c": 1}}}])
+    assert_same_message(msg, p.decode(p.encode(msg)))
+    assert len(whole_header_of_size(p.MAX_HEADER_BYTES)[0]) == p.MAX_HEADER_BYTES
+    assert isinstance(p.decode(whole_header_of_size(p.MAX_HEADER_BYTES)), p.TrainerHello)
+
+
+def test_large_arrays_are_decoded_without_copying() -> None:
+    obs = np.arange(1 << 18, dtype=np.float32).reshape(512, 512)  # 1 MiB
+    params = {"w": np.ones((256, 256), np.float64)}
+    for msg, arrays in (
+        (p.Step(epoch=0, seq=0, policy_version=0, actions=obs), lambda m: [m.actions]),
+        (p.Weights(trainer="t", incarnation="i", policy="p", version=1, consumed_steps=0,
+                   batch_steps=1, starving=False, params=params), lambda m: [m.params["w"]]),
+    ):
+        originals = arrays(msg)
+        frames = p.encode(msg)
+        for original, decoded in zip(originals, arrays(p.decode(frames)), strict=True):
+            assert np.shares_memory(decoded, original), "encode or decode copied the array"
+        copies = [bytes(f) for f in frames]
+        for copy, decoded in zip(copies[1:], arrays(p.decode(copies)), strict=True):
+            assert np.shares_memory(decoded, np.frombuffer(copy, np.uint8))
+        zframes = [zmq.Frame(c) for c in copies]
+        for frame, decoded in zip(zframes[1:], arrays(p.decode(zframes)), strict=True):
+            assert np.shares_memory(decoded, np.frombuffer(frame.buffer, np.uint8))
+
+
+@pytest.mark.parametrize("bad", [np.array([object()]), np.array(["ab"]), np.zeros(2, ">f8"),
+                                 np.zeros(2, "complex64"), np.zeros(2, "datetime64[ns]"),
+                                 np.zeros(2, [("a", "<i4")])], ids=str)
+def test_encoding_an_array_of_a_disallowed_dtype_raises_protocol_error(bad: np.ndarray) -> None:
+    with pytest.raises(p.ProtocolError) as info:
+        p.encode(p.Step(epoch=0, seq=0, policy_version=0, actions=bad))
+    assert info.value.reason == "bad dtype"
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Rejections: a corpus of malformed messages, each with the reason it must be refused for.
+
+
+class Raw(bytes):
+    """Already msgpack-encoded bytes, spliced verbatim into a header by `pack`."""
+
+
+def pack(obj: Any) -> bytes:
+    """msgpack, except that `Raw` parts are spliced in as they are (bad UTF-8, bombs, ...)."""
+    if isinstance(obj, Raw):
+        return bytes(obj)
+    if isinstance(obj, list):
+        n = len(obj)
+        head = bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big")
+        return head + b"".join(pack(o) for o in obj)
+    if isinstance(obj, dict):
+        n = len(obj)
+        head = bytes([0x80 | n]) if n < 16 else b"\xde" + n.to_bytes(2, "big")
+        return head + b"".join(pack(k) + pack(v) for k, v in obj.items())
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def frames_of(kind: Any, fields: Any, descs: Any = None, arrays: Any = (),
+              version: Any = p.PROTOCOL_VERSION) -> list[bytes]:
+    kind = int(kind) if isinstance(kind, p.Kind) else kind
+    return [pack([version, kind, fields, [] if descs is None else descs]), *arrays]
+
+
+I8 = np.dtype(np.int64).str
+ACTIONS = np.arange(2, dtype=np.int64).tobytes()
+STEP_FIELDS = {"epoch": 1, "seq": 2, "policy_version": 3}
+WEIGHT_FIELDS = {"trainer": "t", "incarnation": "i", "policy": "p", "version": 1,
+                 "consumed_steps": 0, "batch_steps": 1, "starving": False}
+TRAJ_FIELDS = {"agent": "a", "epoch": 0, "terminated": False, "truncated": False,
+               "episode_return": None, "episode_length": None}
+TRAJ_ARRAYS = ["obs", "actions", "logp", "values", "rewards", "policy_versions", "bootstrap_obs"]
+
+
+def step(fields: Any = None, descs: Any = None, arrays: Any = None, *, version: Any = 1,
+         kind: Any = p.Kind.STEP) -> list[bytes]:
+    """A valid STEP message with one part replaced."""
+    return frames_of(kind, STEP_FIELDS if fields is None else fields,
+                     [["actions", I8, [2]]] if descs is None else descs,
+                     [ACTIONS] if arrays is None else arrays, version=version)
+
+
+def step_array(name: Any = "actions", dtype: Any = I8, shape: Any = (2,),
+               data: bytes = ACTIONS) -> list[bytes]:
+    shape = list(shape) if isinstance(shape, tuple) else shape
+    return step(descs=[[name, dtype, shape]], arrays=[data])
+
+
+def reset(options: Any = None, epoch: Any = 1) -> list[bytes]:
+    return frames_of(p.Kind.RESET, {"epoch": epoch, "options": {} if options is None else options})
+
+
+def weights(*names: str) -> list[bytes]:
+    return frames_of(p.Kind.WEIGHTS, WEIGHT_FIELDS, [[n, I8, [2]] for n in names],
+                     [ACTIONS] * len(names))
+
+
+def with_field(kind: p.Kind, base: dict[str, Any], **changes: Any) -> list[bytes]:
+    return frames_of(kind, {**base, **changes})
+
+
+def whole_header_of_size(size: int) -> list[bytes]:
+    """A valid TRAINER_HELLO whose header frame is exactly `size` bytes (size > 70 kB)."""
+    fixed = pack([1, 7, {"trainer": "", "policy": ""}, []])
+    text = "x" * (size - len(fixed) - 5 + 1)  # str32: 5 header bytes instead of fixstr's 1
+    frames = frames_of(p.Kind.TRAINER_HELLO, {"trainer": text, "policy": ""})
+    assert len(frames[0]) == size
+    return frames
+
+
+def nested(depth: int, leaf: bytes = b"\xc0", opener: bytes = b"\x91") -> Raw:
+    return Raw(opener * depth + leaf)
+
+
+def bad_utf8(data: bytes) -> Raw:
+    return Raw(b"\xd9" + bytes([len(data)]) + data)
+
+
+HUGE = 1 << 30
+UNUSED_KINDS = [k for k in range(max(p.Kind) + 2) if k not in set(p.Kind)]  # gaps, 0 and max+1
+STEP_HEADER = step()[0]
+EXT = msgpack.ExtType(42, b"payload")
+TIMESTAMP = msgpack.Timestamp(1, 0)
+
+CORPUS_CASES: list[tuple[str, list[bytes], str]] = [
+    # framing
+    ("no frames at all", [], "empty message"),
+    ("an empty header frame", [b""], "bad msgpack"),
+    ("a header over MAX_HEADER_BYTES", whole_header_of_size(p.MAX_HEADER_BYTES + 1),
+     "header too large"),
+    ("a header truncated by one byte", [STEP_HEADER[:-1], ACTIONS], "bad msgpack"),
+    ("a header truncated to half", [STEP_HEADER[: len(STEP_HEADER) // 2], ACTIONS],
+     "bad msgpack"),
+    ("a header truncated to its first byte", [STEP_HEADER[:1], ACTIONS], "bad msgpack"),
+    ("trailing bytes after the header", [STEP_HEADER + b"\xc0", ACTIONS], "bad msgpack"),
+    ("an array32 length with no items", [b"\xdd\xff\xff\xff\xff"], "bad msgpack"),
+    ("a map32 length with no items", [b"\xdf\xff\xff\xff\xff"], "bad msgpack"),
+    # header shape
+    ("a header that is a map", [pack({"version": 1})], "bad header"),
+    ("a header that is an int", [pack(1)], "bad header"),
+    ("a header that is a string", [pack("header")], "bad header"),
+    ("a header that is nil", [pack(None)], "bad header"),
+    ("a header that is bin", [pack(b"\x94\x01\x03")], "bad header"),
+    ("an empty header list", [pack([])], "bad header"),
+    ("a header of three items", [pack([1, 3, STEP_FIELDS])], "bad header"),
+    ("a header of five items", [pack([1, 3, STEP_FIELDS, [], []])], "bad header"),
+    ("fields that are a list", step(fields=[1, 2, 3]), "bad header"),
+    ("arrays that are a map", frames_of(p.Kind.STEP, STEP_FIELDS, {}), "bad header"),
+    # version
+    *[(f"protocol version {v!r}", step(version=v), "protocol version")
+      for v in (0, 2, -1, 2**64 - 1, "1", b"\x01", None, True, 1.0, [1], {"v": 1})],
+    # kind
+    *[(f"kind {k!r}", step(kind=k), "unknown kind")
+      for k in (*UNUSED_KINDS, -1, 2**63, 2**64 - 1, "STEP", b"\x03", True, None, 3.0, [3])],
+    # field names
+    ("a missing field", step(fields={"epoch": 1, "seq": 2}), "bad fields"),
+    ("an extra field", step(fields={**STEP_FIELDS, "bogus": 0}), "bad fields"),
+    ("a field name as bin", step(fields={b"epoch": 1, "seq": 2, "policy_version": 3}),
+     "bad fields"),
+    ("no fields for a kind with fields", frames_of(p.Kind.RESET, {}), "bad fields"),
+    ("a field for a kind without fields", frames_of(p.Kind.STATUS_REQUEST, {"x": 1}),
+     "bad fields"),
+    # field types
+    ("bool where int expected", step(fields={**STEP_FIELDS, "epoch": True}), "bad field"),
+    ("float where int expected", step(fields={**STEP_FIELDS, "seq": 2.0}), "bad field"),
+    ("str where int expected", step(fields={**STEP_FIELDS, "seq": "2"}), "bad field"),
+    ("nil where int expected", step(fields={**STEP_FIELDS, "seq": None}), "bad field"),
+    ("int where str expected", with_field(p.Kind.TRAINER_HELLO, {"policy": "p"}, trainer=5),
+     "bad field"),
+    ("bin where str expected", with_field(p.Kind.TRAINER_HELLO, {"policy": "p"}, trainer=b"t"),
+     "bad field"),
+    ("float where bool expected", with_field(p.Kind.REPLY, {"detail": ""}, ok=1.0), "bad field"),
+    ("int where bool expected", with_field(p.Kind.REPLY, {"detail": ""}, ok=1), "bad field"),
+    ("nil where bool expected", with_field(p.Kind.REPLY, {"detail": ""}, ok=None), "bad field"),
+    ("str where optional float expected",
+     with_field(p.Kind.TRAJECTORY, TRAJ_FIELDS, episode_return="1.5"), "bad field"),
+    ("bool where optional float expected",
+     with_field(p.Kind.TRAJECTORY, TRAJ_FIELDS, episode_return=False), "bad field"),
+    ("float where optional int expected",
+     with_field(p.Kind.TRAJECTORY, TRAJ_FIELDS, episode_length=1.5), "bad field"),
+    ("a list where a Json map is expected", reset(options=[1]), "bad field"),
+    ("a map where a Json list is expected",
+     with_field(p.Kind.STATUS_REPLY, {"run_id": "r", "epoch": 0}, processes={}), "bad field"),
+    ("Json nested one list too deep", reset(options={"a": [[[[[1]]]]]}), "bad field"),
+    ("Json nested one map too deep",
+     reset(options={"a": {"b": {"c": {"d": {"e": {"f": 1}}}}}}), "bad field"),
+    ("Json list nested one too deep",
+     with_field(p.Kind.STATUS_REPLY, {"run_id": "r", "epoch": 0}, processes=[[[[[["x"]]]]]]),
+     "bad field"),
+    ("a bin key inside Json", reset(options={"a": {b"k": 1}}), "bad field"),
+    ("a bin key at the top of a Json map", reset(options={b"k": 1}), "bad field"),
+    ("a bin value inside Json", reset(options={"a": [b"bytes"]}), "bad field"),
+    ("a timestamp ext inside Json", reset(options={"t": TIMESTAMP}), "bad field"),
+    ("a timestamp ext as the version", step(version=TIMESTAMP), "protocol version"),
+    ("a timestamp ext as the header", [pack(TIMESTAMP)], "bad header"),
+    # dtypes
+    *[(f"dtype {dt!r}", step_array(dtype=dt), "bad dtype")
+      for dt in ("|O", "<U4", "|V8", "<M8[ns]", "<m8[ns]", "|S3", ">i8", "<c16", "<f16",
+                 "int64", "i8", "<i8 ", "", "garbage", "\x00", "O")],
+    ("a dtype that is an int", step_array(dtype=7), "bad array descriptor"),
+    ("a dtype that is bin", step_array(dtype=b"<i8"), "bad array descriptor"),
+    # shapes
+    ("a shape larger than the bytes", step_array(shape=(3,)), "shape mismatch"),
+    ("a shape smaller than the bytes", step_array(shape=(1,)), "shape mismatch"),
+    ("a 0-d shape for two items", step_array(shape=()), "shape mismatch"),
+    ("a negative dim", step_array(shape=(-2,)), "bad shape"),
+    ("a negative dim pair", step_array(shape=(-1, -2)), "bad shape"),
+    ("a float dim", step_array(shape=(2.0,)), "bad shape"),
+    ("a bool dim", step_array(shape=(True, 2)), "bad shape"),
+    ("a str dim", step_array(shape=("2",)), "bad shape"),
+    ("a nil dim", step_array(shape=(None,)), "bad shape"),
+    ("a dim over MAX_ARRAY_BYTES", step_array(shape=(HUGE + 1,), data=b""), "bad shape"),
+    ("9 dims", step_array(shape=(1,) * 8 + (2,)), "bad shape"),
+    ("65 dims", step_array(shape=(1,) * 64 + (2,)), "bad shape"),
+    ("a 0 dim with nonzero bytes", step_array(shape=(0, 2)), "shape mismatch"),
+    ("a 0 shape with one item of bytes", step_array(shape=(0,), data=ACTIONS[:8]),
+     "shape mismatch"),
+    ("a 0 dim hiding huge dims, no bytes",
+     step_array(shape=(0, HUGE, HUGE, HUGE), data=b""), "bad shape"),
+    ("huge dims before a 0 dim, no bytes",
+     step_array(shape=(HUGE, HUGE, HUGE, 0), data=b""), "bad shape"),
+    ("a 0 dim hiding a 2 GiB array", step_array(shape=(0, 1 << 28), data=b""), "bad shape"),
+    ("huge dims and no bytes", step_array(shape=(HUGE, HUGE), data=b""), "bad shape"),
+    ("a shape that is an int", step_array(shape=2), "bad array descriptor"),
+    ("a shape that is a map", step_array(shape={"n": 2}), "bad array descriptor"),
+    # array descriptors and frames
+    ("a descriptor that is a str", step(descs=["actions"]), "bad array descriptor"),
+    ("a descriptor of two items", step(descs=[["actions", I8]]), "bad array descriptor"),
+    ("a descriptor of four items", step(descs=[["actions", I8, [2], 0]]),
+     "bad array descriptor"),
+    ("an array name that is an int", step_array(name=5), "bad array descriptor"),
+    ("an array name that is bin", step_array(name=b"actions"), "bad array descriptor"),
+    ("fewer frames than arrays", step(arrays=[]), "frame count"),
+    ("more frames than arrays", step(arrays=[ACTIONS, ACTIONS]), "frame count"),
+    ("frames but no arrays", step(descs=[], arrays=[ACTIONS]), "frame count"),
+    ("more than MAX_ARRAYS arrays",
+     weights(*[f"params.{i}" for i in range(p.MAX_ARRAYS + 1)]), "frame count"),
+    ("a duplicate array", step(descs=[["actions", I8, [2]]] * 2, arrays=[ACTIONS] * 2),
+     "bad array name"),
+    ("a duplicate array map entry", weights("params.w", "params.w"), "bad array name"),
+    ("an undeclared array", step_array(name="bogus"), "bad array name"),
+    ("an array named like a scalar field", step_array(name="epoch"), "bad array name"),
+    ("an array of another kind", step_array(name="obs"), "bad array name"),
+    ("a dotted name on a plain array", step_array(name="actions.x"), "bad array name"),
+    ("an empty array name", step_array(name=""), "bad array name"),
+    ("an array map without a key", weights("params"), "bad array name"),
+    ("an array map with an empty key", weights("params."), "bad array name"),
+    ("a missing required array", step(descs=[], arrays=[]), "missing array"),
+    ("the last array of seven missing",
+     frames_of(p.Kind.TRAJECTORY, TRAJ_FIELDS, [[n, I8, [2]] for n in TRAJ_ARRAYS[:-1]],
+               [ACTIONS] * 6), "missing array"),
+    # msgpack extension types
+    ("an ext type as the header", [pack(EXT)], "ext type"),
+    ("an ext type as the version", step(version=EXT), "ext type"),
+    ("an ext type as a field", step(fields={**STEP_FIELDS, "epoch": EXT}), "ext type"),
+    ("an ext type inside Json", reset(options={"x": [EXT]}), "ext type"),
+    ("an ext type as an array name", step_array(name=EXT), "ext type"),
+    ("an ext type as a dim", step_array(shape=[EXT]), "ext type"),
+    ("a negative ext code", reset(options={"x": Raw(b"\xc7\x00\xfb")}), "ext type"),
+    # strings and keys
+    ("a non-UTF-8 field value",
+     with_field(p.Kind.TRAINER_HELLO, {"policy": "p"}, trainer=bad_utf8(b"\xff\xfe")),
+     "bad msgpack"),
+    ("a non-UTF-8 field name", step(fields={**STEP_FIELDS, bad_utf8(b"ep\xffoch"): 1}),
+     "bad msgpack"),
+    ("an overlong UTF-8 slash", reset(options={"k": bad_utf8(b"\xc0\xaf")}), "bad msgpack"),
+    ("a UTF-8 encoded surrogate", reset(options={"k": bad_utf8(b"\xed\xa0\x80")}),
+     "bad msgpack"),
+    ("a non-UTF-8 dtype", step_array(dtype=bad_utf8(b"<i\xff")), "bad msgpack"),
+    ("an integer key in the fields", step(fields={**STEP_FIELDS, 1: 2}), "bad msgpack"),
+    ("an integer key inside Json", reset(options={"a": {1: 2}}), "bad msgpack"),
+    ("an integer-keyed header", [pack({0: 1, 1: 3})], "bad msgpack"),
+    ("a nil key", reset(options={None: 1}), "bad msgpack"),
+    ("a float key", reset(options={1.5: 1}), "bad msgpack"),
+    ("a bool key", reset(options={True: 1}), "bad msgpack"),
+    # nesting bombs: past msgpack's stack, and just inside it where repr() used to recurse
+    ("100_000 nested lists as the header", [nested(100_000)], "bad msgpack"),
+    ("100_000 nested maps as the header", [nested(100_000, opener=b"\x81\xa1k")],
+     "bad msgpack"),
+    ("100_000 nested lists as a field", reset(epoch=nested(100_000)), "bad msgpack"),
+    ("100_000 nested lists inside Json", reset(options={"a": nested(100_000)}), "bad msgpack"),
+    ("1000 nested lists as a field", reset(epoch=nested(1000)), "bad field"),
+    ("1000 nested maps as a field", reset(options=nested(1000, opener=b"\x81\xa1k")),
+     "bad field"),
+    ("1000 nested lists inside Json", reset(options={"a": nested(1000)}), "bad field"),
+    ("1000 nested lists as the version", step(version=nested(1000)), "protocol version"),
+    ("1000 nested lists as the kind", step(kind=nested(1000)), "unknown kind"),
+    ("1000 nested lists as a descriptor", step(descs=[nested(1000)]), "bad array descriptor"),
+    ("1000 nested lists as a shape", step_array(shape=[nested(1000)]), "bad shape"),
+]
+CORPUS = [pytest.param(frames, reason, id=name) for name, frames, reason in CORPUS_CASES]
+
+
+def rejected(frames: list[Any]) -> p.ProtocolError:
+    """The ProtocolError decode raises; fails on acceptance or on any other exception."""
+    try:
+        msg = p.decode(frames)
+    except p.ProtocolError as exc:
+        assert type(exc) is p.ProtocolError, f"a subclass: {type(exc).__name__}"
+        assert exc.reason and len(str(exc)) < 400, "the error message must stay short"
+        return exc
+    except Exception as exc:
+        pytest.fail(f"decode raised {type(exc).__name__}, not ProtocolError: {exc!r}"[:300])
+    pytest.fail(f"decode accepted {type(msg).__name__}")
+
+
+def test_the_corpus_is_built_on_valid_messages() -> None:
+    assert isinstance(p.decode(step()), p.Step)
+    assert isinstance(p.decode(step_array()), p.Step)
+    assert isinstance(p.decode(reset(options={"a": [[[[1]]]]})), p.Reset)
+    assert isinstance(p.decode(frames_of(p.Kind.STATUS_REQUEST, {})), p.StatusRequest)
+    assert isinstance(p.decode(weights("params.w", "params.x")), p.Weights)
+    assert isinstance(p.decode(with_field(p.Kind.REPLY, {"detail": ""}, ok=True)), p.Reply)
+    assert isinstance(p.decode(frames_of(p.Kind.TRAJECTORY, TRAJ_FIELDS,
+                                         [[n, I8, [2]] for n in TRAJ_ARRAYS],
+                                         [ACTIONS] * 7)), p.Trajectory)
+    assert isinstance(p.decode(step_array(shape=(0, 2, 0), data=b"")), p.Step)
+    assert isinstance(p.decode(step_array(shape=(1,) * 7 + (2,))), p.Step)
+
+
+@pytest.mark.parametrize(("frames", "reason"), CORPUS)
+def test_malformed_messages_raise_exactly_protocol_error(frames: list[Any], reason: str) -> None:
+    assert rejected(frames).reason == reason
+
+
+@pytest.mark.parametrize(("frames", "reason"), CORPUS)
+def test_peek_kind_never_raises_on_malformed_messages(frames: list[Any], reason: str) -> None:
+    assert p.peek_kind(frames) is None or isinstance(p.peek_kind(frames), p.Kind)
+
+
+def test_every_truncation_of_a_header_is_rejected() -> None:
+    for header in (STEP_HEADER, p.encode(p.Reset(epoch=1, options={"a": [1, {"b": "c"}]}))[0]):
+        for end in range(len(header)):
+            assert rejected([header[:end], ACTIONS]).reason in {"bad msgpack", "frame count"}
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. The msgpack-numpy pickle attack: a map msgpack-numpy would unpickle must stay inert data.
+
+
+class TouchOnUnpickle:
+    """Unpickling this calls Path(marker).touch(): proof of code execution, nothing worse."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        return (Path.touch, (self.marker,))
+
+
+class Payload(NamedTuple):
+    evil_map: dict[bytes, Any]  # hand-built, msgpack-numpy's object-array layout
+    mn_array: bytes  # msgpack_numpy.packb of an object array holding the pickle
+    pickled: bytes
+    evil_array: np.ndarray
+
+
+def payload(marker: Path) -> Payload:
+    pickled = pickle.dumps(TouchOnUnpickle(marker))
+    evil_map = {b"nd": True, b"type": b"O", b"kind": b"O", b"shape": [1], b"data": pickled}
+    arr = np.empty(1, dtype=object)
+    arr[0] = TouchOnUnpickle(marker)
+    return Payload(evil_map, msgpack_numpy.packb(arr), pickled, arr)
+
+
+def test_the_attack_payload_is_live_under_msgpack_numpy(tmp_path: Path) -> None:
+    """The control: the same bytes do run code when msgpack-numpy decodes them."""
+    marker = tmp_path / "pwned"
+    evil = payload(marker)
+    msgpack_numpy.unpackb(pack(evil.evil_map))
+    assert marker.exists()
+    marker.unlink()
+    msgpack_numpy.unpackb(evil.mn_array)
+    assert marker.exists()
+
+
+ATTACKS: dict[str, Callable[[Payload], list[Any]]] = {
+    "as the whole header": lambda e: [pack(e.evil_map)],
+    "as the whole header via msgpack_numpy": lambda e: [e.mn_array],
+    "as a whole msgpack_numpy header":
+        lambda e: [msgpack_numpy.packb([1, 2, {"epoch": 1, "options": {"x": e.evil_array}}, []])],
+    "as a msgpack_numpy header with an array descriptor":
+        lambda e: [msgpack_numpy.packb([1, 3, STEP_FIELDS, [["actions", e.evil_array, [2]]]]),
+                   ACTIONS],
+    "as a raw pickle header": lambda e: [e.pickled],
+    "as the version": lambda e: step(version=e.evil_map),
+    "as the kind": lambda e: step(kind=Raw(e.mn_array)),
+    "as the fields": lambda e: step(fields=e.evil_map),
+    "as the array list": lambda e: step(descs=Raw(e.mn_array)),
+    "as an int field": lambda e: step(fields={**STEP_FIELDS, "epoch": e.evil_map}),
+    "as a Json field": lambda e: reset(options=e.evil_map),
+    "as a Json field via msgpack_numpy": lambda e: reset(options=Raw(e.mn_array)),
+    "inside a Json field": lambda e: reset(options={"x": e.evil_map}),
+    "deep inside a Json field": lambda e: reset(options={"x": [{"y": Raw(e.mn_array)}]}),
+    "inside a Json list": lambda e: frames_of(p.Kind.STATUS_REPLY,
+                                              {"run_id": "r", "epoch": 0,
+                                               "processes": [e.evil_map]}),
+    "as an array descriptor": lambda e: step(descs=[e.evil_map]),
+    "as an array name": lambda e: step_array(name=e.evil_map),
+    "as a dtype": lambda e: step_array(dtype=Raw(e.mn_array)),
+    "as a shape": lambda e: step_array(shape=e.evil_map),
+    "as a dim": lambda e: step_array(shape=[Raw(e.mn_array)]),
+    "as an object array frame": lambda e: step_array(dtype="|O", shape=(1,), data=e.pickled),
+    "as an ext type": lambda e: reset(options={"x": msgpack.ExtType(1, e.pickled)}),
+}
+
+
+@pytest.mark.parametrize("where", ATTACKS)
+def test_a_msgpack_numpy_pickle_is_never_unpickled(where: str, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    frames = ATTACKS[where](payload(marker))
+    rejected(frames)
+    p.peek_kind(frames)
+    assert not marker.exists(), "decoding ran code from the message"
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Fuzzing: whatever the bytes, decode returns a Message or raises ProtocolError.
+
+INDEX = st.integers(0, 1 << 16)
+MUTATIONS = st.lists(st.one_of(
+    st.tuples(st.just("flip"), INDEX, st.integers(1, 255)),
+    st.tuples(st.just("insert"), INDEX, st.binary(min_size=1, max_size=8)),
+    st.tuples(st.just("delete"), INDEX, st.integers(1, 8)),
+    st.tuples(st.just("truncate"), INDEX, INDEX),
+    st.tuples(st.just("extend"), INDEX, st.binary(min_size=1, max_size=16)),
+    st.tuples(st.just("drop"), INDEX, st.just(0)),
+    st.tuples(st.just("duplicate"), INDEX, st.just(0)),
+    st.tuples(st.just("swap"), INDEX, INDEX),
+), min_size=1, max_size=4)
+
+
+def mutate(frames: list[bytes], mutations: list[tuple[str, int, Any]]) -> list[bytes]:
+    frames = list(frames)
+    for op, i, arg in mutations:
+        if not frames:
+            break
+        head = bytearray(frames[0])
+        at = i % (len(head) + 1)
+        if op == "flip" and head:
+            head[at % len(head)] ^= arg
+            frames[0] = bytes(head)
+        elif op == "insert":
+            frames[0] = bytes(head[:at] + arg + head[at:])
+        elif op == "delete":
+            frames[0] = bytes(head[:at] + head[at + arg:])
+        elif op in ("truncate", "extend") and len(frames) > 1:
+            j = 1 + i % (len(frames) - 1)
+            frames[j] = (frames[j][: arg % (len(frames[j]) + 1)] if op == "truncate"
+                         else frames[j] + arg)
+        elif op == "drop":
+            del frames[i % len(frames)]
+        elif op == "duplicate":
+            j = i % len(frames)
+            frames.insert(j, frames[j])
+        elif op == "swap":
+            j, k = i % len(frames), arg % len(frames)
+            frames[j], frames[k] = frames[k], frames[j]
+    return frames
+
+
+def decodes_or_refuses(frames: list[Any]) -> None:
+    try:
+        msg = p.decode(frames)
+    except p.ProtocolError as exc:
+        assert type(exc) is p.ProtocolError
+        return
+    except Exception as exc:
+        pytest.fail(f"decode raised {type(exc).__name__}: {exc!r}"[:300])
+    assert type(msg) in CLASSES
+    assert_same_message(msg, p.decode([bytes(f) for f in p.encode(msg)]))  # accepted = valid
+
+
+@fast(400)
+@given(msg=ANY_MESSAGE, mutations=MUTATIONS)
+def test_mutated_messages_decode_or_raise_protocol_error(msg: p.Message,
+                                                         mutations: Any) -> None:
+    decodes_or_refuses(mutate([bytes(f) for f in p.encode(msg)], mutations))
+
+
+MSGPACK = st.recursive(
+    st.none() | st.booleans() | WIRE_INTS | st.floats() | st.text(max_size=6)
+    | st.binary(max_size=6) | st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=4))
+    | st.builds(msgpack.Timestamp, st.integers(0, 2**34), st.integers(0, 999_999_999)),
+    lambda inner: st.lists(inner, max_size=3)
+    | st.dictionaries(st.text(max_size=4) | st.binary(max_size=4) | WIRE_INTS, inner,
+                      max_size=3),
+    max_leaves=8,
+)
+
+
+@st.composite
+def near_valid_frames(draw: st.DrawFn) -> list[bytes]:
+    """Headers of the right outline whose parts are often right and sometimes anything."""
+    kind = draw(st.sampled_from(list(p.Kind)))
+    cls = p.MESSAGE_TYPES[kind]
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    names += ["params.w", "params.", "bogus", ""]
+    fields = draw(st.dictionaries(st.sampled_from(names) | st.text(max_size=4), MSGPACK,
+                                  max_size=len(names)))
+    descs = draw(st.lists(st.one_of(
+        st.tuples(st.sampled_from(names), st.sampled_from([*ALLOWED, "|O", "<U1"]),
+                  st.lists(st.integers(-1, 4) | st.sampled_from([HUGE, 1 << 40]), max_size=9)
+                  ).map(list),
+        MSGPACK), max_size=4))
+    header = [draw(st.just(1) | MSGPACK), draw(st.just(int(kind)) | MSGPACK), fields, descs]
+    arrays = draw(st.lists(st.binary(max_size=40), min_size=len(descs), max_size=len(descs) + 1))
+    return [msgpack.packb(header, use_bin_type=True), *arrays]
+
+
+@fast(300)
+@given(frames=near_valid_frames())
+def test_arbitrary_headers_decode_or_raise_protocol_error(frames: list[bytes]) -> None:
+    decodes_or_refuses(frames)
+
+
+@fast(200)
+@given(frames=st.lists(st.binary(max_size=64), max_size=4))
+def test_random_bytes_decode_or_raise_protocol_error(frames: list[bytes]) -> None:
+    decodes_or_refuses(frames)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Timing sanity: a rejection is cheap (documented requirement: under 10 ms).
+
+
+def test_every_rejection_in_the_corpus_takes_under_ten_milliseconds() -> None:
+    slow = {}
+    for name, frames, _ in CORPUS_CASES:
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            with contextlib.suppress(p.ProtocolError):
+                p.decode(frames)
+            times.append(time.perf_counter() - start)
+        if statistics.median(times) >= 0.010:
+            slow[name] = f"{statistics.median(times) * 1e3:.1f} ms"
+    assert not slow, f"rejections slower than 10 ms: {slow}"
