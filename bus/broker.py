@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
-
 from stepbus.bus import node, wiring
 from stepbus.bus import protocol as p
 from stepbus.trainer import model, spaces
@@ -91,7 +90,8 @@ def run(cfg: Config) -> int:
     steps = wiring.socket(ctx, zmq.ROUTER, bind=cfg.steps)
     steps.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a departed worker is an error, not a silent drop
     policy_sock = wiring.socket(ctx, zmq.ROUTER, bind=cfg.policy)
-    experience = wiring.socket(ctx, zmq.PUSH, connect=cfg.experience)
+    # No assembler connected: not writable, so dispatch holds instead of queueing into the void.
+    experience = wiring.socket(ctx, zmq.PUSH, connect=cfg.experience, immediate=True)
     rejects = node.RejectLog(log)
     rng = np.random.default_rng(cfg.seed)
 
@@ -104,6 +104,7 @@ def run(cfg: Config) -> int:
     phase, epoch, options = Phase.RUNNING, 0, {}
     counts = {"stale_dropped": 0, "experience_dropped": 0, "workers_lost": 0, "spec_refused": 0}
     rate_steps, rate_t0, steps_per_s = 0, time.monotonic(), 0.0
+    assembler_blocked, look_again = False, None
     log.info("broker: workers on %s, trainers on %s, experience to %s",
              cfg.steps, cfg.policy, cfg.experience)
 
@@ -209,17 +210,22 @@ def run(cfg: Config) -> int:
             if not w.in_flight:
                 reset_worker(w)
 
-    def dispatch(now: float) -> None:
-        nonlocal rate_steps
+    def dispatch(now: float) -> float | None:
+        """Act on the ready results if nothing holds us back; returns when to look again
+        (None: when the next message arrives)."""
+        nonlocal rate_steps, assembler_blocked
         ready = [w for w in workers.values() if w.result is not None]
         if not ready or params is None or action_space is None:
-            return
+            return None
+        if credit.outstanding() >= window():
+            return None  # the trainer's next WEIGHTS message wakes us
+        assembler_blocked = not experience.poll(0, zmq.POLLOUT)
+        if assembler_blocked:
+            return None  # no assembler connected (or it is full): stepping would lose data
         waiting = any(w.in_flight for w in workers.values())
         oldest = min(w.ready_since for w in ready)
         if waiting and now - oldest < cfg.batch_wait_ms / 1000:
-            return
-        if credit.outstanding() >= window():
-            return
+            return oldest + cfg.batch_wait_ms / 1000
         obs = np.concatenate([w.result.obs for w in ready])  # type: ignore[union-attr]
         actions, logp, value = model.act(params, obs, action_space, rng)
         start = 0
@@ -234,6 +240,7 @@ def run(cfg: Config) -> int:
             start = end
         credit.produced += start
         rate_steps += start
+        return None
 
     handlers = {
         p.WorkerHello: on_hello,
@@ -261,10 +268,10 @@ def run(cfg: Config) -> int:
             next_beat = link.beat(now, {
                 "workers": len(workers), "policy_version": version, "epoch": epoch,
                 "steps_per_s": round(steps_per_s), "outstanding_steps": credit.outstanding(),
-                "credit_window": window(), "rejected": rejects.total, **counts})
-            timeout_s = next_beat - now
-            if any(w.result is not None for w in workers.values()):
-                timeout_s = min(timeout_s, cfg.batch_wait_ms / 1000)
+                "credit_window": window(), "assembler_blocked": assembler_blocked,
+                "rejected": rejects.total, **counts})
+            timeout_s = min(next_beat, look_again or next_beat) - now
+            poller.register(experience, zmq.POLLOUT if assembler_blocked else 0)
             events = dict(poller.poll(max(0, min(timeout_s * 1000, node.MAX_POLL_MS))))
             for msg in link.poll(events):
                 if isinstance(msg, p.Barrier):
@@ -283,8 +290,7 @@ def run(cfg: Config) -> int:
                 phase = Phase.RUNNING
                 log.info("barrier epoch %d complete: %d workers reset", epoch, len(workers))
                 link.send(p.BarrierDone(epoch=epoch, workers_reset=len(workers)))
-            if phase is Phase.RUNNING:
-                dispatch(now)
+            look_again = dispatch(now) if phase is Phase.RUNNING else None
         log.info("broker stopping (%s)", link.shutdown_reason or stop.reason)
         return 0
     finally:

@@ -11,7 +11,6 @@ import uuid
 from dataclasses import dataclass, field
 
 import zmq
-
 from stepbus.bus import node, wiring
 from stepbus.bus import protocol as p
 

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
-
 from stepbus.bus import protocol as p
 from stepbus.bus import wiring
 
@@ -50,7 +49,7 @@ class StopFlag:
 
 
 class RejectLog:
-    """Counts refused input by reason and sender; logs each (reason, sender) at most once a second."""
+    """Counts refused input by reason; logs each (reason, sender) at most once a second."""
 
     def __init__(self, log: logging.Logger) -> None:
         self.log = log

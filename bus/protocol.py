@@ -2,7 +2,7 @@
 
 A message is one multipart ZeroMQ message::
 
-    frame 0      msgpack header: [PROTOCOL_VERSION, kind, {field: value}, [[name, dtype, shape], ...]]
+    frame 0      msgpack header: [VERSION, kind, {field: value}, [[name, dtype, shape], ...]]
     frame 1..n   the raw bytes of each numpy array named in the header, in order
 
 Arrays never pass through msgpack, so observation bytes are neither copied nor re-encoded between
@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import operator
 import reprlib
 import types
 import typing
@@ -102,7 +104,6 @@ class Kind(enum.IntEnum):
 
 # A JSON-like value (str keys, scalars, lists, maps) of bounded depth: options, figures, status.
 Json = Any
-Scalar = Union[int, float, str, bool, None]
 ArrayMap = dict[str, np.ndarray]
 
 
@@ -204,7 +205,8 @@ class Trajectory(Message):
 
     terminated: the episode ended in a terminal state (bootstrap value 0).
     truncated: the episode was cut short (time limit, lost worker, barrier): bootstrap from
-    `bootstrap_obs`. Neither: a horizon cut inside a running episode, bootstrap from `bootstrap_obs`.
+    `bootstrap_obs`. Neither: a horizon cut inside a running episode; bootstrap from
+    `bootstrap_obs`.
     `episode_return`/`episode_length` are set when this trajectory ends an episode the env ended.
     """
 
@@ -404,7 +406,7 @@ def _is_optional(hint: Any) -> bool:
 
 def _strip_optional(hint: Any) -> Any:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if len(args) == 1 else Union[tuple(args)]
+    return args[0] if len(args) == 1 else functools.reduce(operator.or_, args)
 
 
 _SCHEMAS: dict[Kind, _Schema] = {kind: _schema(cls) for kind, cls in MESSAGE_TYPES.items()}
@@ -560,7 +562,7 @@ def decode(frames: Sequence[Any]) -> Message:
                 "bad field", f"{kind.name}.{name}: {reprlib.repr(fields[name])}"[:160]
             )
     values: dict[str, Any] = dict(fields)
-    for desc, frame in zip(descs, frames[1:]):
+    for desc, frame in zip(descs, frames[1:], strict=False):
         name, arr = _decode_array(desc, frame)
         top, dot, key = name.partition(".")
         how = schema.arrays.get(top)

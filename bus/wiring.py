@@ -54,8 +54,12 @@ ZAP_DOMAIN = b"stepbus"  # refuses ZMTP 1.0 peers, so raw bytes never become mes
 
 
 def socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,
-           identity: bytes | None = None) -> zmq.Socket:
-    """One socket with the project's options; exactly one of bind/connect."""
+           identity: bytes | None = None, immediate: bool = False) -> zmq.Socket:
+    """One socket with the project's options; exactly one of bind/connect.
+
+    immediate: queue outgoing messages only on completed connections, so a socket with no
+    live peer is not writable (and a send with NOBLOCK fails) instead of queueing into the void.
+    """
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     sock.setsockopt(zmq.SNDHWM, HWM)
@@ -68,6 +72,8 @@ def socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str
         sock.setsockopt(zmq.IDENTITY, identity)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer with the same name is served
+    if immediate:
+        sock.setsockopt(zmq.IMMEDIATE, 1)
     if kind == zmq.SUB:
         sock.setsockopt(zmq.SUBSCRIBE, b"")
     if bind is not None:

@@ -16,10 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
-
 from stepbus.bus import node, wiring
 from stepbus.bus import protocol as p
-
 
 SHUTDOWN_FLUSH_S = 1.0  # how long shutdown waits for a trainer to take the last trajectories
 

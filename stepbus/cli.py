@@ -116,7 +116,7 @@ def _print_status(reply: p.StatusReply) -> None:
         print(f"{head}  {rest}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     env_help = {name: spec.env_var for name, spec in wiring.ENDPOINTS.items()}
     env_help["runs_dir"] = "STEPBUS_RUNS_DIR"
     parser = argparse.ArgumentParser(
@@ -141,7 +141,11 @@ def main(argv: list[str] | None = None) -> int:
                              metavar="KEY=VALUE",
                              help="passed to env.reset(options=...); VALUE parsed as JSON "
                                   "when it is JSON, else a string; repeatable")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     if args.command in PROCESSES:
         cls, run, _ = PROCESSES[args.command]

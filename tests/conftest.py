@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import zmq
-
 from stepbus.bus import protocol as p
 
 TESTS_DIR = Path(__file__).parent

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import zmq
 from conftest import Cluster, recv_message, send_message
-
 from stepbus.bus import protocol as p
 
 

@@ -104,11 +104,12 @@ def honcho(cluster: Cluster, *args: str, target: str | None = None) -> subproces
     procfile = cluster.dir / "Procfile"
     text = (REPO / "Procfile").read_text()
     if target is not None:
-        text = text.replace("exec stepbus trainer", f"exec stepbus trainer --target-return {target}")
+        text = text.replace("exec stepbus trainer",
+                            f"exec stepbus trainer --target-return {target}")
     procfile.write_text(text)
     names = ["controller", "broadcast", "steps", "policy", "experience", "trajectories"]
     env = cluster.env({f"STEPBUS_{n.upper()}": f"tcp://127.0.0.1:{port}"
-                       for n, port in zip(names, free_ports(len(names)))})
+                       for n, port in zip(names, free_ports(len(names)), strict=False)})
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     honcho_bin = shutil.which("honcho", path=env["PATH"])
     assert honcho_bin, "honcho is a dependency"
@@ -154,3 +155,25 @@ def test_ctrl_c_in_honcho_stops_every_process_within_five_seconds(cluster: Clust
     assert "Traceback" not in out
     assert list(cluster.runs_dir.glob("*/checkpoint.npz")), "the trainer checkpointed"
     assert stepbus_pids(cluster) == []
+
+
+def test_start_order_does_not_matter_and_nothing_is_stepped_before_the_assembler_listens(
+        cluster: Cluster):
+    procs = {"trainer": cluster.start("trainer", "--target-return", "150"),
+             "worker": cluster.start("worker"), "broker": cluster.start("broker")}
+    wait_for(lambda: "waiting for controller" in procs["trainer"].output(), 30,
+             "the trainer to say what it waits for")
+    procs["controller"] = cluster.start("controller")
+
+    def broker_holds_stepping() -> bool:
+        status = cluster.cli("status", "--json", "--timeout", "2")
+        rows = json.loads(status.stdout)["processes"] if status.returncode == 0 else []
+        return any(r["role"] == "broker" and r.get("assembler_blocked") and
+                   r["policy_version"] >= 0 for r in rows)
+
+    wait_for(broker_holds_stepping, 30, "a broker with weights and a worker but no assembler")
+    procs["assembler"] = cluster.start("assembler")
+    codes = exits(procs, timeout=90)
+    assert codes == dict.fromkeys(procs, 0), cluster.dump()
+    assert cluster.metrics()[-1]["mean_return"] >= 150
+    assert "experience dropped" not in procs["broker"].output()

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import zmq
-
 from stepbus.bus import node, wiring
 from stepbus.bus import protocol as p
 from stepbus.trainer import checkpoint, model, ppo, spaces

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
 from stepbus.trainer.model import (
     ActionSpace,
     Adam,

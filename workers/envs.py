@@ -7,7 +7,6 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
-
 from stepbus.bus import protocol as p
 
 
@@ -40,4 +39,5 @@ def space_spec(env: gym.Env) -> p.SpaceSpec:
 
 def env_seed(seed: int, worker_index: int, env_index: int) -> int:
     """Env i of worker w gets a seed derived from both, independent of start order."""
-    return int(np.random.SeedSequence(seed, spawn_key=(worker_index, env_index)).generate_state(1)[0])
+    sequence = np.random.SeedSequence(seed, spawn_key=(worker_index, env_index))
+    return int(sequence.generate_state(1)[0])

@@ -7,6 +7,7 @@ autoreset in the same step; the observation an episode ended on travels in `fina
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket as pysocket
@@ -17,7 +18,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
-
 from stepbus.bus import node, wiring
 from stepbus.bus import protocol as p
 from stepbus.workers.envs import env_seed, make_env, space_spec
@@ -115,10 +115,8 @@ class EnvSet:
         self.report.send(p.RemoteError(
             origin=self.cfg.name, error_type=type(exc).__name__, message=str(exc), traceback=tb,
             context={"env": self.cfg.env, "env_index": i, "seed": self.seeds[i]}))
-        try:
+        with contextlib.suppress(Exception):
             self.envs[i].close()
-        except Exception:
-            pass
         self.envs[i] = make_env(self.cfg.env)
         seed = self.seeds[i] + self.errors
         return np.asarray(self.envs[i].reset(seed=seed, options=options or None)[0])
@@ -134,8 +132,9 @@ def run(cfg: Config) -> int:
     ctx = zmq.Context()
     link = node.ControllerLink(ctx, role="worker", name=cfg.name, controller=cfg.controller,
                                broadcast=cfg.broadcast, log=log)
-    dealer = wiring.socket(ctx, zmq.DEALER, connect=cfg.steps, identity=cfg.name.encode())
-    dealer.setsockopt(zmq.IMMEDIATE, 1)  # while no broker is connected, hellos are not queued
+    # While no broker is connected, hellos are dropped rather than queued to flood it later.
+    dealer = wiring.socket(ctx, zmq.DEALER, connect=cfg.steps, identity=cfg.name.encode(),
+                           immediate=True)
     rejects = node.RejectLog(log)
     envs = EnvSet(cfg, link, log)
     incarnation = uuid.uuid4().hex[:8]

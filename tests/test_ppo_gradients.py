@@ -1,0 +1,258 @@
+"""Correctness of the numpy actor-critic: backward pass, GAE bootstrapping, sampling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stepbus.trainer.model import (
+    ActionSpace,
+    Adam,
+    act,
+    clip_grad_norm,
+    forward,
+    hidden_sizes,
+    init_params,
+    log_prob_entropy,
+    log_softmax,
+    ppo_loss_and_grads,
+)
+from stepbus.trainer.ppo import PPOConfig, Trajectory, compute_gae
+
+SPACES = {
+    "discrete": ActionSpace("discrete", n=3),
+    "box": ActionSpace("box", shape=(2,), low=(-1.0, -1.0), high=(1.0, 1.0)),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Gradients vs central finite differences
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["discrete", "box"])
+def test_ppo_grads_match_finite_differences(kind: str) -> None:
+    space = SPACES[kind]
+    rng = np.random.default_rng(1)
+    params = init_params(4, space, (6, 5), rng)
+    # random, non-degenerate params: the real init's 0.01 head gain would make pi grads tiny
+    params = {k: rng.normal(0.0, 0.6, v.shape) for k, v in params.items()}
+    b = 24
+    obs = rng.normal(size=(b, 4))
+    actions, logp, _ = act(params, obs, space, rng)
+    # behaviour log-probs far from current ones: many ratios land outside [0.8, 1.2]
+    old_logp = logp.astype(np.float64) + rng.normal(0.0, 0.4, b)
+    advantages = rng.normal(size=b)
+    returns = rng.normal(size=b)
+    args = (space, obs, actions, old_logp, advantages, returns, 0.2, 0.05, 0.5)
+
+    stats, grads = ppo_loss_and_grads(params, *args)
+    ratio = np.exp(logp - old_logp)
+    assert (ratio > 1.2).any() and (ratio < 0.8).any()
+    # clipped-and-inactive samples exist in both directions, so the min() branch is exercised
+    assert ((ratio > 1.2) & (advantages > 0)).any() and ((ratio < 0.8) & (advantages < 0)).any()
+    assert 0.0 < stats["clip_fraction"] < 1.0
+    assert set(grads) == set(params)
+
+    eps = 1e-6
+    for key, p in params.items():
+        fd = np.empty_like(p)
+        for idx in np.ndindex(p.shape):
+            orig = p[idx]
+            p[idx] = orig + eps
+            up = ppo_loss_and_grads(params, *args)[0]["loss"]
+            p[idx] = orig - eps
+            down = ppo_loss_and_grads(params, *args)[0]["loss"]
+            p[idx] = orig
+            fd[idx] = (up - down) / (2 * eps)
+        assert grads[key].shape == p.shape
+        rel = np.linalg.norm(grads[key] - fd) / max(np.linalg.norm(fd), 1e-8)
+        assert rel < 1e-4, f"{kind} {key}: relative error {rel:.2e}"
+        np.testing.assert_allclose(grads[key], fd, rtol=1e-4, atol=1e-8, err_msg=key)
+
+
+def test_loss_stats_at_ratio_one() -> None:
+    """On fresh data the ratio is 1: no clipping, zero KL, policy loss = -mean(A)."""
+    space = SPACES["discrete"]
+    rng = np.random.default_rng(2)
+    params = init_params(4, space, rng=rng)
+    obs = rng.normal(size=(32, 4))
+    actions, logp, _ = act(params, obs, space, rng)
+    adv = rng.normal(size=32)
+    stats, _ = ppo_loss_and_grads(params, space, obs, actions, logp, adv, adv, 0.2, 0.0, 0.5)
+    assert stats["clip_fraction"] == 0.0
+    assert abs(stats["approx_kl"]) < 1e-6
+    assert stats["policy_loss"] == pytest.approx(-adv.mean(), abs=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# Init, structure, optimiser
+# --------------------------------------------------------------------------------------------
+
+
+def test_init_layout_and_orthogonality() -> None:
+    rng = np.random.default_rng(3)
+    params = init_params(5, SPACES["box"], (64, 32), rng)
+    assert hidden_sizes(params) == (64, 32)
+    assert params["pi.0.w"].shape == (5, 64) and params["pi.2.w"].shape == (32, 2)
+    assert params["vf.2.w"].shape == (32, 1) and params["log_std"].shape == (2,)
+    assert all(v.dtype == np.float64 for v in params.values())
+    w = params["pi.1.w"]  # (64, 32): columns orthogonal with norm sqrt(2)
+    np.testing.assert_allclose(w.T @ w, 2.0 * np.eye(32), atol=1e-10)
+    np.testing.assert_allclose(np.linalg.norm(params["pi.2.w"], axis=0), 0.01, rtol=1e-10)
+    assert not any(params[k].any() for k in params if k.endswith(".b") or k == "log_std")
+
+
+def test_forward_flattens_obs_and_accepts_float32() -> None:
+    rng = np.random.default_rng(4)
+    params = init_params(6, SPACES["discrete"], rng=rng)
+    obs = rng.normal(size=(7, 2, 3)).astype(np.float32)
+    out, v = forward(params, obs)
+    out_flat, v_flat = forward(params, obs.reshape(7, 6).astype(np.float64))
+    assert out.shape == (7, 3) and v.shape == (7,)
+    np.testing.assert_array_equal(out, out_flat)
+    np.testing.assert_array_equal(v, v_flat)
+
+
+def test_adam_and_grad_clipping() -> None:
+    grads = {"a": np.array([3.0, 0.0]), "b": np.array([[4.0]])}
+    assert clip_grad_norm(grads, 1.0) == pytest.approx(5.0)
+    norm = np.sqrt(sum((g**2).sum() for g in grads.values()))
+    assert norm == pytest.approx(1.0, rel=1e-5)
+    # first Adam step moves every coordinate by ~lr in the -sign(g) direction
+    params = {"a": np.zeros(2), "b": np.zeros((1, 1))}
+    Adam(lr=0.1).step(params, {"a": np.array([2.0, -3.0]), "b": np.array([[1.0]])})
+    np.testing.assert_allclose(params["a"], [-0.1, 0.1], rtol=1e-4)
+    np.testing.assert_allclose(params["b"], [[-0.1]], rtol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------
+# GAE: terminated vs truncated vs horizon cut
+# --------------------------------------------------------------------------------------------
+
+
+def _constant_value_params(c: float) -> dict[str, np.ndarray]:
+    """A critic that outputs ``c`` everywhere, so GAE can be worked out by hand."""
+    params = init_params(2, SPACES["discrete"], (3,), np.random.default_rng(0))
+    params["vf.1.w"][:] = 0.0
+    params["vf.1.b"][:] = c
+    return params
+
+
+def _traj(rewards: list[float], terminated: bool, truncated: bool) -> Trajectory:
+    t = len(rewards)
+    return Trajectory(
+        obs=np.zeros((t, 2), dtype=np.float32),
+        actions=np.zeros(t, dtype=np.int64),
+        logp=np.zeros(t, dtype=np.float32),
+        values=np.full(t, 123.0, dtype=np.float32),  # stale behaviour values: must be ignored
+        rewards=np.asarray(rewards, dtype=np.float32),
+        terminated=terminated,
+        truncated=truncated,
+        bootstrap_obs=np.ones(2, dtype=np.float32),
+    )
+
+
+def test_gae_hand_computed() -> None:
+    gamma, lam, v = 0.5, 0.5, 2.0
+    cfg = PPOConfig(gamma=gamma, gae_lambda=lam)
+    params = _constant_value_params(v)
+    rewards = [1.0, 2.0]
+    trajs = [_traj(rewards, True, False), _traj(rewards, False, True), _traj(rewards, False, False)]
+    adv, ret = compute_gae(trajs, params, cfg)
+
+    # terminated: delta1 = r1 - V = 0, delta0 = r0 + g V - V = 0   -> A = [0, 0]
+    # bootstrapped: delta1 = r1 + g V - V = 1, delta0 = 0 -> A = [g l * 1, 1] = [0.25, 1]
+    terminated = np.array([0.0, 0.0])
+    bootstrapped = np.array([0.25, 1.0])
+    np.testing.assert_allclose(adv, np.concatenate([terminated, bootstrapped, bootstrapped]))
+    np.testing.assert_allclose(ret, adv + v)
+    # truncated and horizon cut bootstrap identically; terminated differs by g V at the end
+    np.testing.assert_allclose(ret[2:4] - ret[0:2], [gamma * lam * gamma * v, gamma * v])
+
+
+def test_gae_single_step_and_order() -> None:
+    cfg = PPOConfig(gamma=0.9, gae_lambda=0.7)
+    params = _constant_value_params(1.0)
+    trajs = [_traj([5.0], False, False), _traj([1.0, 1.0, 1.0], True, False)]
+    adv, _ = compute_gae(trajs, params, cfg)
+    # delta = r + g V' - V with V = 1; the 2nd trajectory's last step is terminal (V' = 0)
+    d = [5.0 + 0.9 - 1.0, 1.0 + 0.9 - 1.0, 1.0 + 0.9 - 1.0, 1.0 + 0.0 - 1.0]
+    gl = 0.63
+    expected = [d[0], d[1] + gl * d[2] + gl**2 * d[3], d[2] + gl * d[3], d[3]]
+    np.testing.assert_allclose(adv, expected)
+
+
+def test_gae_matches_reference_loop_on_random_data() -> None:
+    rng = np.random.default_rng(5)
+    params = init_params(3, SPACES["discrete"], (8,), rng)
+    cfg = PPOConfig()
+    trajs = []
+    for length in (1, 7, 32, 4):
+        t = _traj(list(rng.normal(size=length)), bool(rng.random() < 0.5), False)
+        t.obs = rng.normal(size=(length, 3))
+        t.bootstrap_obs = rng.normal(size=3)
+        trajs.append(t)
+    adv, ret = compute_gae(trajs, params, cfg)
+    expected = []
+    for t in trajs:
+        _, values = forward(params, t.obs)
+        next_v = 0.0 if t.terminated else forward(params, t.bootstrap_obs[None])[1][0]
+        a, out = 0.0, []
+        for i in reversed(range(len(t))):
+            delta = t.rewards[i] + cfg.gamma * next_v - values[i]
+            a = delta + cfg.gamma * cfg.gae_lambda * a
+            out.append(a)
+            next_v = values[i]
+        expected.extend(reversed(out))
+    np.testing.assert_allclose(adv, expected, rtol=1e-10, atol=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# act(): log-probs and sampling distribution
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["discrete", "box"])
+def test_act_logp_and_value_match_forward(kind: str) -> None:
+    space = SPACES[kind]
+    rng = np.random.default_rng(6)
+    params = init_params(4, space, rng=rng)
+    params = {k: v + rng.normal(0.0, 0.3, v.shape) for k, v in params.items()}
+    obs = rng.normal(size=(50, 4)).astype(np.float32)
+    actions, logp, v = act(params, obs, space, rng)
+    assert logp.dtype == np.float32 and v.dtype == np.float32 and logp.shape == (50,)
+    if kind == "discrete":
+        assert actions.dtype == np.int64 and actions.shape == (50,)
+    else:
+        assert actions.dtype == np.float32 and actions.shape == (50, 2)
+    out, v_ref = forward(params, obs)
+    logp_ref, _ = log_prob_entropy(out, params, space, actions)
+    np.testing.assert_allclose(logp, logp_ref, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(v, v_ref, rtol=1e-6, atol=1e-6)
+
+
+def test_discrete_action_frequencies_match_softmax() -> None:
+    space = ActionSpace("discrete", n=4)
+    rng = np.random.default_rng(7)
+    params = init_params(3, space, rng=rng)
+    params["pi.2.b"] = np.array([1.0, -1.0, 0.0, 0.5])  # a clearly non-uniform policy
+    obs = np.repeat(rng.normal(size=(3, 3)), 20_000, axis=0)
+    actions, _, _ = act(params, obs, space, rng)
+    probs = np.exp(log_softmax(forward(params, obs[::20_000])[0]))
+    for row in range(3):
+        freq = np.bincount(actions[row * 20_000 : (row + 1) * 20_000], minlength=4) / 20_000
+        sigma = np.sqrt(probs[row] * (1 - probs[row]) / 20_000)
+        assert np.all(np.abs(freq - probs[row]) < 5 * sigma), (freq, probs[row])
+
+
+def test_box_action_moments() -> None:
+    space = SPACES["box"]
+    rng = np.random.default_rng(8)
+    params = init_params(3, space, rng=rng)
+    params["pi.2.b"] = np.array([0.5, -2.0])  # mean outside the bounds: act must not clip
+    params["log_std"] = np.array([-1.0, 0.5])
+    obs = np.zeros((40_000, 3))
+    actions, _, _ = act(params, obs, space, rng)
+    np.testing.assert_allclose(actions.mean(0), [0.5, -2.0], atol=0.03)
+    np.testing.assert_allclose(actions.std(0), np.exp([-1.0, 0.5]), rtol=0.02)

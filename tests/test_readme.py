@@ -1,0 +1,34 @@
+"""The README is the manual: every flag and environment variable the code has is in it."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from stepbus import cli
+from stepbus.bus import wiring
+
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+
+def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def test_every_cli_flag_is_documented_in_the_readme():
+    missing = [
+        f"stepbus {name} {flag}"
+        for name, parser in subcommand_parsers().items()
+        for action in parser._actions
+        for flag in action.option_strings
+        if flag.startswith("--") and flag != "--help" and f"`{flag}`" not in README
+    ]
+    assert not missing, f"undocumented flags: {missing}"
+
+
+def test_every_environment_variable_is_documented_in_the_readme():
+    names = [spec.env_var for spec in wiring.ENDPOINTS.values()]
+    names += ["STEPBUS_RUNS_DIR", "STEPBUS_LOG_LEVEL"]
+    assert [n for n in names if f"`{n}`" not in README] == []
