@@ -131,13 +131,19 @@ class ControllerLink:
         self.state: p.RunState | None = None
         self.shutdown_reason = ""
         self._next_beat = 0.0
+        self._figures: dict[str, Any] = {}
         self.host, self.pid = pysocket.gethostname(), os.getpid()
 
     def sockets(self) -> list[zmq.Socket]:
         return [self.dealer, self.sub]
 
-    def beat(self, now: float, figures: dict[str, Any], *, leaving: bool = False) -> float:
-        """Send a heartbeat if one is due; returns the time of the next one."""
+    def beat(self, now: float, figures: dict[str, Any] | None = None, *,
+             leaving: bool = False) -> float:
+        """Send a heartbeat if one is due (figures default to the last ones sent); returns the
+        time of the next one."""
+        if figures is not None:
+            self._figures = figures
+        figures = self._figures
         if now >= self._next_beat or leaving:
             send(self.dealer, p.Heartbeat(role=self.role, name=self.name, host=self.host,
                                           pid=self.pid, leaving=leaving, figures=figures),
@@ -171,4 +177,4 @@ class ControllerLink:
         return out
 
     def close(self) -> None:
-        self.beat(time.monotonic(), {}, leaving=True)
+        self.beat(time.monotonic(), leaving=True)

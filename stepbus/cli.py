@@ -7,16 +7,20 @@ help as help, its default as default), so `--help` cannot drift from the code.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import inspect
+import itertools
 import json
 import os
 import sys
+import textwrap
 import time
 import typing
 from collections.abc import Callable
 from typing import Any
 
-from stepbus import __version__
+from stepbus import __version__, single_thread_blas  # noqa: F401  (before numpy loads)
 from stepbus.bus import broker, controller, node, wiring
 from stepbus.bus import protocol as p
 from stepbus.processor import assembler
@@ -40,8 +44,25 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings (a string right under a field, CleanRL style) by field name."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for stmt, after in itertools.pairwise(body):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[stmt.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
 def _add_config_flags(parser: argparse.ArgumentParser, cls: type, env_help: dict[str, str]) -> None:
     hints = typing.get_type_hints(cls)
+    docs = _field_docs(cls)
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
@@ -49,7 +70,7 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type, env_help: dict
             group = parser.add_argument_group(f"{f.name} settings")
             _add_config_flags(group, hint, env_help)  # type: ignore[arg-type]
             continue
-        doc = f.metadata.get("help", "")
+        doc = f.metadata.get("help") or docs.get(f.name, "")
         if f.name in env_help:
             doc += f" (env {env_help[f.name]})"
         kwargs: dict[str, Any] = {"default": default, "dest": f.name,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from stepbus.trainer.model import (
     ActionSpace,
     Adam,
@@ -17,7 +16,7 @@ from stepbus.trainer.model import (
     log_softmax,
     ppo_loss_and_grads,
 )
-from stepbus.trainer.ppo import PPOConfig, Trajectory, compute_gae
+from stepbus.trainer.ppo import PPOConfig, Trajectory, compute_gae, ppo_update
 
 SPACES = {
     "discrete": ActionSpace("discrete", n=3),
@@ -193,7 +192,7 @@ def test_gae_matches_reference_loop_on_random_data() -> None:
         t.obs = rng.normal(size=(length, 3))
         t.bootstrap_obs = rng.normal(size=3)
         trajs.append(t)
-    adv, ret = compute_gae(trajs, params, cfg)
+    adv, _ = compute_gae(trajs, params, cfg)
     expected = []
     for t in trajs:
         _, values = forward(params, t.obs)
@@ -256,3 +255,42 @@ def test_box_action_moments() -> None:
     actions, _, _ = act(params, obs, space, rng)
     np.testing.assert_allclose(actions.mean(0), [0.5, -2.0], atol=0.03)
     np.testing.assert_allclose(actions.std(0), np.exp([-1.0, 0.5]), rtol=0.02)
+
+
+@pytest.mark.parametrize("kind", ["discrete", "box"])
+def test_act_in_blocks_equals_row_by_row(kind: str) -> None:
+    """Large batches are processed in row blocks; that must not change what is sampled."""
+    space = SPACES[kind]
+    params = init_params(4, space, rng=np.random.default_rng(9))
+    params = {k: v + np.random.default_rng(10).normal(0.0, 0.3, v.shape) for k, v in params.items()}
+    obs = np.random.default_rng(11).normal(size=(1000, 4))
+    actions, logp, v = act(params, obs, space, np.random.default_rng(12))
+    rng = np.random.default_rng(12)
+    rows = [act(params, obs[i : i + 1], space, rng) for i in range(len(obs))]
+    if kind == "discrete":
+        np.testing.assert_array_equal(actions, np.concatenate([r[0] for r in rows]))
+    else:
+        np.testing.assert_allclose(actions, np.concatenate([r[0] for r in rows]), rtol=1e-6)
+    np.testing.assert_allclose(logp, np.concatenate([r[1] for r in rows]), rtol=1e-5)
+    np.testing.assert_allclose(v, np.concatenate([r[2] for r in rows]), rtol=1e-5)
+
+
+def test_ppo_update_box_ragged_batch() -> None:
+    """A batch that overshoots minibatch_size (as off the bus) trains in equal minibatches."""
+    space = ActionSpace("box", shape=(2,))
+    rng = np.random.default_rng(13)
+    params = init_params(3, space, (16,), rng)
+    before = {k: v.copy() for k, v in params.items()}
+    trajs = []
+    for length in (100, 100, 100, 7):  # 307 steps: one minibatch of 307, not 256 + 51
+        obs = rng.normal(size=(length, 3)).astype(np.float32)
+        actions, logp, values = act(params, obs, space, rng)
+        trajs.append(
+            Trajectory(obs, actions, logp, values, rng.normal(size=length), False, True, obs[-1])
+        )
+    cfg = PPOConfig(n_epochs=3)
+    stats = ppo_update(params, Adam(), trajs, cfg, rng, action=space)
+    assert stats["n_samples"] == 307 and stats["n_grad_steps"] == 3
+    assert all(np.isfinite(v) for v in stats.values())
+    assert set(params) == set(before)
+    assert all(not np.array_equal(params[k], before[k]) for k in params)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from stepbus import cli
 from stepbus.bus import wiring
+
+from stepbus import cli
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 

@@ -44,7 +44,7 @@ class Config:
     target_episodes: int = field(default=20, metadata={"help": "episodes in the mean"})
     max_policy_lag: int = field(default=8, metadata={
         "help": "trajectories acted by a policy this many versions old are dropped (counted)"})
-    checkpoint_interval_s: float = field(default=5.0, metadata={
+    checkpoint_interval_s: float = field(default=2.0, metadata={
         "help": "seconds between checkpoints (one is also written on exit)"})
     seed: int = field(default=0, metadata={"help": "seeds initial weights and minibatches"})
     ppo: ppo.PPOConfig = field(default_factory=ppo.PPOConfig)
@@ -159,7 +159,9 @@ def _learn(cfg: Config, log, stop, link, broker, intake, rejects, poller, name: 
         node.send(broker, p.Weights(trainer=name, incarnation=incarnation, policy="default",
                                     version=progress.version, consumed_steps=consumed,
                                     batch_steps=cfg.ppo.batch_steps, starving=starving,
-                                    params=params), block=False)
+                                    # copies: frames are zero-copy and the update is in place
+                                    params={k: v.copy() for k, v in params.items()}),
+                  block=False)
         last_publish = time.monotonic()
 
     def mean_return() -> float | None:
@@ -219,7 +221,8 @@ def _learn(cfg: Config, log, stop, link, broker, intake, rejects, poller, name: 
             node.drain(intake, take_one)
             last_data = time.monotonic()
         if batch_steps >= cfg.ppo.batch_steps and not solved:
-            stats = ppo.ppo_update(params, adam, batch, cfg.ppo, rng, action=action)
+            stats = ppo.ppo_update(params, adam, batch, cfg.ppo, rng, action=action,
+                                   tick=lambda: link.beat(time.monotonic()))
             consumed += batch_steps
             batch, batch_steps = [], 0
             progress.version += 1
