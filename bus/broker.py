@@ -131,8 +131,8 @@ def run(cfg: Config) -> int:
                            final_obs=r.final_obs, action=action, logp=logp, value=value)
         if not node.send(experience, msg, block=False):
             counts["experience_dropped"] += 1
-            rejects.log.warning("assembler not keeping up: experience dropped (%d so far)",
-                                counts["experience_dropped"])
+            rejects.refuse("assembler", p.ProtocolError(
+                "experience dropped", "the assembler's queue is full or it went away"))
 
     def reset_worker(w: Worker) -> None:
         if w.result is not None:  # its observation gets no action: it becomes a bootstrap
@@ -142,7 +142,7 @@ def run(cfg: Config) -> int:
         send_worker(w, p.Reset(epoch=epoch, options=options))
 
     def on_hello(ident: bytes, msg: p.WorkerHello, now: float) -> None:
-        nonlocal env_id, spec, action_space
+        nonlocal env_id, spec, action_space, params, version
         w = workers.get(ident)
         if w is not None and w.incarnation == msg.incarnation:
             w.last_seen = now
@@ -151,8 +151,15 @@ def run(cfg: Config) -> int:
                 w.ready_since = now
             return
         if spec is None:
+            problem = _spec_problem(msg.spec)
+            if problem:
+                counts["spec_refused"] += 1
+                rejects.refuse(msg.worker, p.ProtocolError("bad spec", problem))
+                return
             env_id, spec = msg.env_id, msg.spec
             action_space = spaces.action_space(spec)
+            if params is not None and _weights_problem(params, spec, action_space):
+                params, version = None, -1  # weights that came first do not fit these spaces
         elif msg.spec != spec:
             counts["spec_refused"] += 1
             rejects.refuse(msg.worker, p.ProtocolError(
@@ -176,8 +183,9 @@ def run(cfg: Config) -> int:
             forward(w, msg, None)
             reset_worker(w)
             return
-        if msg.obs.shape[0] != w.num_envs:
-            rejects.refuse(w.name, p.ProtocolError("bad step result", f"{msg.obs.shape}"))
+        problem = _result_problem(msg, w.num_envs, spec)
+        if problem:
+            rejects.refuse(w.name, p.ProtocolError("bad step result", problem))
             reset_worker(w)
             return
         w.epoch, w.result, w.ready_since = msg.epoch, msg, now
@@ -198,6 +206,10 @@ def run(cfg: Config) -> int:
             credit.baseline -= credit.batch_steps  # its data is stuck or lost upstream
             credit.topups += 1
         if msg.version > version:
+            problem = _weights_problem(msg.params, spec, action_space)
+            if problem:
+                rejects.refuse(msg.trainer, p.ProtocolError("bad weights", problem))
+                return
             params, version = dict(msg.params), msg.version
 
     def on_barrier(new_epoch: int, new_options: dict) -> None:
@@ -268,7 +280,8 @@ def run(cfg: Config) -> int:
             next_beat = link.beat(now, {
                 "workers": len(workers), "policy_version": version, "epoch": epoch,
                 "steps_per_s": round(steps_per_s), "outstanding_steps": credit.outstanding(),
-                "credit_window": window(), "assembler_blocked": assembler_blocked,
+                "credit_window": window(), "credit_topups": credit.topups,
+                "assembler_blocked": assembler_blocked,
                 "rejected": rejects.total, **counts})
             timeout_s = min(next_beat, look_again or next_beat) - now
             poller.register(experience, zmq.POLLOUT if assembler_blocked else 0)
@@ -296,3 +309,49 @@ def run(cfg: Config) -> int:
     finally:
         link.close()
         ctx.destroy(linger=wiring.LINGER_MS)
+
+
+def _result_problem(r: p.StepResult, num_envs: int, spec: dict | None) -> str:
+    """Why a worker's result cannot be used (empty if it can): shapes must match its hello."""
+    k = num_envs
+    if spec is None or r.obs.shape != (k, *spec["obs_shape"]):
+        return f"obs shape {r.obs.shape}, expected ({k}, *{spec and spec['obs_shape']})"
+    if any(a.shape != (k,) for a in (r.reward, r.terminated, r.truncated)):
+        return "reward/terminated/truncated must have one entry per env"
+    if r.terminated.dtype != bool or r.truncated.dtype != bool:
+        return "terminated/truncated must be bool"
+    ended = int((r.terminated | r.truncated).sum())
+    if r.final_obs.shape != (ended, *spec["obs_shape"]):
+        return f"final_obs shape {r.final_obs.shape}, expected one row per ended episode"
+    return ""
+
+
+def _weights_problem(params: dict[str, np.ndarray], spec: dict | None,
+                     action_space: model.ActionSpace | None) -> str:
+    """Why weights cannot drive inference (empty if they can): one trial forward pass."""
+    if spec is None or action_space is None:
+        return ""  # judged when the first worker tells us the spaces
+    try:
+        obs = np.zeros((1, *spec["obs_shape"]), np.float32)
+        actions, _, _ = model.act(params, obs, action_space, np.random.default_rng(0))
+        expected = (1,) if action_space.kind == "discrete" else (1, *action_space.shape)
+        if actions.shape != expected:
+            return f"actions of shape {actions.shape}, expected {expected}"
+    except Exception as exc:  # any malformed parameter set
+        return f"{type(exc).__name__}: {exc}"[:200]
+    return ""
+
+
+def _spec_problem(spec: dict) -> str:
+    """Why a worker's declared spaces are unusable (empty if usable)."""
+    try:
+        p.SpaceSpec(**spec)
+        spaces.action_space(spec)
+        if not all(isinstance(d, int) and d > 0 for d in spec["obs_shape"]):
+            return f"obs_shape {spec['obs_shape']}"
+        np.dtype(spec["obs_dtype"])
+        if spec["obs_dtype"] not in p.ALLOWED_DTYPES:
+            return f"obs_dtype {spec['obs_dtype']}"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"[:200]
+    return ""
