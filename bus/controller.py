@@ -6,6 +6,8 @@ is answered with the run state, so a process that missed a broadcast catches up 
 
 from __future__ import annotations
 
+import os
+import socket as pysocket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -57,6 +59,7 @@ def run(cfg: Config) -> int:
     epoch, options = 0, {}
     shutting_down_since: float | None = None
     pending_reset: PendingReset | None = None
+    host, pid, started = pysocket.gethostname(), os.getpid(), time.monotonic()
     log.info("run %s: controller on %s, broadcasts on %s", run_id, cfg.controller, cfg.broadcast)
 
     def state() -> p.RunState:
@@ -88,6 +91,9 @@ def run(cfg: Config) -> int:
                  "uptime_s": round(now - q.first_seen, 1),
                  "last_heartbeat_s": round(now - q.last_seen, 2), **q.figures}
                 for q in peers.values()]
+        rows.insert(0, {"role": "controller", "name": "controller", "host": host, "pid": pid,
+                        "uptime_s": round(now - started, 1), "last_heartbeat_s": 0.0,
+                        "processes": len(peers), "rejected": rejects.total})
         node.send(router, p.StatusReply(run_id=run_id, epoch=epoch, processes=rows), to=sender,
                   block=False)
 

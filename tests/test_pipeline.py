@@ -76,7 +76,7 @@ def test_reset_barrier_resets_every_env_with_the_options_and_stepping_resumes(cl
         status = cluster.cli("status", "--json")
         assert status.returncode == 0
         roles = sorted(row["role"] for row in json.loads(status.stdout)["processes"])
-        assert roles == ["assembler", "broker", "trainer", "worker", "worker"]
+        assert roles == ["assembler", "broker", "controller", "trainer", "worker", "worker"]
         assert cluster.cli("shutdown").returncode == 0
         assert exits(procs, timeout=10) == dict.fromkeys(procs, 0), cluster.dump()
     finally:
