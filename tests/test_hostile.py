@@ -11,7 +11,6 @@ import msgpack_numpy
 import numpy as np
 import zmq
 from conftest import Cluster, send_message, wait_for
-
 from stepbus.bus import protocol as p
 
 
