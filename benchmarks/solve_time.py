@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -20,18 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from stepbus.bus import wiring
+
 REPO = Path(__file__).resolve().parents[1]
 NAMES = ("controller", "broadcast", "steps", "policy", "experience", "trajectories")
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def one_run(seed: int, workers: int, timeout_s: float) -> dict:
@@ -44,7 +35,7 @@ def one_run(seed: int, workers: int, timeout_s: float) -> dict:
         (work / "Procfile").write_text(procfile)
         env = dict(os.environ)
         env.update({f"STEPBUS_{n.upper()}": f"tcp://127.0.0.1:{p}"
-                    for n, p in zip(NAMES, free_ports(len(NAMES)), strict=True)})
+                    for n, p in zip(NAMES, wiring.free_tcp_ports(len(NAMES)), strict=True)})
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         honcho = shutil.which("honcho", path=env["PATH"]) or "honcho"
         t0 = time.monotonic()

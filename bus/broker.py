@@ -29,16 +29,11 @@ HORIZON_ALLOWANCE = 32 + 2
 
 @dataclass
 class Config:
-    steps: str = field(default_factory=wiring.ENDPOINTS["steps"].resolve,
-                       metadata={"help": "ROUTER endpoint to bind for workers"})
-    policy: str = field(default_factory=wiring.ENDPOINTS["policy"].resolve,
-                        metadata={"help": "ROUTER endpoint to bind for trainers"})
-    experience: str = field(default_factory=wiring.ENDPOINTS["experience"].resolve,
-                            metadata={"help": "assembler endpoint to PUSH experience to"})
-    controller: str = field(default_factory=wiring.ENDPOINTS["controller"].resolve,
-                            metadata={"help": "controller endpoint to connect"})
-    broadcast: str = field(default_factory=wiring.ENDPOINTS["broadcast"].resolve,
-                           metadata={"help": "controller broadcast endpoint to connect"})
+    steps: str = wiring.endpoint("steps", "ROUTER endpoint to bind for workers")
+    policy: str = wiring.endpoint("policy", "ROUTER endpoint to bind for trainers")
+    experience: str = wiring.endpoint("experience", "assembler endpoint to PUSH experience to")
+    controller: str = wiring.endpoint("controller", "controller endpoint to connect")
+    broadcast: str = wiring.endpoint("broadcast", "controller broadcast endpoint to connect")
     batch_wait_ms: float = field(default=2.0, metadata={
         "help": "longest wait for more workers to fill one inference batch"})
     max_steps_ahead: int = field(default=0, metadata={
@@ -254,20 +249,8 @@ def run(cfg: Config) -> int:
         rate_steps += start
         return None
 
-    handlers = {
-        p.WorkerHello: on_hello,
-        p.StepResult: on_result,
-        p.TrainerHello: on_trainer_hello,
-        p.Weights: on_weights,
-    }
-
-    def handle(sock: zmq.Socket) -> None:
-        ident, msg = node.recv(sock, rejects, routed=True)
-        handler = handlers.get(type(msg)) if msg is not None else None
-        if handler is not None and ident is not None:
-            handler(ident, msg, time.monotonic())
-        elif msg is not None:
-            rejects.refuse(repr(ident), p.ProtocolError("unexpected kind", msg.KIND.name))
+    worker_handlers = {p.WorkerHello: on_hello, p.StepResult: on_result}
+    trainer_handlers = {p.TrainerHello: on_trainer_hello, p.Weights: on_weights}
 
     poller = zmq.Poller()
     for sock in (steps, policy_sock, *link.sockets()):
@@ -292,9 +275,9 @@ def run(cfg: Config) -> int:
             if link.state is not None and link.state.epoch > epoch:  # a missed broadcast
                 on_barrier(link.state.epoch, link.state.options)
             if steps in events:
-                node.drain(steps, lambda: handle(steps))
+                node.serve(steps, rejects, worker_handlers)
             if policy_sock in events:
-                node.drain(policy_sock, lambda: handle(policy_sock))
+                node.serve(policy_sock, rejects, trainer_handlers)
             now = time.monotonic()
             for w in list(workers.values()):
                 if now - w.last_seen > node.HEARTBEAT_INTERVAL_S * node.LIVENESS_INTERVALS:

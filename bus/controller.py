@@ -19,10 +19,8 @@ from stepbus.bus import protocol as p
 
 @dataclass
 class Config:
-    controller: str = field(default_factory=wiring.ENDPOINTS["controller"].resolve,
-                            metadata={"help": "ROUTER endpoint to bind"})
-    broadcast: str = field(default_factory=wiring.ENDPOINTS["broadcast"].resolve,
-                           metadata={"help": "PUB endpoint to bind"})
+    controller: str = wiring.endpoint("controller", "ROUTER endpoint to bind")
+    broadcast: str = wiring.endpoint("broadcast", "PUB endpoint to bind")
     barrier_timeout_s: float = field(default=10.0, metadata={
         "help": "a reset barrier the broker has not completed by then fails with an error"})
     shutdown_grace_s: float = field(default=3.0, metadata={
@@ -136,14 +134,6 @@ def run(cfg: Config) -> int:
         p.RemoteError: on_remote_error,
     }
 
-    def handle_one() -> None:
-        sender, msg = node.recv(router, rejects, routed=True)
-        handler = handlers.get(type(msg)) if msg is not None else None
-        if handler is not None and sender is not None:
-            handler(sender, msg, time.monotonic())
-        elif msg is not None:
-            rejects.refuse(repr(sender), p.ProtocolError("unexpected kind", msg.KIND.name))
-
     poller = zmq.Poller()
     poller.register(router, zmq.POLLIN)
     next_rebroadcast = 0.0
@@ -152,7 +142,7 @@ def run(cfg: Config) -> int:
             if stop:
                 begin_shutdown(f"controller received {stop.reason}")
             if dict(poller.poll(node.MAX_POLL_MS)).get(router):
-                node.drain(router, handle_one)
+                node.serve(router, rejects, handlers)
             now = time.monotonic()
             expiry = node.HEARTBEAT_INTERVAL_S * node.LIVENESS_INTERVALS
             for ident, peer in list(peers.items()):

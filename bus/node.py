@@ -102,6 +102,25 @@ def recv(sock: zmq.Socket, rejects: RejectLog, *,
         return sender, None
 
 
+def serve(sock: zmq.Socket, rejects: RejectLog,
+          handlers: dict[type, Callable[[bytes, Any, float], None]]) -> None:
+    """Handle every queued message on a ROUTER socket by its kind; kinds this socket does not
+    take are refused like any other bad input."""
+
+    def one() -> None:
+        sender, msg = recv(sock, rejects, routed=True)
+        if msg is None or sender is None:
+            return
+        handler = handlers.get(type(msg))
+        if handler is None:
+            rejects.refuse(_sender_name(sender, sock),
+                           p.ProtocolError("unexpected kind", msg.KIND.name))
+        else:
+            handler(sender, msg, time.monotonic())
+
+    drain(sock, one)
+
+
 def _sender_name(sender: bytes | None, sock: zmq.Socket) -> str:
     if sender is None:
         return f"peer of {sock.getsockopt(zmq.LAST_ENDPOINT).decode(errors='replace')}"

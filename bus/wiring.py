@@ -8,7 +8,9 @@ reads `.env`), defaulting to loopback so nothing listens on a network unless tol
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import socket as pysocket
+from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
@@ -41,6 +43,22 @@ ENDPOINTS: dict[str, EndpointSpec] = {
                      "assembler PUSH sending trajectories to the trainer"),
     )
 }
+
+def endpoint(name: str, help: str) -> Any:
+    """A Config field for endpoint `name`: its default comes from STEPBUS_* at construction."""
+    return field(default_factory=ENDPOINTS[name].resolve, metadata={"help": help})
+
+
+def free_tcp_ports(n: int) -> list[int]:
+    """n ports free on loopback right now (for tests and benchmarks)."""
+    socks = [pysocket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
 
 # Socket options. LINGER is bounded everywhere so no process can hang in ctx.term().
 LINGER_MS = 500

@@ -24,14 +24,10 @@ SHUTDOWN_FLUSH_S = 1.0  # how long shutdown waits for a trainer to take the last
 
 @dataclass
 class Config:
-    experience: str = field(default_factory=wiring.ENDPOINTS["experience"].resolve,
-                            metadata={"help": "PULL endpoint to bind for the broker"})
-    trajectories: str = field(default_factory=wiring.ENDPOINTS["trajectories"].resolve,
-                              metadata={"help": "PUSH endpoint to bind for trainers"})
-    controller: str = field(default_factory=wiring.ENDPOINTS["controller"].resolve,
-                            metadata={"help": "controller endpoint to connect"})
-    broadcast: str = field(default_factory=wiring.ENDPOINTS["broadcast"].resolve,
-                           metadata={"help": "controller broadcast endpoint to connect"})
+    experience: str = wiring.endpoint("experience", "PULL endpoint to bind for the broker")
+    trajectories: str = wiring.endpoint("trajectories", "PUSH endpoint to bind for trainers")
+    controller: str = wiring.endpoint("controller", "controller endpoint to connect")
+    broadcast: str = wiring.endpoint("broadcast", "controller broadcast endpoint to connect")
     horizon: int = field(default=32, metadata={"help": "longest trajectory, in steps"})
     max_buffered: int = field(default=10_000, metadata={
         "help": "trajectories held while no trainer takes them; past it, intake pauses"})

@@ -6,13 +6,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from conftest import Cluster, wait_for
+from stepbus.bus import wiring
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -89,16 +89,6 @@ def test_status_names_the_address_it_tried_when_no_controller_answers(cluster: C
     assert "tcp://127.0.0.1:9" in res.stderr
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def honcho(cluster: Cluster, *args: str, target: str | None = None) -> subprocess.Popen:
     """`honcho start` on the repo's Procfile, endpoints on free TCP ports."""
     procfile = cluster.dir / "Procfile"
@@ -109,7 +99,7 @@ def honcho(cluster: Cluster, *args: str, target: str | None = None) -> subproces
     procfile.write_text(text)
     names = ["controller", "broadcast", "steps", "policy", "experience", "trajectories"]
     env = cluster.env({f"STEPBUS_{n.upper()}": f"tcp://127.0.0.1:{port}"
-                       for n, port in zip(names, free_ports(len(names)), strict=False)})
+                       for n, port in zip(names, wiring.free_tcp_ports(len(names)), strict=False)})
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     honcho_bin = shutil.which("honcho", path=env["PATH"])
     assert honcho_bin, "honcho is a dependency"

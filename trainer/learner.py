@@ -26,14 +26,10 @@ from stepbus.trainer import checkpoint, model, ppo, spaces
 
 @dataclass
 class Config:
-    policy: str = field(default_factory=wiring.ENDPOINTS["policy"].resolve,
-                        metadata={"help": "broker endpoint to send weights to"})
-    trajectories: str = field(default_factory=wiring.ENDPOINTS["trajectories"].resolve,
-                              metadata={"help": "assembler endpoint to pull trajectories from"})
-    controller: str = field(default_factory=wiring.ENDPOINTS["controller"].resolve,
-                            metadata={"help": "controller endpoint to connect"})
-    broadcast: str = field(default_factory=wiring.ENDPOINTS["broadcast"].resolve,
-                           metadata={"help": "controller broadcast endpoint to connect"})
+    policy: str = wiring.endpoint("policy", "broker endpoint to send weights to")
+    trajectories: str = wiring.endpoint("trajectories", "assembler endpoint to pull from")
+    controller: str = wiring.endpoint("controller", "controller endpoint to connect")
+    broadcast: str = wiring.endpoint("broadcast", "controller broadcast endpoint to connect")
     runs_dir: str = field(default_factory=lambda: os.environ.get("STEPBUS_RUNS_DIR", "runs"),
                           metadata={"help": "runs live in RUNS_DIR/<run id from the controller>"})
     run_dir: str = field(default="", metadata={

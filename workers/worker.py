@@ -45,12 +45,9 @@ class Config:
         "help": "w in the seed derivation (default: from honcho's worker.N, else 0)"})
     name: str = field(default_factory=_default_name, metadata={
         "help": "unique worker name (default: honcho's process name, else host and pid)"})
-    steps: str = field(default_factory=wiring.ENDPOINTS["steps"].resolve,
-                       metadata={"help": "broker endpoint to connect"})
-    controller: str = field(default_factory=wiring.ENDPOINTS["controller"].resolve,
-                            metadata={"help": "controller endpoint to connect"})
-    broadcast: str = field(default_factory=wiring.ENDPOINTS["broadcast"].resolve,
-                           metadata={"help": "controller broadcast endpoint to connect"})
+    steps: str = wiring.endpoint("steps", "broker endpoint to connect")
+    controller: str = wiring.endpoint("controller", "controller endpoint to connect")
+    broadcast: str = wiring.endpoint("broadcast", "controller broadcast endpoint to connect")
 
 
 class EnvSet:
