@@ -19,3 +19,21 @@ class ResetRecorder(gym.Wrapper):
 
 def recording_cartpole() -> gym.Env:
     return ResetRecorder(gym.make("CartPole-v1"))
+
+
+class Flaky(gym.Wrapper):
+    """CartPole whose every instance raises on its 40th step: a buggy user environment."""
+
+    def __init__(self, env: gym.Env) -> None:
+        super().__init__(env)
+        self.steps = 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps == 40:
+            raise RuntimeError("simulated physics blow-up")
+        return self.env.step(action)
+
+
+def flaky_cartpole() -> gym.Env:
+    return Flaky(gym.make("CartPole-v1"))

@@ -167,3 +167,32 @@ def test_start_order_does_not_matter_and_nothing_is_stepped_before_the_assembler
     assert codes == dict.fromkeys(procs, 0), cluster.dump()
     assert cluster.metrics()[-1]["mean_return"] >= 150
     assert "experience dropped" not in procs["broker"].output()
+
+
+def test_an_environment_that_raises_is_reported_recreated_and_the_run_goes_on(cluster: Cluster):
+    procs = {"controller": cluster.start("controller"), "broker": cluster.start("broker"),
+             "assembler": cluster.start("assembler"),
+             "trainer": cluster.start("trainer", "--target-return", "0"),
+             "worker": cluster.start("worker", "--env", "scripted_envs:flaky_cartpole",
+                                     "--envs-per-worker", "2")}
+    wait_for(lambda: "simulated physics blow-up" in procs["controller"].output(), 60,
+             "the controller to log the worker's error")
+    controller_log = procs["controller"].output()
+    assert "RuntimeError" in controller_log and "Traceback" in controller_log
+    assert "scripted_envs:flaky_cartpole" in controller_log, "the env id travels with the error"
+    assert "recreating it" in procs["worker"].output()
+    steps = cluster.metrics()[-1]["env_steps"] if cluster.metrics() else 0
+    wait_for(lambda: cluster.metrics() and cluster.metrics()[-1]["env_steps"] > steps + 500, 30,
+             "stepping to go on after the error")
+    status = json.loads(cluster.cli("status", "--json").stdout)
+    (worker,) = [r for r in status["processes"] if r["role"] == "worker"]
+    assert worker["env_errors"] >= 1
+    assert cluster.cli("shutdown").returncode == 0
+    assert exits(procs, timeout=10) == dict.fromkeys(procs, 0), cluster.dump()
+
+
+def test_a_worker_with_an_unknown_env_exits_2_with_one_clear_line(cluster: Cluster):
+    proc = cluster.start("worker", "--env", "NoSuchEnv-v0")
+    assert proc.wait(30) == 2
+    out = proc.output()
+    assert "cannot create environment 'NoSuchEnv-v0'" in out and "Traceback" not in out

@@ -97,7 +97,10 @@ class EnvSet:
                 continue
             if terminated[i] or truncated[i]:
                 finals.append(obs[i].copy())
-                obs[i] = env.reset(options=options or None)[0]
+                try:
+                    obs[i] = env.reset(options=options or None)[0]
+                except Exception as exc:
+                    obs[i] = self._recreate(i, exc, options)
         self.last_obs = obs
         final_obs = (np.stack(finals) if finals
                      else np.zeros((0, *self.spec.obs_shape), self.obs_dtype))
@@ -133,7 +136,13 @@ def run(cfg: Config) -> int:
     dealer = wiring.socket(ctx, zmq.DEALER, connect=cfg.steps, identity=cfg.name.encode(),
                            immediate=True)
     rejects = node.RejectLog(log)
-    envs = EnvSet(cfg, link, log)
+    try:
+        envs = EnvSet(cfg, link, log)
+    except Exception as exc:  # a typo in --env deserves one clear line, not a traceback
+        log.error("cannot create environment %r: %s: %s", cfg.env, type(exc).__name__, exc)
+        link.close()
+        ctx.destroy(linger=wiring.LINGER_MS)
+        return 2
     incarnation = uuid.uuid4().hex[:8]
     hello = p.WorkerHello(worker=cfg.name, incarnation=incarnation, env_id=cfg.env,
                           num_envs=cfg.envs_per_worker, seed=cfg.seed,
