@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 from conftest import Cluster, wait_for
 from stepbus.bus import wiring
 
@@ -196,3 +197,14 @@ def test_a_worker_with_an_unknown_env_exits_2_with_one_clear_line(cluster: Clust
     assert proc.wait(30) == 2
     out = proc.output()
     assert "cannot create environment 'NoSuchEnv-v0'" in out and "Traceback" not in out
+
+
+def test_continuous_actions_flow_through_the_pipeline(cluster: Cluster):
+    procs = cluster.start_all(trainer_args=("--target-return", "0"),
+                              worker_args=("--env", "Pendulum-v1"))
+    wait_for(lambda: len(cluster.metrics()) >= 5, 60, "five updates on Pendulum-v1")
+    records = cluster.metrics()
+    assert records[-1]["env_steps"] >= 5 * 256 and records[-1]["episodes"] >= 1
+    assert all(np.isfinite(r["policy_loss"]) for r in records)
+    assert cluster.cli("shutdown").returncode == 0
+    assert exits(procs, timeout=10) == dict.fromkeys(procs, 0), cluster.dump()

@@ -203,7 +203,8 @@ def _learn(cfg: Config, log, stop, link, broker, intake, rejects, poller, name: 
     while not stop and not link.shutdown_reason:
         now = time.monotonic()
         link.beat(now, {"policy_version": progress.version, "env_steps": progress.env_steps,
-                        "episodes": progress.episodes, "mean_return": mean_return(),
+                        "episodes": progress.episodes,
+                        "mean_return": None if not returns else round(mean_return(), 2),
                         "generation": progress.generation, "rejected": rejects.total, **counts})
         events = dict(poller.poll(node.MAX_POLL_MS))
         link.poll(events)
