@@ -104,7 +104,10 @@ class Cluster:
         files = sorted(self.runs_dir.glob("*/metrics.jsonl"))
         if not files:
             return []
-        return [json.loads(line) for line in files[-1].read_text().splitlines() if line]
+        text = files[-1].read_text()
+        if not text.endswith("\n"):  # the trainer is writing the last line right now
+            text = text.rpartition("\n")[0]
+        return [json.loads(line) for line in text.splitlines() if line]
 
     def kill_all(self) -> None:
         for proc in self.procs:
