@@ -185,9 +185,13 @@ def test_an_environment_that_raises_is_reported_recreated_and_the_run_goes_on(cl
     steps = cluster.metrics()[-1]["env_steps"] if cluster.metrics() else 0
     wait_for(lambda: cluster.metrics() and cluster.metrics()[-1]["env_steps"] > steps + 500, 30,
              "stepping to go on after the error")
-    status = json.loads(cluster.cli("status", "--json").stdout)
-    (worker,) = [r for r in status["processes"] if r["role"] == "worker"]
-    assert worker["env_errors"] >= 1
+
+    def worker_errors() -> int:
+        status = json.loads(cluster.cli("status", "--json").stdout)
+        (worker,) = [r for r in status["processes"] if r["role"] == "worker"]
+        return worker.get("env_errors", 0)
+
+    wait_for(lambda: worker_errors() >= 1, 10, "status to count the env error (next heartbeat)")
     assert cluster.cli("shutdown").returncode == 0
     assert exits(procs, timeout=10) == dict.fromkeys(procs, 0), cluster.dump()
 
