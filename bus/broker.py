@@ -25,6 +25,8 @@ from stepbus.trainer import model, spaces
 # trajectory in the assembler (up to the default horizon, 32), the step awaiting its reward, and
 # the step in flight. Too small a window deadlocks until the trainer reports itself starving.
 HORIZON_ALLOWANCE = 32 + 2
+MAX_ENVS_PER_WORKER = 65_536
+MAX_BATCH_STEPS = 10_000_000
 
 
 @dataclass
@@ -100,6 +102,8 @@ def run(cfg: Config) -> int:
     counts = {"stale_dropped": 0, "experience_dropped": 0, "workers_lost": 0, "spec_refused": 0}
     rate_steps, rate_t0, steps_per_s = 0, time.monotonic(), 0.0
     assembler_blocked, look_again = False, None
+    barrier_lost: set[str] = set()  # workers that died during the current barrier
+    barrier_errors: list[str] = []  # env errors workers reported during it
     log.info("broker: workers on %s, trainers on %s, experience to %s",
              cfg.steps, cfg.policy, cfg.experience)
 
@@ -114,6 +118,8 @@ def run(cfg: Config) -> int:
     def forget(w: Worker, why: str) -> None:
         if workers.pop(w.ident, None) is not None:
             counts["workers_lost"] += 1
+            if phase is Phase.BARRIER:
+                barrier_lost.add(w.name)
             log.warning("worker %s %s; serving the others", w.name, why)
             node.send(experience, p.WorkerLost(worker=w.name, incarnation=w.incarnation,
                                                reason=why), block=False)
@@ -133,8 +139,8 @@ def run(cfg: Config) -> int:
         if w.result is not None:  # its observation gets no action: it becomes a bootstrap
             forward(w, w.result, None)
             w.result = None
-        w.seq, w.in_flight = 0, True
-        send_worker(w, p.Reset(epoch=epoch, options=options))
+        w.seq, w.in_flight = w.seq + 1, True
+        send_worker(w, p.Reset(epoch=epoch, seq=w.seq, options=options))
 
     def on_hello(ident: bytes, msg: p.WorkerHello, now: float) -> None:
         nonlocal env_id, spec, action_space, params, version
@@ -144,6 +150,9 @@ def run(cfg: Config) -> int:
             if w.in_flight and now - w.ready_since > 2 * node.HEARTBEAT_INTERVAL_S:
                 reset_worker(w)  # it is idle, yet we wait on it: a message was lost
                 w.ready_since = now
+            return
+        if not 1 <= msg.num_envs <= MAX_ENVS_PER_WORKER:
+            rejects.refuse(msg.worker, p.ProtocolError("bad hello", f"num_envs {msg.num_envs}"))
             return
         if spec is None:
             problem = _spec_problem(msg.spec)
@@ -174,16 +183,25 @@ def run(cfg: Config) -> int:
             counts["stale_dropped"] += 1
             return
         w.last_seen, w.in_flight = now, False
-        if msg.epoch != epoch:  # drained from before a barrier: keep the transition, then reset
-            forward(w, msg, None)
-            reset_worker(w)
-            return
         problem = _result_problem(msg, w.num_envs, spec)
         if problem:
             rejects.refuse(w.name, p.ProtocolError("bad step result", problem))
             reset_worker(w)
             return
+        if msg.epoch != epoch:  # drained from before a barrier: keep the transition, then reset
+            forward(w, msg, None)
+            reset_worker(w)
+            return
         w.epoch, w.result, w.ready_since = msg.epoch, msg, now
+
+    def on_worker_error(ident: bytes, msg: p.RemoteError, now: float) -> None:
+        if phase is Phase.BARRIER and ident in workers:
+            barrier_errors.append(f"{msg.origin}: {msg.error_type}: {msg.message}"[:300])
+
+    def on_worker_heartbeat(ident: bytes, msg: p.Heartbeat, now: float) -> None:
+        w = workers.get(ident)
+        if w is not None:
+            w.last_seen = now  # busy in a long step, not dead
 
     def on_trainer_hello(ident: bytes, msg: p.TrainerHello, now: float) -> None:
         if spec is not None:
@@ -192,13 +210,21 @@ def run(cfg: Config) -> int:
 
     def on_weights(ident: bytes, msg: p.Weights, now: float) -> None:
         nonlocal params, version
+        if not (1 <= msg.batch_steps <= MAX_BATCH_STEPS and 0 <= msg.consumed_steps < 2**53
+                and 0 <= msg.version < 2**53):
+            rejects.refuse(msg.trainer, p.ProtocolError(
+                "bad weights", f"batch_steps {msg.batch_steps}, consumed_steps "
+                f"{msg.consumed_steps}, version {msg.version}"))
+            return
         if msg.incarnation != credit.trainer:
             credit.trainer, credit.baseline = msg.incarnation, credit.produced - msg.consumed_steps
             log.info("trainer %s (incarnation %s) connected at policy version %d",
                      msg.trainer, msg.incarnation, msg.version)
         credit.consumed, credit.batch_steps = msg.consumed_steps, msg.batch_steps
         if msg.starving and credit.outstanding() >= window():
-            credit.baseline -= credit.batch_steps  # its data is stuck or lost upstream
+            # The trainer waits for data we think is in flight: it was lost (a restarted
+            # assembler) or is held in partial trajectories longer than we allowed for.
+            credit.baseline += credit.batch_steps
             credit.topups += 1
         if msg.version > version:
             problem = _weights_problem(msg.params, spec, action_space)
@@ -212,6 +238,8 @@ def run(cfg: Config) -> int:
         if new_epoch <= epoch:
             return
         phase, epoch, options = Phase.BARRIER, new_epoch, new_options
+        barrier_lost.clear()
+        barrier_errors.clear()
         log.info("barrier: epoch %d, draining %d workers", epoch, len(workers))
         for w in list(workers.values()):
             if not w.in_flight:
@@ -249,7 +277,8 @@ def run(cfg: Config) -> int:
         rate_steps += start
         return None
 
-    worker_handlers = {p.WorkerHello: on_hello, p.StepResult: on_result}
+    worker_handlers = {p.WorkerHello: on_hello, p.StepResult: on_result,
+                       p.Heartbeat: on_worker_heartbeat, p.RemoteError: on_worker_error}
     trainer_handlers = {p.TrainerHello: on_trainer_hello, p.Weights: on_weights}
 
     poller = zmq.Poller()
@@ -284,8 +313,11 @@ def run(cfg: Config) -> int:
                     forget(w, f"silent for {now - w.last_seen:.1f}s")
             if phase is Phase.BARRIER and all(w.epoch == epoch for w in workers.values()):
                 phase = Phase.RUNNING
-                log.info("barrier epoch %d complete: %d workers reset", epoch, len(workers))
-                link.send(p.BarrierDone(epoch=epoch, workers_reset=len(workers)))
+                log.info("barrier epoch %d complete: %d workers reset, %d lost during it", epoch,
+                         len(workers), len(barrier_lost))
+                link.send(p.BarrierDone(epoch=epoch, workers_reset=len(workers),
+                                        workers_lost=len(barrier_lost),
+                                        errors=barrier_errors[:20]))
             look_again = dispatch(now) if phase is Phase.RUNNING else None
         log.info("broker stopping (%s)", link.shutdown_reason or stop.reason)
         return 0

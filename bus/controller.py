@@ -113,8 +113,14 @@ def run(cfg: Config) -> int:
         nonlocal pending_reset
         if pending_reset is not None and msg.epoch == pending_reset.epoch:
             detail = f"epoch {msg.epoch}: {msg.workers_reset} workers reset"
-            log.info("reset barrier complete, %s", detail)
-            node.send(router, p.Reply(ok=True, detail=detail), to=pending_reset.requester)
+            if msg.workers_lost:
+                detail += f", {msg.workers_lost} lost during the barrier"
+            ok = msg.workers_reset > 0 and not msg.errors
+            if msg.errors:
+                detail += "; environments raised on reset (reset again without the options):\n"
+                detail += "\n".join(msg.errors)
+            log.info("reset barrier %s, %s", "complete" if ok else "failed", detail)
+            node.send(router, p.Reply(ok=ok, detail=detail), to=pending_reset.requester)
             pending_reset = None
 
     def on_shutdown(sender: bytes, msg: p.ShutdownRequest, now: float) -> None:

@@ -49,21 +49,23 @@ class StopFlag:
 
 
 class RejectLog:
-    """Counts refused input by reason; logs each (reason, sender) at most once a second."""
+    """Counts refused input by reason; logs the first of each (reason, sender) only, so a
+    hostile or broken peer cannot flood the log. The counts show in `stepbus status`."""
+
+    MAX_REMEMBERED = 10_000  # (reason, sender) pairs; a spoofing flood cannot grow memory
 
     def __init__(self, log: logging.Logger) -> None:
         self.log = log
         self.counts: Counter[str] = Counter()
-        self._last_logged: dict[tuple[str, str], float] = {}
+        self._logged: set[tuple[str, str]] = set()
 
     def refuse(self, sender: str, error: p.ProtocolError) -> None:
         self.counts[error.reason] += 1
         key = (error.reason, sender)
-        now = time.monotonic()
-        if now - self._last_logged.get(key, -1e9) >= 1.0:
-            self._last_logged[key] = now
-            self.log.warning("dropped message from %s: %s (total %s: %d)", sender, error,
-                             error.reason, self.counts[error.reason])
+        if key not in self._logged and len(self._logged) < self.MAX_REMEMBERED:
+            self._logged.add(key)
+            self.log.warning("dropped message from %s: %s (further ones from it are only "
+                             "counted)", sender, error)
 
     @property
     def total(self) -> int:

@@ -13,6 +13,8 @@ that match byte lengths, and sizes under bounds. Every failure becomes one `Prot
 Who sends what (sender -> receiver, socket pair):
 
     WORKER_HELLO      worker -> broker          DEALER -> ROUTER   env spec; repeated while idle
+    HEARTBEAT         worker -> broker          DEALER -> ROUTER   alive, busy in a long step
+    REMOTE_ERROR      worker -> broker          DEALER -> ROUTER   an env raised (reset barriers)
     RESET             broker -> worker          ROUTER -> DEALER   reset every env with options
     STEP              broker -> worker          ROUTER -> DEALER   one action batch
     STEP_RESULT       worker -> broker          DEALER -> ROUTER   one reply per action batch
@@ -139,8 +141,12 @@ class WorkerHello(Message):
 
 @dataclass(frozen=True)
 class Reset(Message):
+    """`seq` continues the worker's sequence numbers, so a late reply to an earlier reset or
+    step can never be taken for the answer to this one."""
+
     KIND: ClassVar[Kind] = Kind.RESET
     epoch: int
+    seq: int
     options: dict[str, Json]
 
 
@@ -326,6 +332,8 @@ class BarrierDone(Message):
     KIND: ClassVar[Kind] = Kind.BARRIER_DONE
     epoch: int
     workers_reset: int
+    workers_lost: int
+    errors: list[str]  # environments that raised while resetting with the barrier's options
 
 
 @dataclass(frozen=True)

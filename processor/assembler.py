@@ -94,6 +94,28 @@ class WorkerTrack:
     epoch: int
     agents: list[AgentBuffer]
     last_obs: np.ndarray
+    seq: int = 0  # of the last message; the next must be seq + 1 or a reset
+    action_shape: tuple | None = None
+
+
+def _experience_problem(m: p.Experience) -> str:
+    """Why an EXPERIENCE message cannot be used (empty if it can): consistent rows per env."""
+    if m.obs.ndim < 1 or not 1 <= m.obs.shape[0] <= 65_536:
+        return f"obs shape {m.obs.shape}"
+    k = m.obs.shape[0]
+    if any(a.shape != (k,) for a in (m.reward, m.terminated, m.truncated)):
+        return "reward/terminated/truncated need one entry per env"
+    if m.terminated.dtype != bool or m.truncated.dtype != bool:
+        return "terminated/truncated must be bool"
+    if m.final_obs.shape != (int((m.terminated | m.truncated).sum()), *m.obs.shape[1:]):
+        return "final_obs needs one row per ended episode, shaped like obs"
+    outputs = (m.action, m.logp, m.value)
+    if any(o is None for o in outputs) != all(o is None for o in outputs):
+        return "action, logp and value travel together"
+    if m.action is not None and (m.action.ndim < 1 or m.action.shape[0] != k or any(
+            o.shape != (k,) for o in (m.logp, m.value))):
+        return "policy outputs need one row per env"
+    return ""
 
 
 def run(cfg: Config) -> int:
@@ -108,7 +130,7 @@ def run(cfg: Config) -> int:
     rejects = node.RejectLog(log)
     tracks: dict[str, WorkerTrack] = {}
     held: collections.deque[p.Trajectory] = collections.deque()
-    counts = {"steps": 0, "trajectories": 0, "episodes": 0, "closed_truncated": 0}
+    counts = {"steps": 0, "trajectories": 0, "episodes": 0, "closed_truncated": 0, "gaps": 0}
     log.info("assembler: experience on %s, trajectories on %s, horizon %d",
              cfg.experience, cfg.trajectories, cfg.horizon)
 
@@ -129,24 +151,31 @@ def run(cfg: Config) -> int:
         log.debug("closed %s's trajectories: %s", name, why)
 
     def on_experience(m: p.Experience) -> None:
+        problem = _experience_problem(m)
+        if problem:
+            rejects.refuse(m.worker, p.ProtocolError("bad experience", problem))
+            if m.worker in tracks:
+                close(m.worker, "bad experience")
+            return
         k = m.obs.shape[0]
         track = tracks.get(m.worker)
-        if track is not None and (track.incarnation != m.incarnation or m.first
-                                  or len(track.agents) != k):
-            close(m.worker, "reset" if m.first else "new incarnation")
-            track = None
-        if track is None:
+        if track is not None:
+            why = ("reset" if m.first else
+                   "new incarnation" if track.incarnation != m.incarnation else
+                   "other shapes" if track.last_obs.shape != m.obs.shape else
+                   "sequence gap" if m.seq != track.seq + 1 else "")
+            if why:
+                counts["gaps"] += why == "sequence gap"
+                close(m.worker, why)
+                track = None
+        if track is None:  # rewards in m belong to actions we never saw: start from its obs
             agents = [AgentBuffer(f"{m.worker}/{i}", cfg.horizon) for i in range(k)]
             for agent in agents:
                 agent.stats_valid = m.first
             track = tracks[m.worker] = WorkerTrack(m.incarnation, m.epoch, agents, m.obs)
-        elif not m.first:
+        else:
             done = m.terminated | m.truncated
             final_rows = np.cumsum(done) - 1
-            if m.final_obs.shape[0] != int(done.sum()):
-                rejects.refuse(m.worker, p.ProtocolError("bad experience", "final_obs rows"))
-                close(m.worker, "bad experience")
-                return
             for i, agent in enumerate(track.agents):
                 if not agent.pending:
                     continue
@@ -158,8 +187,14 @@ def run(cfg: Config) -> int:
                                     truncated=not term, episode_end=True))
                 elif agent.n >= cfg.horizon:
                     emit(agent.take(m.epoch, m.obs[i]))
-        track.last_obs, track.epoch = m.obs, m.epoch
+        track.last_obs, track.epoch, track.seq = m.obs, m.epoch, m.seq
         if m.action is not None and m.logp is not None and m.value is not None:
+            if track.action_shape is None:
+                track.action_shape = (m.action.shape, m.action.dtype)
+            elif track.action_shape != (m.action.shape, m.action.dtype):
+                rejects.refuse(m.worker, p.ProtocolError("bad experience", "actions changed shape"))
+                close(m.worker, "actions changed shape")
+                return
             for i, agent in enumerate(track.agents):
                 agent.choose(m.obs[i], m.action[i], m.logp[i], m.value[i], m.policy_version)
         else:
@@ -205,9 +240,9 @@ def run(cfg: Config) -> int:
         while held and time.monotonic() < deadline:
             if outlet.poll(50, zmq.POLLOUT):
                 flush_held()
-        log.info("assembler stopping (%s): %d trajectories, %d episodes, %d held unsent",
-                 link.shutdown_reason or stop.reason, counts["trajectories"],
-                 counts["episodes"], len(held))
+        log.info("assembler stopping (%s): %d trajectories, %d episodes, %d held unsent, "
+                 "%d messages refused", link.shutdown_reason or stop.reason,
+                 counts["trajectories"], counts["episodes"], len(held), rejects.total)
         return 0
     finally:
         link.close()

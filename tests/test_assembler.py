@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 
 import numpy as np
@@ -189,3 +190,40 @@ def test_a_lost_worker_has_its_open_trajectories_closed_as_truncated(assembler):
     assert all(t.truncated and len(t.rewards) == 3 for t in got)
     assert [t.bootstrap_obs.tolist() for t in got] == [[0, 3], [1, 3]]
     assert not pull.poll(300), "nothing is emitted twice"
+
+
+def test_a_lost_experience_message_closes_open_trajectories_instead_of_joining_episodes(
+        assembler):
+    _, push, pull = assembler
+    s = Script()
+    feed(push, s.first(), s.step(), s.step())
+    s.step(terminated=[0])  # lost on the way: this step ended the episode
+    feed(push, s.step(), s.step(), s.step(), s.step(), s.step())
+    cut = recv_message(pull)
+    assert cut.truncated and cut.obs[:, 1].tolist() == [0, 1], "closed at the gap"
+    after = recv_message(pull)
+    assert after.obs[:, 1].tolist() == [1, 2, 3, 4], "a fresh trajectory after the gap"
+    assert after.episode_return is None, "a partly seen episode is no statistic"
+
+
+def test_well_formed_but_inconsistent_experience_is_refused_and_serving_goes_on(assembler):
+    proc, push, pull = assembler
+    s = Script(k=2)
+    good = s.first()
+    broken = [
+        dataclasses.replace(good, obs=np.float32(1.0) * np.ones(())),
+        dataclasses.replace(good, reward=np.zeros(1, np.float32)),
+        dataclasses.replace(good, terminated=np.zeros(2, np.float32)),
+        dataclasses.replace(good, action=np.zeros(1, np.int64)),
+        dataclasses.replace(good, final_obs=np.zeros((1, 2), np.float32)),
+        dataclasses.replace(good, logp=None),
+        dataclasses.replace(good, obs=np.zeros((0, 2), np.float32)),
+    ]
+    feed(push, *broken)
+    feed(push, s.first(), s.step(), s.step(), s.step(), s.step(terminated=[0, 1]))
+    got = [recv_message(pull) for _ in range(2)]
+    assert all(t.terminated and len(t.rewards) == 4 for t in got)
+    assert proc.popen.poll() is None
+    proc.signal(signal.SIGTERM)
+    assert proc.wait(5) == 0
+    assert f"{len(broken)} messages refused" in proc.output()

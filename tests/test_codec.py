@@ -195,7 +195,7 @@ def test_the_limits_themselves_are_accepted() -> None:
                     batch_steps=1, starving=True, params=params)
     assert_same_message(msg, p.decode(p.encode(msg)))
     deepest = {"a": [[{"b": [1.5]}]], "c": {"d": {"e": {"f": None}}}}  # scalars at MAX_JSON_DEPTH
-    msg = p.Reset(epoch=3, options=deepest)
+    msg = p.Reset(epoch=3, seq=0, options=deepest)
     assert_same_message(msg, p.decode(p.encode(msg)))
     msg = p.StatusReply(run_id="r", epoch=0, processes=[[[["x"]]], {"a": {"b": {"c": 1}}}])
     assert_same_message(msg, p.decode(p.encode(msg)))
@@ -528,7 +528,8 @@ def test_peek_kind_never_raises_on_malformed_messages(frames: list[Any], reason:
 
 
 def test_every_truncation_of_a_header_is_rejected() -> None:
-    for header in (STEP_HEADER, p.encode(p.Reset(epoch=1, options={"a": [1, {"b": "c"}]}))[0]):
+    reset = p.Reset(epoch=1, seq=0, options={"a": [1, {"b": "c"}]})
+    for header in (STEP_HEADER, p.encode(reset)[0]):
         for end in range(len(header)):
             assert rejected([header[:end], ACTIONS]).reason in {"bad msgpack", "frame count"}
 

@@ -72,7 +72,8 @@ def test_hostile_messages_on_every_bound_socket_are_refused_and_learning_goes_on
     reset = p.decode(liar.recv_multipart())
     assert isinstance(reset, p.Reset)
     send_message(liar, p.StepResult(
-        incarnation="x", epoch=reset.epoch, seq=0, first=True, obs=np.zeros((2, 7), np.float32),
+        incarnation="x", epoch=reset.epoch, seq=reset.seq, first=True,
+        obs=np.zeros((2, 7), np.float32),
         reward=np.zeros(2, np.float32), terminated=np.zeros(2, bool),
         truncated=np.zeros(2, bool), final_obs=np.zeros((0, 7), np.float32)))
     liar.close()

@@ -20,9 +20,14 @@ def test_env_seeds_derive_from_seed_worker_and_env_and_are_reproducible():
 
 def test_workers_with_the_same_seed_and_index_see_the_same_first_observations():
     log = logging.getLogger("test")
-    first = EnvSet(Config(seed=3, worker_index=1, envs_per_worker=4), None, log).reset({})
-    again = EnvSet(Config(seed=3, worker_index=1, envs_per_worker=4), None, log).reset({})
-    other = EnvSet(Config(seed=3, worker_index=2, envs_per_worker=4), None, log).reset({})
+    errors: list = []
+    first = EnvSet(Config(seed=3, worker_index=1, envs_per_worker=4), errors.append,
+                   log).reset({})
+    again = EnvSet(Config(seed=3, worker_index=1, envs_per_worker=4), errors.append,
+                   log).reset({})
+    other = EnvSet(Config(seed=3, worker_index=2, envs_per_worker=4), errors.append,
+                   log).reset({})
+    assert errors == []
     assert np.array_equal(first, again)
     assert not np.array_equal(first, other)
     assert len({row.tobytes() for row in first}) == 4, "envs of one worker differ"

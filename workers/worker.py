@@ -14,6 +14,7 @@ import socket as pysocket
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,11 +51,20 @@ class Config:
     broadcast: str = wiring.endpoint("broadcast", "controller broadcast endpoint to connect")
 
 
-class EnvSet:
-    """K environments stepped together; an env that raises is reported and recreated."""
+class EnvFailure(RuntimeError):
+    """An environment could not be recreated after it raised: the worker cannot go on."""
 
-    def __init__(self, cfg: Config, report: node.ControllerLink, log) -> None:
-        self.cfg, self.report, self.log = cfg, report, log
+
+class EnvSet:
+    """K environments stepped together; an env that raises is reported and recreated.
+
+    `report` receives each error as data; `tick` is called between env steps so a slow batch
+    can keep the worker's heartbeat going.
+    """
+
+    def __init__(self, cfg: Config, report: Callable[[p.RemoteError], None], log,
+                 tick: Callable[[], None] = lambda: None) -> None:
+        self.cfg, self.report, self.log, self.tick = cfg, report, log, tick
         self.envs = [make_env(cfg.env) for _ in range(cfg.envs_per_worker)]
         self.spec = space_spec(self.envs[0])
         self.obs_dtype = np.dtype(self.spec.obs_dtype)
@@ -69,7 +79,11 @@ class EnvSet:
         obs = np.empty_like(self.last_obs)
         for i, env in enumerate(self.envs):
             seed = self.seeds[i] if not self.seeded else None
-            obs[i] = env.reset(seed=seed, options=options or None)[0]
+            try:
+                obs[i] = env.reset(seed=seed, options=options or None)[0]
+            except Exception as exc:  # e.g. options this env rejects: report, go on without
+                obs[i] = self._recreate(i, exc, {})
+            self.tick()
         if not self.seeded:
             for i, env in enumerate(self.envs):
                 env.action_space.seed(self.seeds[i])
@@ -95,12 +109,14 @@ class EnvSet:
                 finals.append(obs[i].copy())
                 obs[i] = self._recreate(i, exc, options)
                 continue
+            finally:
+                self.tick()
             if terminated[i] or truncated[i]:
                 finals.append(obs[i].copy())
                 try:
                     obs[i] = env.reset(options=options or None)[0]
                 except Exception as exc:
-                    obs[i] = self._recreate(i, exc, options)
+                    obs[i] = self._recreate(i, exc, {})
         self.last_obs = obs
         final_obs = (np.stack(finals) if finals
                      else np.zeros((0, *self.spec.obs_shape), self.obs_dtype))
@@ -108,18 +124,35 @@ class EnvSet:
                             terminated=terminated, truncated=truncated, final_obs=final_obs)
 
     def _recreate(self, i: int, exc: Exception, options: dict) -> np.ndarray:
+        """Report the error, replace env i, and return its first observation."""
         self.errors += 1
         tb = traceback.format_exc()
         self.log.error("env %d (%s, seed %d) raised %s: %s; recreating it", i, self.cfg.env,
                        self.seeds[i], type(exc).__name__, exc)
-        self.report.send(p.RemoteError(
+        self.report(p.RemoteError(
             origin=self.cfg.name, error_type=type(exc).__name__, message=str(exc), traceback=tb,
             context={"env": self.cfg.env, "env_index": i, "seed": self.seeds[i]}))
         with contextlib.suppress(Exception):
             self.envs[i].close()
-        self.envs[i] = make_env(self.cfg.env)
         seed = self.seeds[i] + self.errors
-        return np.asarray(self.envs[i].reset(seed=seed, options=options or None)[0])
+        try:
+            self.envs[i] = make_env(self.cfg.env)
+            return np.asarray(self.envs[i].reset(seed=seed, options=options or None)[0])
+        except Exception as again:
+            raise EnvFailure(f"env {i} ({self.cfg.env}) raised again while being recreated: "
+                             f"{type(again).__name__}: {again}") from again
+
+    def actions_problem(self, actions: np.ndarray) -> str:
+        """Why an action batch cannot be stepped (empty if it can)."""
+        k, spec = len(self.envs), self.spec
+        if spec.action_kind == "discrete":
+            if actions.shape != (k,) or actions.dtype.kind not in "iu":
+                return f"expected {k} integer actions, got {actions.dtype} {actions.shape}"
+            if actions.size and not (actions.min() >= 0 and actions.max() < spec.action_n):
+                return f"actions outside [0, {spec.action_n})"
+        elif actions.shape != (k, *spec.action_shape) or actions.dtype.kind != "f":
+            return f"expected float actions of shape {(k, *spec.action_shape)}, got {actions.shape}"
+        return ""
 
     def close(self) -> None:
         for env in self.envs:
@@ -136,8 +169,21 @@ def run(cfg: Config) -> int:
     dealer = wiring.socket(ctx, zmq.DEALER, connect=cfg.steps, identity=cfg.name.encode(),
                            immediate=True)
     rejects = node.RejectLog(log)
+    busy_beat = [0.0]
+
+    def report(error: p.RemoteError) -> None:
+        link.send(error)  # the controller logs it for the operator
+        node.send(dealer, error, block=False)  # the broker, for a running reset barrier
+
+    def tick() -> None:
+        now = time.monotonic()
+        if now - busy_beat[0] >= node.HEARTBEAT_INTERVAL_S:  # a slow batch is not a dead worker
+            busy_beat[0] = now
+            node.send(dealer, p.Heartbeat(role="worker", name=cfg.name, host=link.host,
+                                          pid=link.pid, leaving=False, figures={}), block=False)
+
     try:
-        envs = EnvSet(cfg, link, log)
+        envs = EnvSet(cfg, report, log, tick)
     except Exception as exc:  # a typo in --env deserves one clear line, not a traceback
         log.error("cannot create environment %r: %s: %s", cfg.env, type(exc).__name__, exc)
         link.close()
@@ -177,12 +223,18 @@ def run(cfg: Config) -> int:
                     break
                 _, msg = node.recv(dealer, rejects)
                 last_heard = time.monotonic()
+                busy_beat[0] = last_heard
                 if isinstance(msg, p.Step) and msg.epoch == epoch:
+                    problem = envs.actions_problem(msg.actions)
+                    if problem:
+                        rejects.refuse("broker", p.ProtocolError("bad actions", problem))
+                        continue
                     seq = msg.seq
                     reply(envs.step(msg.actions, options))
                     steps_done += cfg.envs_per_worker
+                    last_heard = time.monotonic()
                 elif isinstance(msg, p.Reset):
-                    epoch, options, seq = msg.epoch, msg.options, 0
+                    epoch, options, seq = msg.epoch, msg.options, msg.seq
                     obs = envs.reset(options)
                     k = cfg.envs_per_worker
                     reply(p.StepResult(
@@ -192,6 +244,9 @@ def run(cfg: Config) -> int:
         log.info("%s stopping (%s) after %d env steps", cfg.name,
                  link.shutdown_reason or stop.reason, steps_done)
         return 0
+    except EnvFailure as exc:
+        log.error("%s; worker exiting", exc)
+        return 1
     finally:
         link.close()
         envs.close()
