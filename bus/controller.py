@@ -81,7 +81,7 @@ def run(cfg: Config) -> int:
         if peer is None:
             peer = peers[sender] = Peer(msg.role, msg.name, msg.host, msg.pid, now, now)
             log.info("%s %s joined (host %s, pid %d)", msg.role, msg.name, msg.host, msg.pid)
-        peer.last_seen, peer.figures = now, msg.figures
+        peer.last_seen, peer.figures = now, _scalar_figures(msg.figures)
         node.send(router, state(), to=sender, block=False)
 
     def on_status(sender: bytes, msg: p.StatusRequest, now: float) -> None:
@@ -172,3 +172,14 @@ def run(cfg: Config) -> int:
                     return 0
     finally:
         ctx.destroy(linger=wiring.LINGER_MS)
+
+
+def _scalar_figures(figures: dict) -> dict:
+    """Figures as a status row can show them: at most 64 scalar values, short strings."""
+    out = {}
+    for key, value in list(figures.items())[:64]:
+        if isinstance(value, str):
+            out[key[:64]] = value[:200]
+        elif value is None or isinstance(value, (bool, int, float)):
+            out[key[:64]] = value
+    return out

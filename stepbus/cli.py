@@ -109,7 +109,11 @@ def _ask(endpoint: str, request: p.Message, timeout_s: float) -> p.Message:
         while time.monotonic() < deadline:
             if sock.poll(100):
                 frames = sock.recv_multipart(copy=False)
-                msg = p.decode(frames)
+                try:
+                    msg = p.decode(frames)
+                except p.ProtocolError as exc:
+                    raise SystemExit(f"stepbus: unreadable reply from the controller at "
+                                     f"{endpoint}: {exc}") from None
                 if not isinstance(msg, p.RunState):
                     return msg
         raise SystemExit(f"stepbus: controller unreachable at {endpoint} "

@@ -286,7 +286,8 @@ def step_array(name: Any = "actions", dtype: Any = I8, shape: Any = (2,),
 
 
 def reset(options: Any = None, epoch: Any = 1) -> list[bytes]:
-    return frames_of(p.Kind.RESET, {"epoch": epoch, "options": {} if options is None else options})
+    fields = {"epoch": epoch, "seq": 0, "options": {} if options is None else options}
+    return frames_of(p.Kind.RESET, fields)
 
 
 def weights(*names: str) -> list[bytes]:
@@ -578,7 +579,8 @@ ATTACKS: dict[str, Callable[[Payload], list[Any]]] = {
     "as the whole header": lambda e: [pack(e.evil_map)],
     "as the whole header via msgpack_numpy": lambda e: [e.mn_array],
     "as a whole msgpack_numpy header":
-        lambda e: [msgpack_numpy.packb([1, 2, {"epoch": 1, "options": {"x": e.evil_array}}, []])],
+        lambda e: [msgpack_numpy.packb(
+            [1, 2, {"epoch": 1, "seq": 0, "options": {"x": e.evil_array}}, []])],
     "as a msgpack_numpy header with an array descriptor":
         lambda e: [msgpack_numpy.packb([1, 3, STEP_FIELDS, [["actions", e.evil_array, [2]]]]),
                    ACTIONS],

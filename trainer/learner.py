@@ -142,18 +142,19 @@ def _learn(cfg: Config, log, stop, link, broker, intake, rejects, poller, name: 
              progress.generation)
 
     batch: list[ppo.Trajectory] = []
-    batch_steps = consumed = 0
+    batch_steps = received = 0  # received: env steps this incarnation took in (the credit)
     counts = {"stale_dropped": 0, "updates": 0}
     t_start = last_record_t = time.monotonic()
     last_record_steps = progress.env_steps
     last_data = last_publish = last_ckpt = t_start
     solved = False
+    last_shutdown_request = 0.0
     last_log = 0.0
 
     def publish(starving: bool = False) -> None:
         nonlocal last_publish
         node.send(broker, p.Weights(trainer=name, incarnation=incarnation, policy="default",
-                                    version=progress.version, consumed_steps=consumed,
+                                    version=progress.version, consumed_steps=received,
                                     batch_steps=cfg.ppo.batch_steps, starving=starving,
                                     # copies: frames are zero-copy and the update is in place
                                     params={k: v.copy() for k, v in params.items()}),
@@ -181,12 +182,13 @@ def _learn(cfg: Config, log, stop, link, broker, intake, rejects, poller, name: 
         }) + "\n")
 
     def on_trajectory(t: p.Trajectory) -> None:
-        nonlocal batch_steps
-        n = t.rewards.shape[0]
-        if not (t.obs.shape[0] == n == t.actions.shape[0] == t.logp.shape[0]
-                and list(t.obs.shape[1:]) == spec["obs_shape"] and n > 0):
-            rejects.refuse("assembler", p.ProtocolError("bad trajectory", f"{t.obs.shape}"))
+        nonlocal batch_steps, received
+        problem = _trajectory_problem(t, spec, action)
+        if problem:
+            rejects.refuse("assembler", p.ProtocolError("bad trajectory", problem))
             return
+        n = t.rewards.shape[0]
+        received += n
         progress.env_steps += n
         if t.episode_return is not None:
             progress.episodes += 1
@@ -210,17 +212,18 @@ def _learn(cfg: Config, log, stop, link, broker, intake, rejects, poller, name: 
         link.poll(events)
         if broker in events:
             node.drain(broker, lambda: node.recv(broker, rejects))  # late EnvSpec replies
-        if intake in events and not solved:
+        if intake in events:
             def take_one() -> None:
                 _, msg = node.recv(intake, rejects)
                 if isinstance(msg, p.Trajectory):
                     on_trajectory(msg)
+                elif msg is not None:
+                    rejects.refuse("assembler", p.ProtocolError("unexpected kind", msg.KIND.name))
             node.drain(intake, take_one)
             last_data = time.monotonic()
         if batch_steps >= cfg.ppo.batch_steps and not solved:
             stats = ppo.ppo_update(params, adam, batch, cfg.ppo, rng, action=action,
                                    tick=lambda: link.beat(time.monotonic()))
-            consumed += batch_steps
             batch, batch_steps = [], 0
             progress.version += 1
             counts["updates"] += 1
@@ -234,8 +237,11 @@ def _learn(cfg: Config, log, stop, link, broker, intake, rejects, poller, name: 
                 log.info("solved: mean return %.1f over the last %d episodes at %d env steps "
                          "(%.1fs); asking the controller to shut the pipeline down", mean,
                          len(returns), progress.env_steps, time.monotonic() - t_start)
-                link.send(p.ShutdownRequest(reason=f"trainer reached mean return {mean:.1f}"))
+                poller.unregister(intake)  # what still arrives is no longer wanted
         now = time.monotonic()
+        if solved and now - last_shutdown_request > 1.0:  # until the controller broadcasts it
+            last_shutdown_request = now
+            link.send(p.ShutdownRequest(reason=f"trainer reached mean return {mean_return():.1f}"))
         if now - last_data > 0.25 and now - last_publish > 0.25:
             publish(starving=True)  # a restarted broker gets weights; a stalled credit refills
         if now - last_ckpt > cfg.checkpoint_interval_s:
@@ -252,6 +258,31 @@ def _learn(cfg: Config, log, stop, link, broker, intake, rejects, poller, name: 
     log.info("trainer stopping (%s); checkpoint at %s", link.shutdown_reason or stop.reason,
              ckpt_path)
     return 0
+
+
+def _trajectory_problem(t: p.Trajectory, spec: dict, action: model.ActionSpace) -> str:
+    """Why a trajectory cannot be trained on (empty if it can)."""
+    n = t.rewards.shape[0]
+    obs_shape = tuple(spec["obs_shape"])
+    if not 1 <= n <= 1_000_000 or t.rewards.ndim != 1:
+        return f"{t.rewards.shape} rewards"
+    if any(a.shape != (n,) for a in (t.logp, t.values, t.policy_versions)):
+        return "logp, values and policy_versions need one entry per step"
+    if t.obs.shape != (n, *obs_shape) or t.bootstrap_obs.shape != obs_shape:
+        return f"obs {t.obs.shape} / bootstrap {t.bootstrap_obs.shape}, spaces say {obs_shape}"
+    if action.kind == "discrete":
+        if t.actions.shape != (n,) or t.actions.dtype.kind not in "iu":
+            return f"actions {t.actions.dtype} {t.actions.shape}, expected {n} integers"
+        if t.actions.min() < 0 or t.actions.max() >= action.n:
+            return f"actions outside [0, {action.n})"
+    elif t.actions.shape != (n, *action.shape) or t.actions.dtype.kind != "f":
+        return f"actions {t.actions.dtype} {t.actions.shape}, expected floats {(n, *action.shape)}"
+    if not (np.isfinite(t.rewards).all() and np.isfinite(t.logp).all()):
+        return "non-finite rewards or log-probs"
+    if t.obs.dtype.kind == "f" and not (np.isfinite(t.obs).all()
+                                        and np.isfinite(t.bootstrap_obs).all()):
+        return "non-finite observations"
+    return ""
 
 
 def _link_latest(run_dir: Path) -> None:
