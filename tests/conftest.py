@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -109,8 +110,24 @@ class Cluster:
             text = text.rpartition("\n")[0]
         return [json.loads(line) for line in text.splitlines() if line]
 
+    def strays(self) -> list[int]:
+        """Pids of live processes working in our temp dir: what honcho started, for one,
+        whose children each run in a session of their own."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != os.getpid():
+                try:
+                    cwd = os.readlink(entry / "cwd")
+                    state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                except OSError:
+                    continue
+                if cwd == str(self.dir) and state != "Z":
+                    pids.append(int(entry.name))
+        return pids
+
     def kill_all(self) -> None:
         for proc in self.procs:
+            proc.signal(signal.SIGCONT)  # a test may have frozen one
             proc.signal(signal.SIGTERM)
         deadline = time.monotonic() + 5
         for proc in self.procs:
@@ -119,6 +136,9 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(5)
+        for pid in self.strays():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
     def dump(self) -> str:
         return "\n".join(f"----- {p.name} (rc={p.popen.poll()}) -----\n{p.output()[-4000:]}"

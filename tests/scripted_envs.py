@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import gymnasium as gym
 
@@ -37,3 +38,28 @@ class Flaky(gym.Wrapper):
 
 def flaky_cartpole() -> gym.Env:
     return Flaky(gym.make("CartPole-v1"))
+
+
+class Slow(gym.Wrapper):
+    """CartPole whose every step takes 0.5 s of wall time (a simulator behind a socket)."""
+
+    def step(self, action):
+        time.sleep(0.5)
+        return self.env.step(action)
+
+
+def slow_cartpole() -> gym.Env:
+    return Slow(gym.make("CartPole-v1"))
+
+
+class Picky(gym.Wrapper):
+    """CartPole that raises on reset when the options ask for a level it does not have."""
+
+    def reset(self, *, seed=None, options=None):
+        if options and options.get("level", 0) > 3:
+            raise ValueError(f"no level {options['level']}")
+        return self.env.reset(seed=seed)
+
+
+def picky_cartpole() -> gym.Env:
+    return Picky(gym.make("CartPole-v1"))

@@ -1,0 +1,79 @@
+"""Faults injected into a running pipeline: what the user sees, and what is counted."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+from conftest import Cluster, wait_for
+
+
+def status_rows(cluster: Cluster) -> list[dict]:
+    res = cluster.cli("status", "--json", "--timeout", "2")
+    return json.loads(res.stdout)["processes"] if res.returncode == 0 else []
+
+
+def figure(cluster: Cluster, role: str, key: str, name: str | None = None) -> int:
+    rows = [r for r in status_rows(cluster) if r["role"] == role and name in (None, r["name"])]
+    return rows[0].get(key, 0) if rows else 0
+
+
+def test_the_run_survives_the_assembler_being_killed_and_restarted_twice(cluster: Cluster):
+    procs = cluster.start_all()
+    for round_ in range(2):
+        records = len(cluster.metrics())
+        wait_for(lambda n=records: len(cluster.metrics()) >= n + 3, 60, "three more updates")
+        procs["assembler"].signal(signal.SIGKILL)
+        procs["assembler"].wait(5)
+        procs["assembler"] = cluster.start("assembler", name=f"assembler-restart{round_}")
+    codes = {name: proc.wait(90) for name, proc in procs.items()}
+    assert codes == dict.fromkeys(procs, 0), cluster.dump()
+    assert cluster.metrics()[-1]["mean_return"] >= 475
+
+
+def test_a_worker_whose_batch_takes_longer_than_the_liveness_timeout_is_not_declared_dead(
+        cluster: Cluster):
+    procs = {"controller": cluster.start("controller"), "broker": cluster.start("broker"),
+             "assembler": cluster.start("assembler"),
+             "trainer": cluster.start("trainer", "--target-return", "0"),
+             "worker": cluster.start("worker", "--env", "scripted_envs:slow_cartpole",
+                                     "--envs-per-worker", "4", "--name", "slow")}
+    # 4 envs x 0.5 s = 2 s per batch, over the 1.5 s (3 heartbeat intervals) liveness timeout.
+    wait_for(lambda: figure(cluster, "assembler", "steps") >= 8, 40,
+             "two slow batches to reach the assembler")
+    assert figure(cluster, "broker", "workers_lost") == 0
+    assert "silent" not in procs["broker"].output()
+
+
+def test_a_barrier_completes_without_a_frozen_worker_which_is_served_again_later(
+        cluster: Cluster):
+    procs = cluster.start_all(trainer_args=("--target-return", "0"), workers=2)
+    wait_for(lambda: len(cluster.metrics()) >= 2, 60, "training under way")
+    procs["worker1"].signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    res = cluster.cli("reset", "--option", "level=2")
+    elapsed = time.monotonic() - t0
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "1 workers reset, 1 lost during the barrier" in res.stdout
+    assert elapsed < 4.0, "noticed within a few heartbeat intervals"
+    procs["worker1"].signal(signal.SIGCONT)
+    wait_for(lambda: figure(cluster, "broker", "workers") == 2, 20, "the thawed worker back")
+    assert figure(cluster, "broker", "stale_dropped") >= 1, "its old reply was recognised"
+    steps = figure(cluster, "worker", "env_steps", "w1")
+    wait_for(lambda: figure(cluster, "worker", "env_steps", "w1") > steps + 100, 20,
+             "the thawed worker stepping again")
+
+
+def test_reset_options_an_environment_rejects_fail_the_barrier_clearly_and_the_run_goes_on(
+        cluster: Cluster):
+    procs = cluster.start_all(trainer_args=("--target-return", "0"),
+                              worker_args=("--env", "scripted_envs:picky_cartpole",
+                                           "--envs-per-worker", "2"))
+    wait_for(lambda: len(cluster.metrics()) >= 2, 60, "training under way")
+    res = cluster.cli("reset", "--option", "level=9")
+    assert res.returncode == 1
+    assert "ValueError: no level 9" in res.stdout
+    steps = cluster.metrics()[-1]["env_steps"]
+    wait_for(lambda: cluster.metrics()[-1]["env_steps"] > steps + 500, 30, "stepping on")
+    assert procs["worker0"].popen.poll() is None
