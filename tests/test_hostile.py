@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import signal
 from pathlib import Path
 
 import msgpack
@@ -77,6 +78,18 @@ def test_hostile_messages_on_every_bound_socket_are_refused_and_learning_goes_on
         reward=np.zeros(2, np.float32), terminated=np.zeros(2, bool),
         truncated=np.zeros(2, bool), final_obs=np.zeros((0, 7), np.float32)))
     liar.close()
+    # Well-formed messages with values no honest peer sends.
+    trainer = cluster.socket(zmq.DEALER, cluster.endpoints["policy"])
+    for batch_steps, num_params in ((2**63, 1), (-10**6, 1), (256, 0)):
+        params = {"pi.0.w": np.ones((4, 3))} if num_params else {}
+        send_message(trainer, p.Weights(trainer="rogue", incarnation="r", policy="default",
+                                        version=10**6, consumed_steps=0,
+                                        batch_steps=batch_steps, starving=True, params=params))
+    trainer.close(linger=1000)
+    squatter = cluster.socket(zmq.DEALER, cluster.endpoints["steps"])
+    send_message(squatter, p.WorkerHello(worker="squatter", incarnation="s", env_id="x",
+                                         num_envs=-1000, seed=0, spec=real_spec))
+    squatter.close(linger=1000)
 
     def rejected_by_role() -> dict[str, int]:
         status = cluster.cli("status", "--json", "--timeout", "2")
@@ -92,4 +105,62 @@ def test_hostile_messages_on_every_bound_socket_are_refused_and_learning_goes_on
     assert not marker.exists(), "nothing was ever unpickled"
     broker_log = procs["broker"].output()
     assert "bad step result" in broker_log and "liar" in broker_log
+    assert "bad weights" in broker_log and "num_envs -1000" in broker_log
     assert "Traceback" not in cluster.dump()
+
+
+CARTPOLE_SPEC = {"obs_shape": [4], "obs_dtype": "<f4", "action_kind": "discrete", "action_n": 2,
+                 "action_shape": [], "action_low": [], "action_high": []}
+
+
+def trajectory(n: int = 32, **changes) -> p.Trajectory:
+    fields = dict(agent="w/0", epoch=0, terminated=False, truncated=False, episode_return=None,
+                  episode_length=None, obs=np.zeros((n, 4), np.float32),
+                  actions=np.zeros(n, np.int64), logp=np.full(n, -0.69, np.float32),
+                  values=np.zeros(n, np.float32), rewards=np.ones(n, np.float32),
+                  policy_versions=np.ones(n, np.int64), bootstrap_obs=np.zeros(4, np.float32))
+    fields.update(changes)
+    return p.Trajectory(**fields)
+
+
+def test_the_trainer_refuses_trajectories_it_cannot_train_on_and_keeps_learning(
+        cluster: Cluster):
+    """A real trainer between a scripted broker and a scripted assembler."""
+    broker = cluster.socket(zmq.ROUTER, cluster.endpoints["policy"], bind=True)
+    assembler = cluster.socket(zmq.PUSH, cluster.endpoints["trajectories"], bind=True)
+    cluster.start("controller")
+    trainer = cluster.start("trainer", "--target-return", "0")
+    assert broker.poll(30_000), "the trainer asks the broker for the spaces"
+    ident, *frames = broker.recv_multipart()
+    assert isinstance(p.decode(frames), p.TrainerHello)
+    broker.send_multipart([ident, *p.encode(p.EnvSpec(env_id="CartPole-v1", spec=CARTPOLE_SPEC,
+                                                      policy_version=-1))])
+    bad = [
+        trajectory(policy_versions=np.ones(0, np.int64)),
+        trajectory(bootstrap_obs=np.zeros(5, np.float32)),
+        trajectory(actions=np.full(32, 2, np.int64)),
+        trajectory(actions=np.zeros(32, np.float32)),
+        trajectory(obs=np.full((32, 4), np.nan, np.float32)),
+        trajectory(logp=np.zeros(31, np.float32)),
+        trajectory(n=0),
+    ]
+    for t in [*bad, *[trajectory() for _ in range(9)]]:
+        send_message(assembler, t)
+
+    versions: list[int] = []
+
+    def weights_seen() -> list[int]:
+        while broker.poll(100):
+            _, *frames = broker.recv_multipart()
+            msg = p.decode(frames)
+            if isinstance(msg, p.Weights):
+                versions.append(msg.version)
+        return versions
+
+    wait_for(weights_seen, 30, "the trainer's first weights")
+    wait_for(lambda: max(weights_seen()) > versions[0], 30,
+             "an update on the good trajectories (a higher version)")
+    trainer.signal(signal.SIGTERM)
+    assert trainer.wait(10) == 0
+    assert f"{len(bad)} messages refused" in trainer.output()
+    assert "Traceback" not in trainer.output()

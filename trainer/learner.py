@@ -68,6 +68,7 @@ def run(cfg: Config) -> int:
     broker = wiring.socket(ctx, zmq.DEALER, connect=cfg.policy)
     broker.setsockopt(zmq.SNDHWM, 4)  # weights are only worth sending fresh
     intake = wiring.socket(ctx, zmq.PULL, connect=cfg.trajectories)
+    intake.setsockopt(zmq.RCVHWM, 64)  # bounds what dies with this process if it is killed
     rejects = node.RejectLog(log)
     poller = zmq.Poller()
     for sock in (broker, intake, *link.sockets()):
@@ -255,8 +256,8 @@ def _learn(cfg: Config, log, stop, link, broker, intake, rejects, poller, name: 
                      f"{mean:.1f}" if mean is not None else "-", progress.version)
     save()
     metrics.close()
-    log.info("trainer stopping (%s); checkpoint at %s", link.shutdown_reason or stop.reason,
-             ckpt_path)
+    log.info("trainer stopping (%s); checkpoint at %s; %d messages refused",
+             link.shutdown_reason or stop.reason, ckpt_path, rejects.total)
     return 0
 
 
