@@ -102,10 +102,10 @@ class Cluster:
                               text=True, env=self.env(), cwd=self.dir, timeout=timeout)
 
     def metrics(self) -> list[dict[str, Any]]:
-        files = sorted(self.runs_dir.glob("*/metrics.jsonl"))
-        if not files:
+        path = self.runs_dir / "latest" / "metrics.jsonl"  # the trainer links the newest run
+        if not path.exists():
             return []
-        text = files[-1].read_text()
+        text = path.read_text()
         if not text.endswith("\n"):  # the trainer is writing the last line right now
             text = text.rpartition("\n")[0]
         return [json.loads(line) for line in text.splitlines() if line]

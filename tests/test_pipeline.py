@@ -43,8 +43,7 @@ def test_killed_trainer_resumes_from_its_checkpoint_with_a_higher_policy_version
     procs["trainer"].signal(signal.SIGKILL)
     procs["trainer"].wait(5)
     killed_at = max(r["policy_version"] for r in cluster.metrics())
-    (ckpt,) = cluster.runs_dir.glob("*/checkpoint.npz")
-    with np.load(ckpt) as saved:
+    with np.load(cluster.runs_dir / "latest" / "checkpoint.npz") as saved:
         checkpointed_steps = json.loads(bytes(saved["meta"]))["progress"]["env_steps"]
     assert checkpointed_steps > 0
     procs["trainer"] = cluster.start("trainer")
