@@ -5,7 +5,7 @@ Never waits for the slowest worker: a result is acted on as soon as every other 
 replied, or `batch_wait_ms` after it arrived, whichever is first.
 
 Flow control is a credit window: the broker steps at most `window` env steps beyond what the
-trainer reports as consumed (in each WEIGHTS message). That bounds policy lag and memory, and
+trainer reports as received (in each WEIGHTS message). That bounds policy lag and memory, and
 makes stepping pause, not drop, while no trainer is consuming.
 """
 
@@ -39,7 +39,7 @@ class Config:
     batch_wait_ms: float = field(default=2.0, metadata={
         "help": "longest wait for more workers to fill one inference batch"})
     max_steps_ahead: int = field(default=0, metadata={
-        "help": "credit window in env steps beyond what the trainer consumed "
+        "help": "credit window in env steps beyond what the trainer received "
                 "(0: two trainer batches + 34 per env)"})
     seed: int = field(default=0, metadata={"help": "seeds the policy's action sampling"})
 
@@ -65,7 +65,7 @@ class Worker:
 
 @dataclass
 class Credit:
-    """Env steps stepped but not yet reported consumed by the current trainer incarnation."""
+    """Env steps stepped but not yet reported received by the current trainer incarnation."""
 
     produced: int = 0
     baseline: int = 0
@@ -73,6 +73,7 @@ class Credit:
     trainer: str = ""
     batch_steps: int = 256
     topups: int = 0
+    extra: int = 0  # granted by top-ups; doubles, so a far too small window grows in few steps
 
     def outstanding(self) -> int:
         return self.produced - self.baseline - self.consumed
@@ -218,13 +219,16 @@ def run(cfg: Config) -> int:
             return
         if msg.incarnation != credit.trainer:
             credit.trainer, credit.baseline = msg.incarnation, credit.produced - msg.consumed_steps
+            credit.extra = 0
             log.info("trainer %s (incarnation %s) connected at policy version %d",
                      msg.trainer, msg.incarnation, msg.version)
         credit.consumed, credit.batch_steps = msg.consumed_steps, msg.batch_steps
         if msg.starving and credit.outstanding() >= window():
             # The trainer waits for data we think is in flight: it was lost (a restarted
             # assembler) or is held in partial trajectories longer than we allowed for.
-            credit.baseline += credit.batch_steps
+            grant = max(credit.batch_steps, credit.extra)
+            credit.baseline += grant
+            credit.extra += grant
             credit.topups += 1
         if msg.version > version:
             problem = _weights_problem(msg.params, spec, action_space)
@@ -249,6 +253,7 @@ def run(cfg: Config) -> int:
         """Act on the ready results if nothing holds us back; returns when to look again
         (None: when the next message arrives)."""
         nonlocal rate_steps, assembler_blocked
+        assembler_blocked = False  # only true while it is what holds ready work back
         ready = [w for w in workers.values() if w.result is not None]
         if not ready or params is None or action_space is None:
             return None
@@ -343,15 +348,27 @@ def _result_problem(r: p.StepResult, num_envs: int, spec: dict | None) -> str:
 
 def _weights_problem(params: dict[str, np.ndarray], spec: dict | None,
                      action_space: model.ActionSpace | None) -> str:
-    """Why weights cannot drive inference (empty if they can): one trial forward pass."""
+    """Why weights cannot drive inference (empty if they can): layer widths that fit the
+    spaces, finite values, and one trial forward pass with finite outputs."""
     if spec is None or action_space is None:
         return ""  # judged when the first worker tells us the spaces
     try:
+        obs_dim = int(np.prod(spec["obs_shape"]))
+        for head, out_dim in (("pi", action_space.dim), ("vf", 1)):
+            last = max(int(k.split(".")[1]) for k in params if k.startswith(f"{head}.")
+                       and k.endswith(".w"))
+            inputs, outputs = params[f"{head}.0.w"].shape[0], params[f"{head}.{last}.w"].shape[1]
+            if (inputs, outputs) != (obs_dim, out_dim):
+                return f"{head} maps {inputs} -> {outputs}, the spaces need {obs_dim} -> {out_dim}"
+        if not all(np.isfinite(v).all() for v in params.values()):
+            return "non-finite parameters"
         obs = np.zeros((1, *spec["obs_shape"]), np.float32)
-        actions, _, _ = model.act(params, obs, action_space, np.random.default_rng(0))
+        actions, logp, value = model.act(params, obs, action_space, np.random.default_rng(0))
         expected = (1,) if action_space.kind == "discrete" else (1, *action_space.shape)
         if actions.shape != expected:
             return f"actions of shape {actions.shape}, expected {expected}"
+        if not (np.isfinite(logp).all() and np.isfinite(value).all()):
+            return "non-finite log-prob or value"
     except Exception as exc:  # any malformed parameter set
         return f"{type(exc).__name__}: {exc}"[:200]
     return ""

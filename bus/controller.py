@@ -72,6 +72,7 @@ def run(cfg: Config) -> int:
         node.send(pub, p.Shutdown(reason=reason), block=False)
 
     def on_heartbeat(sender: bytes, msg: p.Heartbeat, now: float) -> None:
+        nonlocal epoch
         peer = peers.get(sender)
         if msg.leaving:
             if peer is not None:
@@ -82,6 +83,9 @@ def run(cfg: Config) -> int:
             peer = peers[sender] = Peer(msg.role, msg.name, msg.host, msg.pid, now, now)
             log.info("%s %s joined (host %s, pid %d)", msg.role, msg.name, msg.host, msg.pid)
         peer.last_seen, peer.figures = now, _scalar_figures(msg.figures)
+        broker_epoch = peer.figures.get("epoch") if msg.role == "broker" else None
+        if isinstance(broker_epoch, int) and broker_epoch > epoch:
+            epoch = broker_epoch  # this controller restarted: continue the run's epochs
         node.send(router, state(), to=sender, block=False)
 
     def on_status(sender: bytes, msg: p.StatusRequest, now: float) -> None:

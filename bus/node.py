@@ -17,6 +17,8 @@ import zmq
 from stepbus.bus import protocol as p
 from stepbus.bus import wiring
 
+from stepbus import entry
+
 HEARTBEAT_INTERVAL_S = 0.5
 LIVENESS_INTERVALS = 3  # a peer silent for this many heartbeat intervals is dead
 MAX_POLL_MS = 200  # upper bound on any poll, so a stop signal is seen within it
@@ -37,6 +39,8 @@ class StopFlag:
         self.reason = ""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
+        if entry.EARLY_SIGNALS:  # arrived while the process was still importing
+            self.reason = signal.Signals(entry.EARLY_SIGNALS[0]).name
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.reason = self.reason or signal.Signals(signum).name

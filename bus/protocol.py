@@ -253,7 +253,7 @@ class EnvSpec(Message):
 @dataclass(frozen=True)
 class Weights(Message):
     """Versioned policy parameters. `consumed_steps` (env steps this trainer incarnation has
-    trained on) is the credit that lets the broker keep stepping: see the broker's flow control."""
+    received) is the credit that lets the broker keep stepping: see the broker's flow control."""
 
     KIND: ClassVar[Kind] = Kind.WEIGHTS
     trainer: str

@@ -109,6 +109,8 @@ def _experience_problem(m: p.Experience) -> str:
         return "terminated/truncated must be bool"
     if m.final_obs.shape != (int((m.terminated | m.truncated).sum()), *m.obs.shape[1:]):
         return "final_obs needs one row per ended episode, shaped like obs"
+    if not -1 <= m.policy_version < 2**53:
+        return f"policy_version {m.policy_version}"
     outputs = (m.action, m.logp, m.value)
     if any(o is None for o in outputs) != all(o is None for o in outputs):
         return "action, logp and value travel together"

@@ -1,5 +1,5 @@
 import sys
 
-from stepbus.cli import main
+from stepbus.entry import main
 
 sys.exit(main())

@@ -6,6 +6,7 @@ import json
 import signal
 import time
 
+import numpy as np
 import zmq
 from conftest import Cluster, recv_message, send_message, wait_for
 from stepbus.bus import protocol as p
@@ -46,6 +47,7 @@ def test_a_worker_whose_batch_takes_longer_than_the_liveness_timeout_is_not_decl
              "two slow batches to reach the assembler")
     assert figure(cluster, "broker", "workers_lost") == 0
     assert "silent" not in procs["broker"].output()
+    assert "expired" not in procs["controller"].output(), "nor does the controller drop it"
 
 
 def test_a_barrier_completes_without_a_frozen_worker_which_is_served_again_later(
@@ -81,3 +83,60 @@ def test_reset_options_an_environment_rejects_fail_the_barrier_clearly_and_the_r
     steps = cluster.metrics()[-1]["env_steps"]
     wait_for(lambda: cluster.metrics()[-1]["env_steps"] > steps + 500, 30, "stepping on")
     assert procs["worker0"].popen.poll() is None
+
+
+def test_a_horizon_longer_than_the_credit_window_allows_for_grows_the_window_instead_of_stalling(
+        cluster: Cluster):
+    procs = {"controller": cluster.start("controller"), "broker": cluster.start("broker"),
+             "assembler": cluster.start("assembler", "--horizon", "500"),
+             "worker": cluster.start("worker"),
+             "trainer": cluster.start("trainer", "--target-return", "200")}
+    # 8 envs x 500 steps can sit in partial trajectories: far more than the default window.
+    wait_for(lambda: figure(cluster, "broker", "credit_topups") >= 1, 60, "a credit top-up")
+    codes = {name: proc.wait(90) for name, proc in procs.items()}
+    assert codes == dict.fromkeys(procs, 0), cluster.dump()
+    assert cluster.metrics()[-1]["mean_return"] >= 200
+
+
+def test_a_late_reply_from_a_worker_the_broker_still_knows_is_dropped_as_stale(
+        cluster: Cluster):
+    """A scripted worker that 'loses' a reply: the broker resets it, then the late reply
+    arrives and must fail the sequence check instead of being taken for the reset's answer."""
+    procs = {"controller": cluster.start("controller"), "broker": cluster.start("broker"),
+             "assembler": cluster.start("assembler"),
+             "trainer": cluster.start("trainer", "--target-return", "0")}
+    worker = cluster.socket(zmq.DEALER, cluster.endpoints["steps"])
+    worker.setsockopt(zmq.IDENTITY, b"scripted")
+    spec = {"obs_shape": [4], "obs_dtype": "<f4", "action_kind": "discrete", "action_n": 2,
+            "action_shape": [], "action_low": [], "action_high": []}
+    hello = p.WorkerHello(worker="scripted", incarnation="s1", env_id="CartPole-v1",
+                          num_envs=1, seed=0, spec=spec)
+
+    def result(msg: p.Message, first: bool) -> p.StepResult:
+        return p.StepResult(incarnation="s1", epoch=msg.epoch, seq=msg.seq, first=first,
+                            obs=np.zeros((1, 4), np.float32), reward=np.ones(1, np.float32),
+                            terminated=np.zeros(1, bool), truncated=np.zeros(1, bool),
+                            final_obs=np.zeros((0, 4), np.float32))
+
+    send_message(worker, hello)
+    reset = recv_message(worker, timeout=10)
+    assert isinstance(reset, p.Reset)
+    send_message(worker, result(reset, first=True))
+    step = recv_message(worker, timeout=30)  # once the trainer's weights are in
+    assert isinstance(step, p.Step) and step.seq == reset.seq + 1
+    # Play dead for a moment but stay alive: idle hellos make the broker give up on the step.
+    deadline = time.monotonic() + 10
+    again = None
+    while again is None and time.monotonic() < deadline:
+        send_message(worker, hello)
+        if worker.poll(500):
+            again = p.decode(worker.recv_multipart())
+    assert isinstance(again, p.Reset) and again.seq > step.seq
+    send_message(worker, result(step, first=False))  # the late reply to the old step
+    send_message(worker, result(again, first=True))
+    nxt = recv_message(worker, timeout=10)
+    assert isinstance(nxt, p.Step) and nxt.seq == again.seq + 1, "the reset's answer was used"
+    wait_for(lambda: figure(cluster, "broker", "stale_dropped") >= 1, 10,
+             "the late reply counted as stale")
+    assert figure(cluster, "assembler", "gaps") == 0
+    assert procs["broker"].popen.poll() is None

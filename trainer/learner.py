@@ -39,7 +39,8 @@ class Config:
                 "--target-episodes episodes reaches this (0: never)"})
     target_episodes: int = field(default=20, metadata={"help": "episodes in the mean"})
     max_policy_lag: int = field(default=8, metadata={
-        "help": "trajectories acted by a policy this many versions old are dropped (counted)"})
+        "help": "trajectories acted by a policy more than this many versions old are dropped "
+                "(counted)"})
     checkpoint_interval_s: float = field(default=2.0, metadata={
         "help": "seconds between checkpoints (one is also written on exit)"})
     seed: int = field(default=0, metadata={"help": "seeds initial weights and minibatches"})
@@ -244,7 +245,9 @@ def _learn(cfg: Config, log, stop, link, broker, intake, rejects, poller, name: 
             last_shutdown_request = now
             link.send(p.ShutdownRequest(reason=f"trainer reached mean return {mean_return():.1f}"))
         if now - last_data > 0.25 and now - last_publish > 0.25:
-            publish(starving=True)  # a restarted broker gets weights; a stalled credit refills
+            # A restarted broker gets weights; a stalled credit window refills (not once solved:
+            # then nothing more is wanted).
+            publish(starving=not solved)
         if now - last_ckpt > cfg.checkpoint_interval_s:
             save()
             last_ckpt = now
@@ -269,6 +272,12 @@ def _trajectory_problem(t: p.Trajectory, spec: dict, action: model.ActionSpace) 
         return f"{t.rewards.shape} rewards"
     if any(a.shape != (n,) for a in (t.logp, t.values, t.policy_versions)):
         return "logp, values and policy_versions need one entry per step"
+    if t.policy_versions.dtype.kind not in "iu":
+        return f"policy_versions of dtype {t.policy_versions.dtype}"
+    if t.episode_return is not None and not (
+            np.isfinite(t.episode_return) and t.episode_length is not None
+            and 1 <= t.episode_length <= 2**53):
+        return f"episode statistics {t.episode_return}, {t.episode_length}"
     if t.obs.shape != (n, *obs_shape) or t.bootstrap_obs.shape != obs_shape:
         return f"obs {t.obs.shape} / bootstrap {t.bootstrap_obs.shape}, spaces say {obs_shape}"
     if action.kind == "discrete":

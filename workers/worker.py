@@ -72,17 +72,20 @@ class EnvSet:
         self.last_obs = np.zeros((len(self.envs), *self.spec.obs_shape), self.obs_dtype)
         self.seeded = False
         self.errors = 0
+        self.without_options: set[int] = set()  # envs that rejected the current reset options
         low, high = self.spec.action_low, self.spec.action_high
         self.action_bounds = (np.asarray(low), np.asarray(high)) if low else None
 
     def reset(self, options: dict) -> np.ndarray:
         obs = np.empty_like(self.last_obs)
+        self.without_options.clear()
         for i, env in enumerate(self.envs):
             seed = self.seeds[i] if not self.seeded else None
             try:
                 obs[i] = env.reset(seed=seed, options=options or None)[0]
             except Exception as exc:  # e.g. options this env rejects: report, go on without
                 obs[i] = self._recreate(i, exc, {})
+                self.without_options.add(i)  # its later autoresets too, until the next barrier
             self.tick()
         if not self.seeded:
             for i, env in enumerate(self.envs):
@@ -114,7 +117,8 @@ class EnvSet:
             if terminated[i] or truncated[i]:
                 finals.append(obs[i].copy())
                 try:
-                    obs[i] = env.reset(options=options or None)[0]
+                    opts = None if i in self.without_options else options or None
+                    obs[i] = env.reset(options=opts)[0]
                 except Exception as exc:
                     obs[i] = self._recreate(i, exc, {})
         self.last_obs = obs
@@ -177,6 +181,7 @@ def run(cfg: Config) -> int:
 
     def tick() -> None:
         now = time.monotonic()
+        link.beat(now)  # the controller too must not take a slow batch for a dead worker
         if now - busy_beat[0] >= node.HEARTBEAT_INTERVAL_S:  # a slow batch is not a dead worker
             busy_beat[0] = now
             node.send(dealer, p.Heartbeat(role="worker", name=cfg.name, host=link.host,

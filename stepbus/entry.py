@@ -1,0 +1,19 @@
+"""The `stepbus` executable. It catches SIGINT/SIGTERM before the heavy imports, so a process
+that honcho stops while it is still starting exits 0 instead of dying by the signal."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+PROCESS_COMMANDS = ("controller", "broker", "worker", "assembler", "trainer")
+EARLY_SIGNALS: list[int] = []  # read by the process's stop flag once its loop starts
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] in PROCESS_COMMANDS:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: EARLY_SIGNALS.append(signum))
+    from stepbus.cli import main as cli_main
+
+    return cli_main()
