@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
-from stepbus.bus import node, wiring
+from stepbus.bus import checks, node, wiring
 from stepbus.bus import protocol as p
 from stepbus.trainer import model, spaces
 
@@ -25,8 +25,6 @@ from stepbus.trainer import model, spaces
 # trajectory in the assembler (up to the default horizon, 32), the step awaiting its reward, and
 # the step in flight. Too small a window deadlocks until the trainer reports itself starving.
 HORIZON_ALLOWANCE = 32 + 2
-MAX_ENVS_PER_WORKER = 65_536
-MAX_BATCH_STEPS = 10_000_000
 
 
 @dataclass
@@ -152,18 +150,18 @@ def run(cfg: Config) -> int:
                 reset_worker(w)  # it is idle, yet we wait on it: a message was lost
                 w.ready_since = now
             return
-        if not 1 <= msg.num_envs <= MAX_ENVS_PER_WORKER:
+        if not 1 <= msg.num_envs <= checks.MAX_ENVS_PER_WORKER:
             rejects.refuse(msg.worker, p.ProtocolError("bad hello", f"num_envs {msg.num_envs}"))
             return
         if spec is None:
-            problem = _spec_problem(msg.spec)
+            problem = checks.spec_problem(msg.spec)
             if problem:
                 counts["spec_refused"] += 1
                 rejects.refuse(msg.worker, p.ProtocolError("bad spec", problem))
                 return
             env_id, spec = msg.env_id, msg.spec
             action_space = spaces.action_space(spec)
-            if params is not None and _weights_problem(params, spec, action_space):
+            if params is not None and checks.weights_problem(params, spec, action_space):
                 params, version = None, -1  # weights that came first do not fit these spaces
         elif msg.spec != spec:
             counts["spec_refused"] += 1
@@ -184,7 +182,7 @@ def run(cfg: Config) -> int:
             counts["stale_dropped"] += 1
             return
         w.last_seen, w.in_flight = now, False
-        problem = _result_problem(msg, w.num_envs, spec)
+        problem = checks.result_problem(msg, w.num_envs, spec)
         if problem:
             rejects.refuse(w.name, p.ProtocolError("bad step result", problem))
             reset_worker(w)
@@ -211,7 +209,7 @@ def run(cfg: Config) -> int:
 
     def on_weights(ident: bytes, msg: p.Weights, now: float) -> None:
         nonlocal params, version
-        if not (1 <= msg.batch_steps <= MAX_BATCH_STEPS and 0 <= msg.consumed_steps < 2**53
+        if not (1 <= msg.batch_steps <= checks.MAX_BATCH_STEPS and 0 <= msg.consumed_steps < 2**53
                 and 0 <= msg.version < 2**53):
             rejects.refuse(msg.trainer, p.ProtocolError(
                 "bad weights", f"batch_steps {msg.batch_steps}, consumed_steps "
@@ -231,7 +229,7 @@ def run(cfg: Config) -> int:
             credit.extra += grant
             credit.topups += 1
         if msg.version > version:
-            problem = _weights_problem(msg.params, spec, action_space)
+            problem = checks.weights_problem(msg.params, spec, action_space)
             if problem:
                 rejects.refuse(msg.trainer, p.ProtocolError("bad weights", problem))
                 return
@@ -329,61 +327,3 @@ def run(cfg: Config) -> int:
     finally:
         link.close()
         ctx.destroy(linger=wiring.LINGER_MS)
-
-
-def _result_problem(r: p.StepResult, num_envs: int, spec: dict | None) -> str:
-    """Why a worker's result cannot be used (empty if it can): shapes must match its hello."""
-    k = num_envs
-    if spec is None or r.obs.shape != (k, *spec["obs_shape"]):
-        return f"obs shape {r.obs.shape}, expected ({k}, *{spec and spec['obs_shape']})"
-    if any(a.shape != (k,) for a in (r.reward, r.terminated, r.truncated)):
-        return "reward/terminated/truncated must have one entry per env"
-    if r.terminated.dtype != bool or r.truncated.dtype != bool:
-        return "terminated/truncated must be bool"
-    ended = int((r.terminated | r.truncated).sum())
-    if r.final_obs.shape != (ended, *spec["obs_shape"]):
-        return f"final_obs shape {r.final_obs.shape}, expected one row per ended episode"
-    return ""
-
-
-def _weights_problem(params: dict[str, np.ndarray], spec: dict | None,
-                     action_space: model.ActionSpace | None) -> str:
-    """Why weights cannot drive inference (empty if they can): layer widths that fit the
-    spaces, finite values, and one trial forward pass with finite outputs."""
-    if spec is None or action_space is None:
-        return ""  # judged when the first worker tells us the spaces
-    try:
-        obs_dim = int(np.prod(spec["obs_shape"]))
-        for head, out_dim in (("pi", action_space.dim), ("vf", 1)):
-            last = max(int(k.split(".")[1]) for k in params if k.startswith(f"{head}.")
-                       and k.endswith(".w"))
-            inputs, outputs = params[f"{head}.0.w"].shape[0], params[f"{head}.{last}.w"].shape[1]
-            if (inputs, outputs) != (obs_dim, out_dim):
-                return f"{head} maps {inputs} -> {outputs}, the spaces need {obs_dim} -> {out_dim}"
-        if not all(np.isfinite(v).all() for v in params.values()):
-            return "non-finite parameters"
-        obs = np.zeros((1, *spec["obs_shape"]), np.float32)
-        actions, logp, value = model.act(params, obs, action_space, np.random.default_rng(0))
-        expected = (1,) if action_space.kind == "discrete" else (1, *action_space.shape)
-        if actions.shape != expected:
-            return f"actions of shape {actions.shape}, expected {expected}"
-        if not (np.isfinite(logp).all() and np.isfinite(value).all()):
-            return "non-finite log-prob or value"
-    except Exception as exc:  # any malformed parameter set
-        return f"{type(exc).__name__}: {exc}"[:200]
-    return ""
-
-
-def _spec_problem(spec: dict) -> str:
-    """Why a worker's declared spaces are unusable (empty if usable)."""
-    try:
-        p.SpaceSpec(**spec)
-        spaces.action_space(spec)
-        if not all(isinstance(d, int) and d > 0 for d in spec["obs_shape"]):
-            return f"obs_shape {spec['obs_shape']}"
-        np.dtype(spec["obs_dtype"])
-        if spec["obs_dtype"] not in p.ALLOWED_DTYPES:
-            return f"obs_dtype {spec['obs_dtype']}"
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"[:200]
-    return ""

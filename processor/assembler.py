@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
-from stepbus.bus import node, wiring
+from stepbus.bus import checks, node, wiring
 from stepbus.bus import protocol as p
 
 SHUTDOWN_FLUSH_S = 1.0  # how long shutdown waits for a trainer to take the last trajectories
@@ -98,28 +98,6 @@ class WorkerTrack:
     action_shape: tuple | None = None
 
 
-def _experience_problem(m: p.Experience) -> str:
-    """Why an EXPERIENCE message cannot be used (empty if it can): consistent rows per env."""
-    if m.obs.ndim < 1 or not 1 <= m.obs.shape[0] <= 65_536:
-        return f"obs shape {m.obs.shape}"
-    k = m.obs.shape[0]
-    if any(a.shape != (k,) for a in (m.reward, m.terminated, m.truncated)):
-        return "reward/terminated/truncated need one entry per env"
-    if m.terminated.dtype != bool or m.truncated.dtype != bool:
-        return "terminated/truncated must be bool"
-    if m.final_obs.shape != (int((m.terminated | m.truncated).sum()), *m.obs.shape[1:]):
-        return "final_obs needs one row per ended episode, shaped like obs"
-    if not -1 <= m.policy_version < 2**53:
-        return f"policy_version {m.policy_version}"
-    outputs = (m.action, m.logp, m.value)
-    if any(o is None for o in outputs) != all(o is None for o in outputs):
-        return "action, logp and value travel together"
-    if m.action is not None and (m.action.ndim < 1 or m.action.shape[0] != k or any(
-            o.shape != (k,) for o in (m.logp, m.value))):
-        return "policy outputs need one row per env"
-    return ""
-
-
 def run(cfg: Config) -> int:
     log = node.setup_logging("assembler")
     stop = node.StopFlag()
@@ -153,7 +131,7 @@ def run(cfg: Config) -> int:
         log.debug("closed %s's trajectories: %s", name, why)
 
     def on_experience(m: p.Experience) -> None:
-        problem = _experience_problem(m)
+        problem = checks.experience_problem(m)
         if problem:
             rejects.refuse(m.worker, p.ProtocolError("bad experience", problem))
             if m.worker in tracks:

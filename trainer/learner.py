@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import zmq
-from stepbus.bus import node, wiring
+from stepbus.bus import checks, node, wiring
 from stepbus.bus import protocol as p
 from stepbus.trainer import checkpoint, model, ppo, spaces
 
@@ -185,7 +185,7 @@ def _learn(cfg: Config, log, stop, link, broker, intake, rejects, poller, name: 
 
     def on_trajectory(t: p.Trajectory) -> None:
         nonlocal batch_steps, received
-        problem = _trajectory_problem(t, spec, action)
+        problem = checks.trajectory_problem(t, spec, action)
         if problem:
             rejects.refuse("assembler", p.ProtocolError("bad trajectory", problem))
             return
@@ -262,37 +262,6 @@ def _learn(cfg: Config, log, stop, link, broker, intake, rejects, poller, name: 
     log.info("trainer stopping (%s); checkpoint at %s; %d messages refused",
              link.shutdown_reason or stop.reason, ckpt_path, rejects.total)
     return 0
-
-
-def _trajectory_problem(t: p.Trajectory, spec: dict, action: model.ActionSpace) -> str:
-    """Why a trajectory cannot be trained on (empty if it can)."""
-    n = t.rewards.shape[0]
-    obs_shape = tuple(spec["obs_shape"])
-    if not 1 <= n <= 1_000_000 or t.rewards.ndim != 1:
-        return f"{t.rewards.shape} rewards"
-    if any(a.shape != (n,) for a in (t.logp, t.values, t.policy_versions)):
-        return "logp, values and policy_versions need one entry per step"
-    if t.policy_versions.dtype.kind not in "iu":
-        return f"policy_versions of dtype {t.policy_versions.dtype}"
-    if t.episode_return is not None and not (
-            np.isfinite(t.episode_return) and t.episode_length is not None
-            and 1 <= t.episode_length <= 2**53):
-        return f"episode statistics {t.episode_return}, {t.episode_length}"
-    if t.obs.shape != (n, *obs_shape) or t.bootstrap_obs.shape != obs_shape:
-        return f"obs {t.obs.shape} / bootstrap {t.bootstrap_obs.shape}, spaces say {obs_shape}"
-    if action.kind == "discrete":
-        if t.actions.shape != (n,) or t.actions.dtype.kind not in "iu":
-            return f"actions {t.actions.dtype} {t.actions.shape}, expected {n} integers"
-        if t.actions.min() < 0 or t.actions.max() >= action.n:
-            return f"actions outside [0, {action.n})"
-    elif t.actions.shape != (n, *action.shape) or t.actions.dtype.kind != "f":
-        return f"actions {t.actions.dtype} {t.actions.shape}, expected floats {(n, *action.shape)}"
-    if not (np.isfinite(t.rewards).all() and np.isfinite(t.logp).all()):
-        return "non-finite rewards or log-probs"
-    if t.obs.dtype.kind == "f" and not (np.isfinite(t.obs).all()
-                                        and np.isfinite(t.bootstrap_obs).all()):
-        return "non-finite observations"
-    return ""
 
 
 def _link_latest(run_dir: Path) -> None:

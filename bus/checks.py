@@ -1,0 +1,126 @@
+"""What a well-formed message must also satisfy before a process uses it.
+
+The codec (protocol.py) guarantees types, dtypes and byte lengths; these checks guarantee
+consistency: one row per env, shapes that match the declared spaces, values in range. Each
+returns why a message cannot be used, or an empty string; the caller refuses and counts it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from stepbus.bus import protocol as p
+from stepbus.trainer import model, spaces
+
+MAX_ENVS_PER_WORKER = 65_536
+MAX_BATCH_STEPS = 10_000_000
+
+
+def result_problem(r: p.StepResult, num_envs: int, spec: dict | None) -> str:
+    """Why a worker's result cannot be used (empty if it can): shapes must match its hello."""
+    k = num_envs
+    if spec is None or r.obs.shape != (k, *spec["obs_shape"]):
+        return f"obs shape {r.obs.shape}, expected ({k}, *{spec and spec['obs_shape']})"
+    if any(a.shape != (k,) for a in (r.reward, r.terminated, r.truncated)):
+        return "reward/terminated/truncated must have one entry per env"
+    if r.terminated.dtype != bool or r.truncated.dtype != bool:
+        return "terminated/truncated must be bool"
+    ended = int((r.terminated | r.truncated).sum())
+    if r.final_obs.shape != (ended, *spec["obs_shape"]):
+        return f"final_obs shape {r.final_obs.shape}, expected one row per ended episode"
+    return ""
+
+
+def weights_problem(params: dict[str, np.ndarray], spec: dict | None,
+                    action_space: model.ActionSpace | None) -> str:
+    """Why weights cannot drive inference (empty if they can): layer widths that fit the
+    spaces, finite values, and one trial forward pass with finite outputs."""
+    if spec is None or action_space is None:
+        return ""  # judged when the first worker tells us the spaces
+    try:
+        obs_dim = int(np.prod(spec["obs_shape"]))
+        for head, out_dim in (("pi", action_space.dim), ("vf", 1)):
+            last = max(int(k.split(".")[1]) for k in params if k.startswith(f"{head}.")
+                       and k.endswith(".w"))
+            inputs, outputs = params[f"{head}.0.w"].shape[0], params[f"{head}.{last}.w"].shape[1]
+            if (inputs, outputs) != (obs_dim, out_dim):
+                return f"{head} maps {inputs} -> {outputs}, the spaces need {obs_dim} -> {out_dim}"
+        if not all(np.isfinite(v).all() for v in params.values()):
+            return "non-finite parameters"
+        obs = np.zeros((1, *spec["obs_shape"]), np.float32)
+        actions, logp, value = model.act(params, obs, action_space, np.random.default_rng(0))
+        expected = (1,) if action_space.kind == "discrete" else (1, *action_space.shape)
+        if actions.shape != expected:
+            return f"actions of shape {actions.shape}, expected {expected}"
+        if not (np.isfinite(logp).all() and np.isfinite(value).all()):
+            return "non-finite log-prob or value"
+    except Exception as exc:  # any malformed parameter set
+        return f"{type(exc).__name__}: {exc}"[:200]
+    return ""
+
+
+def spec_problem(spec: dict) -> str:
+    """Why a worker's declared spaces are unusable (empty if usable)."""
+    try:
+        p.SpaceSpec(**spec)
+        spaces.action_space(spec)
+        if not all(isinstance(d, int) and d > 0 for d in spec["obs_shape"]):
+            return f"obs_shape {spec['obs_shape']}"
+        np.dtype(spec["obs_dtype"])
+        if spec["obs_dtype"] not in p.ALLOWED_DTYPES:
+            return f"obs_dtype {spec['obs_dtype']}"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"[:200]
+    return ""
+
+
+def experience_problem(m: p.Experience) -> str:
+    """Why an EXPERIENCE message cannot be used (empty if it can): consistent rows per env."""
+    if m.obs.ndim < 1 or not 1 <= m.obs.shape[0] <= 65_536:
+        return f"obs shape {m.obs.shape}"
+    k = m.obs.shape[0]
+    if any(a.shape != (k,) for a in (m.reward, m.terminated, m.truncated)):
+        return "reward/terminated/truncated need one entry per env"
+    if m.terminated.dtype != bool or m.truncated.dtype != bool:
+        return "terminated/truncated must be bool"
+    if m.final_obs.shape != (int((m.terminated | m.truncated).sum()), *m.obs.shape[1:]):
+        return "final_obs needs one row per ended episode, shaped like obs"
+    if not -1 <= m.policy_version < 2**53:
+        return f"policy_version {m.policy_version}"
+    outputs = (m.action, m.logp, m.value)
+    if any(o is None for o in outputs) != all(o is None for o in outputs):
+        return "action, logp and value travel together"
+    if m.action is not None and (m.action.ndim < 1 or m.action.shape[0] != k or any(
+            o.shape != (k,) for o in (m.logp, m.value))):
+        return "policy outputs need one row per env"
+    return ""
+
+
+def trajectory_problem(t: p.Trajectory, spec: dict, action: model.ActionSpace) -> str:
+    """Why a trajectory cannot be trained on (empty if it can)."""
+    n = t.rewards.shape[0]
+    obs_shape = tuple(spec["obs_shape"])
+    if not 1 <= n <= 1_000_000 or t.rewards.ndim != 1:
+        return f"{t.rewards.shape} rewards"
+    if any(a.shape != (n,) for a in (t.logp, t.values, t.policy_versions)):
+        return "logp, values and policy_versions need one entry per step"
+    if t.policy_versions.dtype.kind not in "iu":
+        return f"policy_versions of dtype {t.policy_versions.dtype}"
+    if t.episode_return is not None and not (
+            np.isfinite(t.episode_return) and t.episode_length is not None
+            and 1 <= t.episode_length <= 2**53):
+        return f"episode statistics {t.episode_return}, {t.episode_length}"
+    if t.obs.shape != (n, *obs_shape) or t.bootstrap_obs.shape != obs_shape:
+        return f"obs {t.obs.shape} / bootstrap {t.bootstrap_obs.shape}, spaces say {obs_shape}"
+    if action.kind == "discrete":
+        if t.actions.shape != (n,) or t.actions.dtype.kind not in "iu":
+            return f"actions {t.actions.dtype} {t.actions.shape}, expected {n} integers"
+        if t.actions.min() < 0 or t.actions.max() >= action.n:
+            return f"actions outside [0, {action.n})"
+    elif t.actions.shape != (n, *action.shape) or t.actions.dtype.kind != "f":
+        return f"actions {t.actions.dtype} {t.actions.shape}, expected floats {(n, *action.shape)}"
+    if not (np.isfinite(t.rewards).all() and np.isfinite(t.logp).all()):
+        return "non-finite rewards or log-probs"
+    if t.obs.dtype.kind == "f" and not (np.isfinite(t.obs).all()
+                                        and np.isfinite(t.bootstrap_obs).all()):
+        return "non-finite observations"
+    return ""
