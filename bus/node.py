@@ -45,9 +45,6 @@ class StopFlag:
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.reason = self.reason or signal.Signals(signum).name
 
-    def set(self, reason: str) -> None:
-        self.reason = self.reason or reason
-
     def __bool__(self) -> bool:
         return bool(self.reason)
 
