@@ -280,6 +280,12 @@ def run(cfg: Config) -> int:
         rate_steps += start
         return None
 
+    def figures() -> dict:
+        return {"workers": len(workers), "policy_version": version, "epoch": epoch,
+                "steps_per_s": round(steps_per_s), "outstanding_steps": credit.outstanding(),
+                "credit_window": window(), "credit_topups": credit.topups,
+                "assembler_blocked": assembler_blocked, "rejected": rejects.total, **counts}
+
     worker_handlers = {p.WorkerHello: on_hello, p.StepResult: on_result,
                        p.Heartbeat: on_worker_heartbeat, p.RemoteError: on_worker_error}
     trainer_handlers = {p.TrainerHello: on_trainer_hello, p.Weights: on_weights}
@@ -292,12 +298,7 @@ def run(cfg: Config) -> int:
             now = time.monotonic()
             if now - rate_t0 >= 2.0:
                 steps_per_s, rate_steps, rate_t0 = rate_steps / (now - rate_t0), 0, now
-            next_beat = link.beat(now, {
-                "workers": len(workers), "policy_version": version, "epoch": epoch,
-                "steps_per_s": round(steps_per_s), "outstanding_steps": credit.outstanding(),
-                "credit_window": window(), "credit_topups": credit.topups,
-                "assembler_blocked": assembler_blocked,
-                "rejected": rejects.total, **counts})
+            next_beat = link.beat(now, figures)
             timeout_s = min(next_beat, look_again or next_beat) - now
             poller.register(experience, zmq.POLLOUT if assembler_blocked else 0)
             events = dict(poller.poll(max(0, min(timeout_s * 1000, node.MAX_POLL_MS))))

@@ -153,23 +153,23 @@ class ControllerLink:
         self.state: p.RunState | None = None
         self.shutdown_reason = ""
         self._next_beat = 0.0
-        self._figures: dict[str, Any] = {}
+        self._figures: Callable[[], dict[str, Any]] = dict
         self.host, self.pid = pysocket.gethostname(), os.getpid()
 
     def sockets(self) -> list[zmq.Socket]:
         return [self.dealer, self.sub]
 
-    def beat(self, now: float, figures: dict[str, Any] | None = None, *,
+    def beat(self, now: float, figures: Callable[[], dict[str, Any]] | None = None, *,
              leaving: bool = False) -> float:
-        """Send a heartbeat if one is due (figures default to the last ones sent); returns the
-        time of the next one."""
+        """Send a heartbeat if one is due; returns the time of the next one. `figures` is
+        called only when a beat goes out (loops call this on every wake-up); without it, the
+        last figures function given is used."""
         if figures is not None:
             self._figures = figures
-        figures = self._figures
         if now >= self._next_beat or leaving:
             send(self.dealer, p.Heartbeat(role=self.role, name=self.name, host=self.host,
-                                          pid=self.pid, leaving=leaving, figures=figures),
-                 block=False)
+                                          pid=self.pid, leaving=leaving,
+                                          figures=self._figures()), block=False)
             self._next_beat = now + HEARTBEAT_INTERVAL_S
         return self._next_beat
 

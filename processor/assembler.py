@@ -196,14 +196,17 @@ def run(cfg: Config) -> int:
         while held and node.send(outlet, held[0], block=False):
             held.popleft()
 
+    def figures() -> dict:
+        return {**counts, "held": len(held), "rejected": rejects.total,
+                "open_agents": sum(len(t.agents) for t in tracks.values())}
+
     poller = zmq.Poller()
     for sock in link.sockets():
         poller.register(sock, zmq.POLLIN)
     try:
         while not stop and not link.shutdown_reason:
             now = time.monotonic()
-            next_beat = link.beat(now, {**counts, "held": len(held), "open_agents": sum(
-                len(t.agents) for t in tracks.values()), "rejected": rejects.total})
+            next_beat = link.beat(now, figures)
             # Backpressure: while too much is held, stop taking experience in.
             poller.register(intake, zmq.POLLIN if len(held) < cfg.max_buffered else 0)
             poller.register(outlet, zmq.POLLOUT if held else 0)

@@ -89,7 +89,7 @@ def _wait_for_setup(cfg: Config, log, stop, link, broker, rejects, poller,
     next_hello = 0.0
     while not stop and not link.shutdown_reason:
         now = time.monotonic()
-        link.beat(now, {"state": "starting"})
+        link.beat(now, lambda: {"state": "starting"})
         if now >= next_hello:
             node.send(broker, p.TrainerHello(trainer=name, policy="default"), block=False)
             next_hello = now + node.HEARTBEAT_INTERVAL_S
@@ -203,13 +203,17 @@ def _learn(cfg: Config, log, stop, link, broker, intake, rejects, poller, name: 
                                     truncated=t.truncated, bootstrap_obs=t.bootstrap_obs))
         batch_steps += n
 
+    def figures() -> dict:
+        mean = mean_return()
+        return {"policy_version": progress.version, "env_steps": progress.env_steps,
+                "episodes": progress.episodes, "generation": progress.generation,
+                "mean_return": None if mean is None else round(mean, 2),
+                "rejected": rejects.total, **counts}
+
     publish()
     while not stop and not link.shutdown_reason:
         now = time.monotonic()
-        link.beat(now, {"policy_version": progress.version, "env_steps": progress.env_steps,
-                        "episodes": progress.episodes,
-                        "mean_return": None if not returns else round(mean_return(), 2),
-                        "generation": progress.generation, "rejected": rejects.total, **counts})
+        link.beat(now, figures)
         events = dict(poller.poll(node.MAX_POLL_MS))
         link.poll(events)
         if broker in events:

@@ -206,6 +206,9 @@ def run(cfg: Config) -> int:
         node.send(dealer, dataclasses.replace(result, incarnation=incarnation, epoch=epoch,
                                               seq=seq), block=False)
 
+    def figures() -> dict:
+        return {"env_steps": steps_done, "env_errors": envs.errors, "rejected": rejects.total}
+
     poller = zmq.Poller()
     poller.register(dealer, zmq.POLLIN)
     for sock in link.sockets():
@@ -217,8 +220,7 @@ def run(cfg: Config) -> int:
             if now - last_heard >= node.HEARTBEAT_INTERVAL_S:
                 node.send(dealer, hello, block=False)  # registration and liveness
                 last_heard = now
-            link.beat(now, {"env_steps": steps_done, "env_errors": envs.errors,
-                            "rejected": rejects.total})
+            link.beat(now, figures)
             events = dict(poller.poll(node.MAX_POLL_MS))
             link.poll(events)
             if dealer not in events:
