@@ -65,7 +65,9 @@ def test_a_barrier_completes_without_a_frozen_worker_which_is_served_again_later
     assert elapsed < 4.0, "noticed within a few heartbeat intervals"
     procs["worker1"].signal(signal.SIGCONT)
     wait_for(lambda: figure(cluster, "broker", "workers") == 2, 20, "the thawed worker back")
-    assert figure(cluster, "broker", "stale_dropped") >= 1, "its old reply was recognised"
+    # Figures travel with heartbeats (every 0.5 s): wait for the one after the stale reply.
+    wait_for(lambda: figure(cluster, "broker", "stale_dropped") >= 1, 5,
+             "its old reply to be recognised as stale")
     steps = figure(cluster, "worker", "env_steps", "w1")
     wait_for(lambda: figure(cluster, "worker", "env_steps", "w1") > steps + 100, 20,
              "the thawed worker stepping again")
