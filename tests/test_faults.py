@@ -54,6 +54,8 @@ def test_a_barrier_completes_without_a_frozen_worker_which_is_served_again_later
         cluster: Cluster):
     procs = cluster.start_all(trainer_args=("--target-return", "0"), workers=2)
     wait_for(lambda: len(cluster.metrics()) >= 2, 60, "training under way")
+    wait_for(lambda: figure(cluster, "worker", "env_steps", "w1") > 0, 30,
+             "the second worker to be served before it is frozen")
     control = cluster.socket(zmq.DEALER, cluster.endpoints["controller"])
     procs["worker1"].signal(signal.SIGSTOP)
     t0 = time.monotonic()  # asked at once, so the worker is frozen, not yet expired, at the start
