@@ -69,6 +69,13 @@ def test_reset_barrier_resets_every_env_with_the_options_and_stepping_resumes(cl
             procs[f"w{i}"] = cluster.start("worker", "--env", "scripted_envs:recording_cartpole",
                                            "--envs-per-worker", "3", "--name", f"w{i}")
         wait_for(lambda: len(cluster.metrics()) >= 3, 60, "training under way")
+
+        def both_workers_served() -> bool:
+            res = cluster.cli("status", "--json", "--timeout", "2")
+            rows = json.loads(res.stdout)["processes"] if res.returncode == 0 else []
+            return sum(r["role"] == "worker" and r.get("env_steps", 0) > 0 for r in rows) == 2
+
+        wait_for(both_workers_served, 30, "both workers stepping")
         done = cluster.cli("reset", "--option", "level=3", "--option", "mode=hard")
         assert done.returncode == 0, done.stdout + done.stderr
         assert "2 workers reset" in done.stdout
