@@ -215,6 +215,12 @@ def run(cfg: Config) -> int:
                 "bad weights", f"batch_steps {msg.batch_steps}, consumed_steps "
                 f"{msg.consumed_steps}, version {msg.version}"))
             return
+        if msg.version > version:  # judged before anything else is taken from the message
+            problem = checks.weights_problem(msg.params, spec, action_space)
+            if problem:
+                rejects.refuse(msg.trainer, p.ProtocolError("bad weights", problem))
+                return
+            params, version = dict(msg.params), msg.version
         if msg.incarnation != credit.trainer:
             credit.trainer, credit.baseline = msg.incarnation, credit.produced - msg.consumed_steps
             credit.extra = 0
@@ -228,12 +234,6 @@ def run(cfg: Config) -> int:
             credit.baseline += grant
             credit.extra += grant
             credit.topups += 1
-        if msg.version > version:
-            problem = checks.weights_problem(msg.params, spec, action_space)
-            if problem:
-                rejects.refuse(msg.trainer, p.ProtocolError("bad weights", problem))
-                return
-            params, version = dict(msg.params), msg.version
 
     def on_barrier(new_epoch: int, new_options: dict) -> None:
         nonlocal phase, epoch, options
