@@ -45,6 +45,16 @@ class PendingReset:
     deadline: float
 
 
+@dataclass
+class PendingSwap:
+    requester: bytes
+    slot: bytes
+    deadline: float
+
+
+SWAP_TIMEOUT_S = 30.0  # a slot stops its learner (<= 4 s) and watches the new one (3 s)
+
+
 def run(cfg: Config) -> int:
     log = node.setup_logging("controller")
     stop = node.StopFlag()
@@ -57,6 +67,7 @@ def run(cfg: Config) -> int:
     epoch, options = 0, {}
     shutting_down_since: float | None = None
     pending_reset: PendingReset | None = None
+    pending_swap: PendingSwap | None = None
     host, pid, started = pysocket.gethostname(), os.getpid(), time.monotonic()
     log.info("run %s: controller on %s, broadcasts on %s", run_id, cfg.controller, cfg.broadcast)
 
@@ -131,6 +142,35 @@ def run(cfg: Config) -> int:
         begin_shutdown(msg.reason)
         node.send(router, p.Reply(ok=True, detail="shutting down"), to=sender, block=False)
 
+    def on_trainer_swap(sender: bytes, msg: p.TrainerSwap, now: float) -> None:
+        nonlocal pending_swap
+        slots = {ident: q for ident, q in peers.items()
+                 if q.role == "slot" and msg.slot in ("", q.name)}
+        names = ", ".join(sorted(q.name for q in peers.values() if q.role == "slot"))
+        problem = ("a swap is already under way" if pending_swap is not None else
+                   f"no trainer slot named {msg.slot!r} (slots: {names or 'none'})"
+                   if msg.slot and not slots else
+                   "no trainer slot is registered (start one with `stepbus trainer`)"
+                   if not slots else
+                   f"{len(slots)} trainer slots ({names}): name one with --slot"
+                   if len(slots) > 1 else "")
+        if problem:
+            node.send(router, p.Reply(ok=False, detail=problem), to=sender, block=False)
+            return
+        (ident,) = slots
+        pending_swap = PendingSwap(sender, ident, now + SWAP_TIMEOUT_S)
+        log.info("trainer swap in slot %s: %s", peers[ident].name, " ".join(msg.args))
+        node.send(router, msg, to=ident, block=False)
+
+    def on_reply(sender: bytes, msg: p.Reply, now: float) -> None:
+        nonlocal pending_swap
+        if pending_swap is None or sender != pending_swap.slot:
+            who = peers[sender].name if sender in peers else sender.hex()
+            rejects.refuse(who, p.ProtocolError("unexpected kind", "REPLY"))
+            return
+        node.send(router, msg, to=pending_swap.requester, block=False)
+        pending_swap = None
+
     def on_remote_error(sender: bytes, msg: p.RemoteError, now: float) -> None:
         log.error("error in %s: %s: %s %s\n%s", msg.origin, msg.error_type, msg.message,
                   msg.context, msg.traceback)
@@ -142,6 +182,8 @@ def run(cfg: Config) -> int:
         p.BarrierDone: on_barrier_done,
         p.ShutdownRequest: on_shutdown,
         p.RemoteError: on_remote_error,
+        p.TrainerSwap: on_trainer_swap,
+        p.Reply: on_reply,
     }
 
     poller = zmq.Poller()
@@ -165,6 +207,11 @@ def run(cfg: Config) -> int:
                     f"reset barrier epoch {pending_reset.epoch} not completed within "
                     f"{cfg.barrier_timeout_s}s")), to=pending_reset.requester, block=False)
                 pending_reset = None
+            if pending_swap is not None and now > pending_swap.deadline:
+                node.send(router, p.Reply(ok=False, detail=(
+                    f"the trainer slot did not answer within {SWAP_TIMEOUT_S:g}s")),
+                    to=pending_swap.requester, block=False)
+                pending_swap = None
             if shutting_down_since is not None:
                 if now >= next_rebroadcast:  # late subscribers still hear it
                     node.send(pub, p.Shutdown(reason="shutdown"), block=False)

@@ -35,9 +35,10 @@ def setup_logging(role: str) -> logging.Logger:
 class StopFlag:
     """SIGINT/SIGTERM set a flag instead of raising, so loops finish their duties and exit 0."""
 
-    def __init__(self) -> None:
+    def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGINT,
+                                                              signal.SIGTERM)) -> None:
         self.reason = ""
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in signals:
             signal.signal(sig, self._on_signal)
         if entry.EARLY_SIGNALS:  # arrived while the process was still importing
             self.reason = signal.Signals(entry.EARLY_SIGNALS[0]).name

@@ -35,6 +35,9 @@ Who sends what (sender -> receiver, socket pair):
     SHUTDOWN          controller -> all         PUB    -> SUB      finish duties and exit 0
     REMOTE_ERROR      any -> controller         DEALER -> ROUTER   an error, as data
     WORKER_LOST       broker -> assembler       PUSH   -> PULL     close its open trajectories
+    RECEIPT           trainer -> assembler      PUSH   -> PULL     trajectories taken in (acks)
+    TRAINER_SWAP      cli -> controller -> slot DEALER -> ROUTER   replace the running learner
+    REPLY             slot -> controller        DEALER -> ROUTER   outcome of a swap, relayed
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import itertools
 import operator
 import reprlib
 import types
@@ -55,7 +59,10 @@ import numpy as np
 
 PROTOCOL_VERSION = 1
 
-MAX_HEADER_BYTES = 1 << 20
+# Decoding cost grows with the header's bytes and its lists and maps (each one allocated,
+# checked, freed), so both are bounded: any header, valid or not, decodes in about 2 ms.
+MAX_HEADER_BYTES = 64 << 10
+MAX_HEADER_CONTAINERS = 4096
 MAX_ARRAYS = 256
 MAX_NDIM = 8
 MAX_ARRAY_BYTES = 1 << 30
@@ -102,6 +109,8 @@ class Kind(enum.IntEnum):
     SHUTDOWN = 20
     REMOTE_ERROR = 21
     WORKER_LOST = 22
+    RECEIPT = 23
+    TRAINER_SWAP = 24
 
 
 # A JSON-like value (str keys, scalars, lists, maps) of bounded depth: options, figures, status.
@@ -230,6 +239,30 @@ class Trajectory(Message):
     rewards: np.ndarray
     policy_versions: np.ndarray
     bootstrap_obs: np.ndarray
+    assembler: str  # the assembler incarnation that numbered it
+    seq: int  # its number there; a trainer's RECEIPT names it back
+
+
+@dataclass(frozen=True)
+class Receipt(Message):
+    """Trajectories a trainer took in: until then the assembler keeps them, and resends them
+    if the trainer that should have had them is gone (ZeroMQ drops a dead peer's queue)."""
+
+    KIND: ClassVar[Kind] = Kind.RECEIPT
+    trainer: str
+    incarnation: str
+    assembler: str
+    seqs: np.ndarray  # int64 trajectory numbers received since the last receipt
+
+
+@dataclass(frozen=True)
+class TrainerSwap(Message):
+    """Replace the learner in a trainer slot: the CLI asks the controller, which forwards it to
+    the slot and relays the slot's REPLY."""
+
+    KIND: ClassVar[Kind] = Kind.TRAINER_SWAP
+    slot: str  # empty: the only slot there is
+    args: list[str]  # learner flags, added to (and overriding) the slot's own
 
 
 @dataclass(frozen=True)
@@ -368,6 +401,7 @@ MESSAGE_TYPES: dict[Kind, type[Message]] = {
         WorkerHello, Reset, Step, StepResult, Experience, Trajectory, TrainerHello, EnvSpec,
         Weights, Heartbeat, RunState, StatusRequest, StatusReply, ResetRequest,
         ShutdownRequest, Reply, Barrier, BarrierDone, Shutdown, RemoteError, WorkerLost,
+        Receipt, TrainerSwap,
     )
 }
 assert set(MESSAGE_TYPES) == set(Kind), "every kind needs exactly one message class"
@@ -420,16 +454,41 @@ def _strip_optional(hint: Any) -> Any:
 _SCHEMAS: dict[Kind, _Schema] = {kind: _schema(cls) for kind, cls in MESSAGE_TYPES.items()}
 
 
+_JSON_SCALARS = frozenset({type(None), bool, int, float, str})
+_JSON_CONTAINERS = frozenset({list, dict})
+_JSON_TYPES = _JSON_SCALARS | _JSON_CONTAINERS
+_STR_ONLY = frozenset({str})
+# Exact types, as msgpack makes them: bool is not an int here, an int is a float.
+_EXACT_TYPES = {bool: frozenset({bool}), int: frozenset({int}), float: frozenset({int, float}),
+                str: _STR_ONLY}
+
+
 def _check_json(value: Any, depth: int = 0) -> bool:
-    if depth > MAX_JSON_DEPTH:
+    """Str keys, scalars, lists and maps, nested at most MAX_JSON_DEPTH below `value`.
+
+    Whole containers are type-checked at C speed (`set.issuperset(map(type, ...))`) and only
+    nested containers are visited one by one, so a header of 60,000 small values costs well
+    under a millisecond. Depth -1 checks the items of a field typed `dict[str, Json]` or
+    `list[Json]`, each of which may nest MAX_JSON_DEPTH deep itself.
+    """
+    kind = type(value)
+    if kind is dict:
+        if not _STR_ONLY.issuperset(map(type, value)):
+            return False
+        items: Any = value.values()
+    elif kind is list:
+        items = value
+    else:
+        return kind in _JSON_SCALARS and depth <= MAX_JSON_DEPTH
+    if depth >= MAX_JSON_DEPTH:
+        return not items  # a container at the last level may only be empty
+    kinds = set(map(type, items))
+    if not kinds <= _JSON_TYPES:
         return False
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if kinds <= _JSON_SCALARS:
         return True
-    if isinstance(value, list):
-        return all(_check_json(v, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _check_json(v, depth + 1) for k, v in value.items())
-    return False
+    nested = itertools.compress(items, map(_JSON_CONTAINERS.__contains__, map(type, items)))
+    return all(_check_json(v, depth + 1) for v in nested)
 
 
 def _check_value(value: Any, hint: Any) -> bool:
@@ -437,23 +496,23 @@ def _check_value(value: Any, hint: Any) -> bool:
         return _check_json(value)
     if _is_optional(hint):
         return value is None or _check_value(value, _strip_optional(hint))
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
+    exact = _EXACT_TYPES.get(hint)
+    if exact is not None:
+        return type(value) in exact
     origin = typing.get_origin(hint)
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        return isinstance(value, list) and all(_check_value(v, item) for v in value)
-    if origin is dict:
-        _, item = typing.get_args(hint)
-        return isinstance(value, dict) and all(
-            isinstance(k, str) and _check_value(v, item) for k, v in value.items()
-        )
+    if origin is list or origin is dict:
+        if type(value) is not origin:
+            return False
+        item = typing.get_args(hint)[-1]
+        if item is Json:
+            return _check_json(value, -1)
+        if origin is dict and not _STR_ONLY.issuperset(map(type, value)):
+            return False
+        items = value.values() if origin is dict else value
+        exact = _EXACT_TYPES.get(item)
+        if exact is not None:
+            return exact.issuperset(map(type, items))
+        return all(_check_value(v, item) for v in items)
     return False
 
 
@@ -523,25 +582,48 @@ def _decode_array(desc: Any, frame: Any) -> tuple[str, np.ndarray]:
     return name, arr.reshape(shape)
 
 
-def decode(frames: Sequence[Any]) -> Message:
+class _ContainerBudget:
+    """msgpack's list and map hook: refuses a header once it has built MAX_HEADER_CONTAINERS
+    lists and maps, before a bomb of small containers costs milliseconds to build and free."""
+
+    __slots__ = ("left",)
+
+    def __init__(self) -> None:
+        self.left = MAX_HEADER_CONTAINERS
+
+    def take(self, container: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise ProtocolError("header too complex",
+                                f"more than {MAX_HEADER_CONTAINERS} lists and maps")
+        return container
+
+
+def _unpack_header(head: memoryview, max_bytes: int) -> Any:
+    """Frame 0 -> Python values, within the byte and container bounds; no ext types."""
+    if head.nbytes > max_bytes:
+        raise ProtocolError("header too large", f"{head.nbytes} bytes, at most {max_bytes}")
+    budget = _ContainerBudget()
+    try:
+        return msgpack.unpackb(head, raw=False, strict_map_key=True, ext_hook=_refuse_ext,
+                               use_list=True, list_hook=budget.take, object_hook=budget.take)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises many types (ValueError, StackError, ...)
+        raise ProtocolError("bad msgpack", f"{type(exc).__name__}: {exc}"[:160]) from None
+
+
+def decode(frames: Sequence[Any], *, max_header_bytes: int = MAX_HEADER_BYTES) -> Message:
     """Frames (bytes, memoryviews or zmq.Frames, routing identity removed) -> a Message.
+
+    max_header_bytes: only a client reading a large STATUS_REPLY needs more than the default.
 
     Raises:
         ProtocolError: for anything that is not a well-formed message of a declared kind.
     """
     if not frames:
         raise ProtocolError("empty message")
-    head = _buffer(frames[0])
-    if head.nbytes > MAX_HEADER_BYTES:
-        raise ProtocolError("header too large", f"{head.nbytes} bytes")
-    try:
-        header = msgpack.unpackb(
-            head, raw=False, strict_map_key=True, ext_hook=_refuse_ext, use_list=True
-        )
-    except ProtocolError:
-        raise
-    except Exception as exc:  # msgpack raises many types (ValueError, StackError, ...)
-        raise ProtocolError("bad msgpack", f"{type(exc).__name__}: {exc}"[:160]) from None
+    header = _unpack_header(_buffer(frames[0]), max_header_bytes)
     if not (isinstance(header, list) and len(header) == 4):
         raise ProtocolError("bad header", "expected [version, kind, fields, arrays]")
     version, kind_value, fields, descs = header
@@ -598,8 +680,6 @@ def decode(frames: Sequence[Any]) -> Message:
 def peek_kind(frames: Sequence[Any]) -> Kind | None:
     """Best-effort kind of a message that failed to decode, for per-kind error counts."""
     try:
-        header = msgpack.unpackb(_buffer(frames[0]), raw=False, strict_map_key=True,
-                                 ext_hook=_refuse_ext)
-        return Kind(header[1])
+        return Kind(_unpack_header(_buffer(frames[0]), MAX_HEADER_BYTES)[1])
     except Exception:
         return None

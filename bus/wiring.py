@@ -41,6 +41,8 @@ ENDPOINTS: dict[str, EndpointSpec] = {
                      "assembler PULL receiving experience from the broker"),
         EndpointSpec("trajectories", "STEPBUS_TRAJECTORIES", "tcp://127.0.0.1:7345",
                      "assembler PUSH sending trajectories to the trainer"),
+        EndpointSpec("receipts", "STEPBUS_RECEIPTS", "tcp://127.0.0.1:7346",
+                     "assembler PULL receiving the trainer's receipts for trajectories"),
     )
 }
 

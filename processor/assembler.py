@@ -6,12 +6,21 @@ per agent gives transitions; a trajectory is emitted when the episode ends (term
 truncated, with the final observation as bootstrap) or `horizon` steps accumulate (bootstrap
 from the next observation). A worker's new incarnation, a reset, or shutdown closes open
 trajectories as truncated, bootstrapping from the last observation seen. Nothing is emitted twice.
+
+Every trajectory is numbered and kept until a trainer's RECEIPT names it: ZeroMQ silently drops
+what was queued toward a trainer that died, so when a new trainer incarnation starts receipting,
+whatever was sent before its first trajectory and never receipted went down with the old one and
+is sent again (renumbered). Kept plus unsent trajectories are bounded by `max_buffered`; at the
+bound the assembler stops taking experience in, the broker's experience queue fills, and stepping
+pauses. Nothing is dropped silently.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,11 +35,13 @@ SHUTDOWN_FLUSH_S = 1.0  # how long shutdown waits for a trainer to take the last
 class Config:
     experience: str = wiring.endpoint("experience", "PULL endpoint to bind for the broker")
     trajectories: str = wiring.endpoint("trajectories", "PUSH endpoint to bind for trainers")
+    receipts: str = wiring.endpoint("receipts", "PULL endpoint to bind for trainers' receipts")
     controller: str = wiring.endpoint("controller", "controller endpoint to connect")
     broadcast: str = wiring.endpoint("broadcast", "controller broadcast endpoint to connect")
     horizon: int = field(default=32, metadata={"help": "longest trajectory, in steps"})
     max_buffered: int = field(default=10_000, metadata={
-        "help": "trajectories held while no trainer takes them; past it, intake pauses"})
+        "help": "trajectories kept until a trainer receipts them (or unsent while no trainer "
+                "is connected); at this bound, intake and so stepping pause"})
 
 
 class AgentBuffer:
@@ -80,7 +91,8 @@ class AgentBuffer:
                 episode_length=self.episode_length if ended else None,
                 obs=a["obs"][:n], actions=a["actions"][:n], logp=a["logp"][:n],
                 values=a["values"][:n], rewards=a["rewards"][:n],
-                policy_versions=a["policy_versions"][:n], bootstrap_obs=bootstrap)
+                policy_versions=a["policy_versions"][:n], bootstrap_obs=bootstrap,
+                assembler="", seq=-1)  # numbered when sent
             self.arrays = {}
         self.n, self.pending = 0, False
         if episode_end or truncated:
@@ -107,20 +119,36 @@ def run(cfg: Config) -> int:
     intake = wiring.socket(ctx, zmq.PULL, bind=cfg.experience)
     outlet = wiring.socket(ctx, zmq.PUSH, bind=cfg.trajectories)
     outlet.setsockopt(zmq.SNDHWM, 64)  # beyond this, trajectories wait in `held` (counted)
+    receipts = wiring.socket(ctx, zmq.PULL, bind=cfg.receipts)
     rejects = node.RejectLog(log)
+    incarnation = uuid.uuid4().hex[:8]
     tracks: dict[str, WorkerTrack] = {}
-    held: collections.deque[p.Trajectory] = collections.deque()
-    counts = {"steps": 0, "trajectories": 0, "episodes": 0, "closed_truncated": 0, "gaps": 0}
-    log.info("assembler: experience on %s, trajectories on %s, horizon %d",
-             cfg.experience, cfg.trajectories, cfg.horizon)
+    held: collections.deque[p.Trajectory] = collections.deque()  # not yet handed to ZeroMQ
+    unreceipted: collections.OrderedDict[int, p.Trajectory] = collections.OrderedDict()
+    trainers: dict[str, int] = {}  # trainer incarnation -> the first seq it receipted
+    swap = {"trainer": "", "last_receipt": 0.0}
+    counts = {"steps": 0, "trajectories": 0, "episodes": 0, "closed_truncated": 0, "gaps": 0,
+              "resent": 0, "trainer_swaps": 0}
+    last_swap_gap_s: float | None = None
+    next_seq = 0
+    log.info("assembler: experience on %s, trajectories on %s, receipts on %s, horizon %d",
+             cfg.experience, cfg.trajectories, cfg.receipts, cfg.horizon)
 
     def emit(traj: p.Trajectory | None) -> None:
         if traj is None:
             return
         counts["trajectories"] += 1
         counts["episodes"] += traj.episode_return is not None
+        send(traj)
+
+    def send(traj: p.Trajectory) -> None:
+        nonlocal next_seq
+        traj = dataclasses.replace(traj, assembler=incarnation, seq=next_seq)
+        next_seq += 1
         if held or not node.send(outlet, traj, block=False):
             held.append(traj)
+        else:
+            unreceipted[traj.seq] = traj
 
     def close(name: str, why: str) -> None:
         track = tracks.pop(name)
@@ -194,24 +222,74 @@ def run(cfg: Config) -> int:
 
     def flush_held() -> None:
         while held and node.send(outlet, held[0], block=False):
-            held.popleft()
+            traj = held.popleft()
+            unreceipted[traj.seq] = traj
+
+    def on_receipt(m: p.Receipt) -> None:
+        nonlocal last_swap_gap_s
+        if (m.assembler != incarnation or m.seqs.dtype.kind not in "iu" or m.seqs.ndim != 1
+                or not m.seqs.size):
+            return  # meant for the assembler this one replaced, or empty: nothing to free
+        now = time.monotonic()
+        if m.incarnation not in trainers:
+            if len(trainers) > 1000:
+                trainers.clear()  # only the current trainer's first seq matters
+            trainers[m.incarnation] = int(m.seqs.min())
+            if swap["trainer"]:
+                counts["trainer_swaps"] += 1
+                last_swap_gap_s = round(now - swap["last_receipt"], 3)
+                log.info("trainer %s (incarnation %s) took over; %.2fs without a trainer "
+                         "taking trajectories", m.trainer, m.incarnation, last_swap_gap_s)
+            else:
+                log.info("trainer %s (incarnation %s) taking trajectories", m.trainer,
+                         m.incarnation)
+            swap["trainer"] = m.incarnation
+        swap["last_receipt"] = now
+        for seq in m.seqs.tolist():
+            unreceipted.pop(seq, None)
+        # Sent before this trainer's first one and never receipted: lost with an earlier trainer.
+        first = trainers[m.incarnation]
+        lost = []
+        while unreceipted:
+            seq = next(iter(unreceipted))
+            if seq >= first:
+                break
+            lost.append(unreceipted.pop(seq))
+        if lost:
+            counts["resent"] += len(lost)
+            log.info("resending %d trajectories a previous trainer never receipted", len(lost))
+            for traj in lost:
+                send(traj)
+
+    def take_receipts() -> None:
+        _, msg = node.recv(receipts, rejects)
+        if isinstance(msg, p.Receipt):
+            on_receipt(msg)
+        elif msg is not None:
+            rejects.refuse("trainer", p.ProtocolError("unexpected kind", msg.KIND.name))
+
+    def kept() -> int:
+        return len(held) + len(unreceipted)
 
     def figures() -> dict:
-        return {**counts, "held": len(held), "rejected": rejects.total,
+        return {**counts, "held": len(held), "unreceipted": len(unreceipted),
+                "last_swap_gap_s": last_swap_gap_s, "rejected": rejects.total,
                 "open_agents": sum(len(t.agents) for t in tracks.values())}
 
     poller = zmq.Poller()
-    for sock in link.sockets():
+    for sock in (*link.sockets(), receipts):
         poller.register(sock, zmq.POLLIN)
     try:
         while not stop and not link.shutdown_reason:
             now = time.monotonic()
             next_beat = link.beat(now, figures)
-            # Backpressure: while too much is held, stop taking experience in.
-            poller.register(intake, zmq.POLLIN if len(held) < cfg.max_buffered else 0)
+            # Backpressure: while too much is kept, stop taking experience in.
+            poller.register(intake, zmq.POLLIN if kept() < cfg.max_buffered else 0)
             poller.register(outlet, zmq.POLLOUT if held else 0)
             events = dict(poller.poll(max(0, min((next_beat - now) * 1000, node.MAX_POLL_MS))))
             link.poll(events)
+            if receipts in events:
+                node.drain(receipts, take_receipts)
             if outlet in events:
                 flush_held()
             if intake in events:
@@ -219,13 +297,16 @@ def run(cfg: Config) -> int:
         node.drain(intake, take_one)  # what the broker already sent is not lost
         for name in list(tracks):
             close(name, "shutdown")
-        deadline = time.monotonic() + SHUTDOWN_FLUSH_S  # a trainer may be (re)connecting
-        while held and time.monotonic() < deadline:
-            if outlet.poll(50, zmq.POLLOUT):
-                flush_held()
-        log.info("assembler stopping (%s): %d trajectories, %d episodes, %d held unsent, "
-                 "%d messages refused", link.shutdown_reason or stop.reason,
-                 counts["trajectories"], counts["episodes"], len(held), rejects.total)
+        # The trainer keeps taking trajectories for a moment after the shutdown broadcast.
+        deadline = time.monotonic() + SHUTDOWN_FLUSH_S
+        while kept() and time.monotonic() < deadline:
+            flush_held()
+            if receipts.poll(50, zmq.POLLIN):
+                node.drain(receipts, take_receipts)
+        log.info("assembler stopping (%s): %d trajectories, %d episodes, %d resent, %d never "
+                 "receipted by a trainer, %d messages refused",
+                 link.shutdown_reason or stop.reason, counts["trajectories"], counts["episodes"],
+                 counts["resent"], kept(), rejects.total)
         return 0
     finally:
         link.close()

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import inspect
+import io
 import itertools
 import json
 import os
@@ -24,7 +26,7 @@ from stepbus import __version__, single_thread_blas  # noqa: F401  (before numpy
 from stepbus.bus import broker, controller, node, wiring
 from stepbus.bus import protocol as p
 from stepbus.processor import assembler
-from stepbus.trainer import learner
+from stepbus.trainer import learner, slot
 from stepbus.workers import worker
 
 PROCESSES: dict[str, tuple[type, Callable[[Any], int], str]] = {
@@ -35,9 +37,18 @@ PROCESSES: dict[str, tuple[type, Callable[[Any], int], str]] = {
     "worker": (worker.Config, worker.run, "environment worker hosting K environments"),
     "assembler": (assembler.Config, assembler.run,
                   "trajectory assembler: per-agent trajectories cut at a horizon"),
-    "trainer": (learner.Config, learner.run,
-                "learner: PPO on trajectories, versioned weights, checkpoints"),
+    "trainer": (learner.Config, slot.run,
+                "trainer slot: runs `stepbus learner` with these flags, restarts it when it "
+                "dies, replaces it on `stepbus trainer swap [LEARNER FLAGS]`"),
+    "learner": (learner.Config, learner.run,
+                "the learner alone, unsupervised: PPO on trajectories, versioned weights, "
+                "checkpoints"),
 }
+SWAP_HELP = ("replace the learner in the running trainer slot: the current learner "
+             "checkpoints and exits, a new one resumes the checkpoint with the slot's flags "
+             "plus these (any `stepbus learner` flag, e.g. --ppo-lr 3e-4 or --algo "
+             "module:Class); a new learner that exits within 3 s is replaced by one with the "
+             "previous flags")
 
 
 def _flag(name: str) -> str:
@@ -169,12 +180,50 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def swap_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stepbus trainer swap", description=SWAP_HELP,
+                                     usage="%(prog)s [options] [LEARNER FLAGS ...]")
+    parser.add_argument("--slot", default="",
+                        help="name of the trainer slot (default: the only one registered)")
+    parser.add_argument("--controller", default=wiring.ENDPOINTS["controller"].resolve(),
+                        help="controller endpoint (env STEPBUS_CONTROLLER)")
+    parser.add_argument("--timeout", type=float, default=30.0,
+                        help="seconds to wait for the swap to be done")
+    return parser
+
+
+def learner_flags_problem(flags: list[str]) -> str:
+    """Why `stepbus learner FLAGS` would not parse (empty if it would): the slot checks a swap
+    before stopping the learner it has."""
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            build_parser().parse_args(["learner", *flags])
+        except SystemExit:
+            return stderr.getvalue().strip().splitlines()[-1] if stderr.getvalue() else "invalid"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["trainer", "swap"]:
+        opts, flags = swap_parser().parse_known_args(argv[2:])
+        problem = learner_flags_problem(flags)
+        if problem:
+            raise SystemExit(f"stepbus trainer swap: {problem}")
+        reply = _ask(opts.controller, p.TrainerSwap(slot=opts.slot, args=flags), opts.timeout)
+        assert isinstance(reply, p.Reply)
+        print(reply.detail)
+        return 0 if reply.ok else 1
     args = build_parser().parse_args(argv)
 
     if args.command in PROCESSES:
         cls, run, _ = PROCESSES[args.command]
-        code = run(_build_config(cls, args))
+        config = _build_config(cls, args)
+        if args.command == "trainer":
+            code = slot.run(config, argv[1:], learner_flags_problem)
+        else:
+            code = run(config)
         # Sockets are closed and files written by now. Skip interpreter finalisation: it restores
         # default signal handlers, so honcho's SIGTERM to a process already exiting would turn
         # a clean exit 0 into death by signal.

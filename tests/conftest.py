@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import zmq
 from stepbus.bus import protocol as p
+from stepbus.bus import wiring
 
 TESTS_DIR = Path(__file__).parent
 ROLES = ("controller", "broker", "worker", "assembler", "trainer")
@@ -48,8 +49,7 @@ class Cluster:
     def __init__(self) -> None:
         # ipc paths must stay short (108 bytes), so not pytest's long tmp_path.
         self.dir = Path(tempfile.mkdtemp(prefix="sb-"))
-        self.endpoints = {name: f"ipc://{self.dir}/{name}" for name in (
-            "controller", "broadcast", "steps", "policy", "experience", "trajectories")}
+        self.endpoints = {name: f"ipc://{self.dir}/{name}" for name in wiring.ENDPOINTS}
         self.procs: list[Proc] = []
 
     @property
@@ -175,6 +175,12 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def status_rows(cluster: Cluster) -> list[dict]:
+    """`stepbus status --json` rows ([] if the controller does not answer)."""
+    res = cluster.cli("status", "--json", "--timeout", "2")
+    return json.loads(res.stdout)["processes"] if res.returncode == 0 else []
 
 
 def recv_message(sock: zmq.Socket, timeout: float = 5.0) -> p.Message:

@@ -160,7 +160,8 @@ def test_zero_dimensional_arrays_keep_their_shape() -> None:
     msg = p.Trajectory(agent="a", epoch=0, terminated=False, truncated=True, episode_return=None,
                        episode_length=None, obs=np.float32(1.5), actions=np.array(3),
                        logp=np.zeros(()), values=np.zeros(()), rewards=np.zeros(()),
-                       policy_versions=np.zeros((), np.int64), bootstrap_obs=np.array(True))
+                       policy_versions=np.zeros((), np.int64), bootstrap_obs=np.array(True),
+                       assembler="a1", seq=0)
     got = p.decode(p.encode(msg))
     assert got.obs.shape == () and got.obs.dtype == np.float32 and got.obs == 1.5
     assert got.actions.shape == () and got.bootstrap_obs.shape == ()
@@ -267,7 +268,7 @@ STEP_FIELDS = {"epoch": 1, "seq": 2, "policy_version": 3}
 WEIGHT_FIELDS = {"trainer": "t", "incarnation": "i", "policy": "p", "version": 1,
                  "consumed_steps": 0, "batch_steps": 1, "starving": False}
 TRAJ_FIELDS = {"agent": "a", "epoch": 0, "terminated": False, "truncated": False,
-               "episode_return": None, "episode_length": None}
+               "episode_return": None, "episode_length": None, "assembler": "", "seq": 0}
 TRAJ_ARRAYS = ["obs", "actions", "logp", "values", "rewards", "policy_versions", "bootstrap_obs"]
 
 

@@ -120,7 +120,8 @@ def trajectory(n: int = 32, **changes) -> p.Trajectory:
                   episode_length=None, obs=np.zeros((n, 4), np.float32),
                   actions=np.zeros(n, np.int64), logp=np.full(n, -0.69, np.float32),
                   values=np.zeros(n, np.float32), rewards=np.ones(n, np.float32),
-                  policy_versions=np.ones(n, np.int64), bootstrap_obs=np.zeros(4, np.float32))
+                  policy_versions=np.ones(n, np.int64), bootstrap_obs=np.zeros(4, np.float32),
+                  assembler="", seq=-1)
     fields.update(changes)
     return p.Trajectory(**fields)
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from conftest import Cluster, wait_for
+from conftest import Cluster, status_rows, wait_for
 from stepbus.bus import wiring
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,8 +40,13 @@ def test_killed_trainer_resumes_from_its_checkpoint_with_a_higher_policy_version
     procs = cluster.start_all(trainer_args=("--checkpoint-interval-s", "0.2"))
     wait_for(lambda: len(cluster.metrics()) >= 15 and list(cluster.runs_dir.glob(
         "*/checkpoint.npz")), 60, "15 updates and a checkpoint")
-    procs["trainer"].signal(signal.SIGKILL)
+    learner_pid = wait_for(lambda: [r["pid"] for r in status_rows(cluster)
+                                     if r["role"] == "trainer"], 10, "the learner's row")[0]
+    procs["trainer"].signal(signal.SIGKILL)  # the trainer slot, not its learner
     procs["trainer"].wait(5)
+    wait_for(lambda: not os.path.exists(f"/proc/{learner_pid}")
+             or open(f"/proc/{learner_pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z",
+             10, "the orphaned learner to leave by itself")
     killed_at = max(r["policy_version"] for r in cluster.metrics())
     with np.load(cluster.runs_dir / "latest" / "checkpoint.npz") as saved:
         checkpointed_steps = json.loads(bytes(saved["meta"]))["progress"]["env_steps"]
@@ -87,7 +92,7 @@ def test_reset_barrier_resets_every_env_with_the_options_and_stepping_resumes(cl
         status = cluster.cli("status", "--json")
         assert status.returncode == 0
         roles = sorted(row["role"] for row in json.loads(status.stdout)["processes"])
-        assert roles == ["assembler", "broker", "controller", "trainer", "worker", "worker"]
+        assert roles == ["assembler", "broker", "controller", "slot", "trainer", "worker", "worker"]
         assert cluster.cli("shutdown").returncode == 0
         assert exits(procs, timeout=10) == dict.fromkeys(procs, 0), cluster.dump()
     finally:

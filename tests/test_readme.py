@@ -19,11 +19,12 @@ def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
 
 
 def section(command: str) -> str:
-    """The README text that documents `stepbus COMMAND`: its own heading's section, or its row
-    in the client commands table."""
-    heading = f"#### `stepbus {command}`"
-    if heading in README:
-        return README.split(heading, 1)[1].split("####", 1)[0]
+    """The README text that documents `stepbus COMMAND`: the section under the heading that
+    names it, or its row in the client commands table."""
+    headings = [line for line in README.splitlines()
+                if line.startswith("#### ") and f"`stepbus {command}`" in line]
+    if headings:
+        return README.split(headings[0], 1)[1].split("####", 1)[0]
     rows = [line for line in README.splitlines() if line.startswith(f"| `stepbus {command}`")]
     assert rows, f"stepbus {command} is not documented"
     return rows[0]
@@ -44,3 +45,9 @@ def test_every_environment_variable_is_documented_in_the_readme():
     names = [spec.env_var for spec in wiring.ENDPOINTS.values()]
     names += ["STEPBUS_RUNS_DIR", "STEPBUS_LOG_LEVEL"]
     assert [n for n in names if f"`{n}`" not in README] == []
+
+
+def test_every_trainer_swap_flag_is_documented_in_its_section():
+    flags = [flag for action in cli.swap_parser()._actions for flag in action.option_strings
+             if flag.startswith("--") and flag != "--help"]
+    assert [f for f in flags if f"`{f}`" not in section("trainer swap")] == []

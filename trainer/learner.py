@@ -1,9 +1,13 @@
-"""The trainer process: pulls trajectories, runs PPO, publishes versioned weights, checkpoints.
+"""The learner process: pulls trajectories, runs the algorithm (PPO by default), publishes
+versioned weights, checkpoints. `stepbus trainer` runs it inside a trainer slot (trainer/slot.py)
+that restarts and swaps it; `stepbus learner` runs it bare.
 
 Startup: learn the run id from the controller (the run directory is `runs_dir/run_id`), ask the
 broker for the env spec and its newest policy version, resume from the run's checkpoint if there
-is one, and publish weights at a version above both. A trainer killed and started again inside
-the same run therefore continues where the last checkpoint left off, with higher versions.
+is one, and publish weights at a version above both. A learner killed and started again inside
+the same run therefore continues where the last checkpoint left off, with higher versions and the
+next generation. Every trajectory taken in is receipted to the assembler, which resends what a
+killed learner never receipted.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import signal
 import socket as pysocket
 import time
 import uuid
@@ -21,13 +26,20 @@ import numpy as np
 import zmq
 from stepbus.bus import checks, node, wiring
 from stepbus.bus import protocol as p
-from stepbus.trainer import checkpoint, model, ppo, spaces
+from stepbus.trainer import checkpoint, ppo, spaces
+
+from stepbus import imports
+
+SLOT_PID_ENV = "STEPBUS_SLOT_PID"  # set by the trainer slot that started this learner
+SHUTDOWN_DRAIN_QUIET_S = 0.3  # at shutdown, take trajectories until none came for this long
+SHUTDOWN_DRAIN_MAX_S = 1.5
 
 
 @dataclass
 class Config:
     policy: str = wiring.endpoint("policy", "broker endpoint to send weights to")
     trajectories: str = wiring.endpoint("trajectories", "assembler endpoint to pull from")
+    receipts: str = wiring.endpoint("receipts", "assembler endpoint to send receipts to")
     controller: str = wiring.endpoint("controller", "controller endpoint to connect")
     broadcast: str = wiring.endpoint("broadcast", "controller broadcast endpoint to connect")
     runs_dir: str = field(default_factory=lambda: os.environ.get("STEPBUS_RUNS_DIR", "runs"),
@@ -44,6 +56,8 @@ class Config:
     checkpoint_interval_s: float = field(default=2.0, metadata={
         "help": "seconds between checkpoints (one is also written on exit)"})
     seed: int = field(default=0, metadata={"help": "seeds initial weights and minibatches"})
+    algo: str = field(default="stepbus.trainer.ppo:PPO", metadata={
+        "help": "learning algorithm, module:Class (interface: trainer/ppo.py's PPO)"})
     ppo: ppo.PPOConfig = field(default_factory=ppo.PPOConfig)
 
 
@@ -60,7 +74,9 @@ class Progress:
 
 def run(cfg: Config) -> int:
     log = node.setup_logging("trainer")
-    stop = node.StopFlag()
+    # SIGUSR1 is the trainer slot's "hand over": checkpoint and leave at once (what this
+    # learner has not receipted, the assembler resends to the next one).
+    stop = node.StopFlag((signal.SIGINT, signal.SIGTERM, signal.SIGUSR1))
     ctx = zmq.Context()
     name = os.environ.get("HONCHO_PROCESS_NAME") or f"trainer-{pysocket.gethostname()}"
     incarnation = uuid.uuid4().hex[:8]
@@ -69,13 +85,15 @@ def run(cfg: Config) -> int:
     broker = wiring.socket(ctx, zmq.DEALER, connect=cfg.policy)
     broker.setsockopt(zmq.SNDHWM, 4)  # weights are only worth sending fresh
     intake = wiring.socket(ctx, zmq.PULL, connect=cfg.trajectories)
-    intake.setsockopt(zmq.RCVHWM, 64)  # bounds what dies with this process if it is killed
+    intake.setsockopt(zmq.RCVHWM, 64)  # what a killed learner had queued is resent anyway
+    receipts = wiring.socket(ctx, zmq.PUSH, connect=cfg.receipts, immediate=True)
     rejects = node.RejectLog(log)
     poller = zmq.Poller()
     for sock in (broker, intake, *link.sockets()):
         poller.register(sock, zmq.POLLIN)
     try:
-        return _learn(cfg, log, stop, link, broker, intake, rejects, poller, name, incarnation)
+        return _learn(cfg, log, stop, link, broker, intake, receipts, rejects, poller, name,
+                      incarnation)
     finally:
         link.close()
         ctx.destroy(linger=wiring.LINGER_MS)
@@ -87,7 +105,7 @@ def _wait_for_setup(cfg: Config, log, stop, link, broker, rejects, poller,
     env_spec: p.EnvSpec | None = None
     started, warned = time.monotonic(), False
     next_hello = 0.0
-    while not stop and not link.shutdown_reason:
+    while not stop and not link.shutdown_reason and not _slot_gone(stop):
         now = time.monotonic()
         link.beat(now, lambda: {"state": "starting"})
         if now >= next_hello:
@@ -111,8 +129,13 @@ def _wait_for_setup(cfg: Config, log, stop, link, broker, rejects, poller,
     return None
 
 
-def _learn(cfg: Config, log, stop, link, broker, intake, rejects, poller, name: str,
+def _learn(cfg: Config, log, stop, link, broker, intake, receipts, rejects, poller, name: str,
            incarnation: str) -> int:
+    try:
+        algo_class = imports.load_object(cfg.algo)
+    except (ImportError, AttributeError, ValueError) as exc:
+        log.error("cannot load --algo %s: %s: %s", cfg.algo, type(exc).__name__, exc)
+        return 2
     setup = _wait_for_setup(cfg, log, stop, link, broker, rejects, poller, name)
     if setup is None:
         return 0
@@ -122,30 +145,36 @@ def _learn(cfg: Config, log, stop, link, broker, intake, rejects, poller, name: 
     spec = env_spec.spec
     action = spaces.action_space(spec)
     rng = np.random.default_rng(cfg.seed)
-    adam = model.Adam(lr=cfg.ppo.lr)
+    algo = algo_class(spaces.obs_dim(spec), action, cfg.ppo, rng)
+    params = algo.params
     ckpt_path = run_dir / "checkpoint.npz"
     progress = Progress()
     if ckpt_path.exists():
-        params, progress_dict = checkpoint.load(ckpt_path, adam)
+        saved, optimizer, progress_dict = checkpoint.load(ckpt_path)
         progress = Progress(**progress_dict)
-        if spaces.obs_dim(spec) != params["pi.0.w"].shape[0]:
-            log.error("checkpoint %s was trained on other spaces than %s", ckpt_path, spec)
+        mismatch = sorted(k for k in params.keys() | saved.keys()
+                          if k not in saved or k not in params or saved[k].shape != params[k].shape)
+        if mismatch:
+            log.error("checkpoint %s does not fit this policy (%s; spaces %s, hidden %s): "
+                      "start a new run or use the old settings", ckpt_path,
+                      ", ".join(mismatch[:4]), spec, cfg.ppo.hidden)
             return 2
+        params.update(saved)
+        algo.load_optimizer_state(optimizer)
         log.info("resumed from %s (version %d, generation %d, %d env steps)", ckpt_path,
                  progress.version, progress.generation, progress.env_steps)
-    else:
-        params = model.init_params(spaces.obs_dim(spec), action, cfg.ppo.hidden, rng)
     progress.generation += 1
     progress.version = max(progress.version, env_spec.policy_version) + 1
     returns: collections.deque[float] = collections.deque(progress.recent_returns,
                                                           maxlen=cfg.target_episodes)
     metrics = (run_dir / "metrics.jsonl").open("a", buffering=1)
-    log.info("run directory %s; policy version %d, generation %d", run_dir, progress.version,
-             progress.generation)
+    log.info("run directory %s; policy version %d, generation %d, algorithm %s", run_dir,
+             progress.version, progress.generation, cfg.algo)
 
     batch: list[ppo.Trajectory] = []
     batch_steps = received = 0  # received: env steps this incarnation took in (the credit)
-    counts = {"stale_dropped": 0, "updates": 0}
+    counts = {"stale_dropped": 0, "updates": 0, "trajectories": 0}
+    unreceipted: dict[str, list[int]] = {}  # assembler incarnation -> trajectory numbers
     t_start = last_record_t = time.monotonic()
     last_record_steps = progress.env_steps
     last_data = last_publish = last_ckpt = t_start
@@ -168,7 +197,14 @@ def _learn(cfg: Config, log, stop, link, broker, intake, rejects, poller, name: 
 
     def save() -> None:
         progress.recent_returns = list(returns)
-        checkpoint.save(ckpt_path, params, adam, progress.__dict__)
+        checkpoint.save(ckpt_path, params, algo.optimizer_state(), progress.__dict__)
+
+    def send_receipts() -> None:
+        for assembler, seqs in list(unreceipted.items()):
+            receipt = p.Receipt(trainer=name, incarnation=incarnation, assembler=assembler,
+                                seqs=np.asarray(seqs, np.int64))
+            if node.send(receipts, receipt, block=False):
+                del unreceipted[assembler]  # else kept, and tried again on the next intake
 
     def record(stats: dict[str, float]) -> None:
         nonlocal last_record_t, last_record_steps
@@ -189,12 +225,20 @@ def _learn(cfg: Config, log, stop, link, broker, intake, rejects, poller, name: 
         if problem:
             rejects.refuse("assembler", p.ProtocolError("bad trajectory", problem))
             return
+        if t.assembler:
+            if t.assembler not in unreceipted:
+                unreceipted.clear()  # receipts for a replaced assembler would free nothing
+                unreceipted[t.assembler] = []
+            unreceipted[t.assembler].append(t.seq)
         n = t.rewards.shape[0]
         received += n
+        counts["trajectories"] += 1
         progress.env_steps += n
         if t.episode_return is not None:
             progress.episodes += 1
             returns.append(t.episode_return)
+        if solved:
+            return  # counted and receipted, no longer learned from
         if int(t.policy_versions.min()) < progress.version - cfg.max_policy_lag:
             counts["stale_dropped"] += 1
             return
@@ -205,13 +249,21 @@ def _learn(cfg: Config, log, stop, link, broker, intake, rejects, poller, name: 
 
     def figures() -> dict:
         mean = mean_return()
-        return {"policy_version": progress.version, "env_steps": progress.env_steps,
+        return {"algo": cfg.algo, "policy_version": progress.version,
+                "env_steps": progress.env_steps,
                 "episodes": progress.episodes, "generation": progress.generation,
                 "mean_return": None if mean is None else round(mean, 2),
                 "rejected": rejects.total, **counts}
 
+    def take_one() -> None:
+        _, msg = node.recv(intake, rejects)
+        if isinstance(msg, p.Trajectory):
+            on_trajectory(msg)
+        elif msg is not None:
+            rejects.refuse("assembler", p.ProtocolError("unexpected kind", msg.KIND.name))
+
     publish()
-    while not stop and not link.shutdown_reason:
+    while not stop and not link.shutdown_reason and not _slot_gone(stop):
         now = time.monotonic()
         link.beat(now, figures)
         events = dict(poller.poll(node.MAX_POLL_MS))
@@ -219,17 +271,12 @@ def _learn(cfg: Config, log, stop, link, broker, intake, rejects, poller, name: 
         if broker in events:
             node.drain(broker, lambda: node.recv(broker, rejects))  # late EnvSpec replies
         if intake in events:
-            def take_one() -> None:
-                _, msg = node.recv(intake, rejects)
-                if isinstance(msg, p.Trajectory):
-                    on_trajectory(msg)
-                elif msg is not None:
-                    rejects.refuse("assembler", p.ProtocolError("unexpected kind", msg.KIND.name))
             node.drain(intake, take_one)
             last_data = time.monotonic()
+        if unreceipted:
+            send_receipts()
         if batch_steps >= cfg.ppo.batch_steps and not solved:
-            stats = ppo.ppo_update(params, adam, batch, cfg.ppo, rng, action=action,
-                                   tick=lambda: link.beat(time.monotonic()))
+            stats = algo.update(batch, tick=lambda: link.beat(time.monotonic()))
             batch, batch_steps = [], 0
             progress.version += 1
             counts["updates"] += 1
@@ -243,7 +290,6 @@ def _learn(cfg: Config, log, stop, link, broker, intake, rejects, poller, name: 
                 log.info("solved: mean return %.1f over the last %d episodes at %d env steps "
                          "(%.1fs); asking the controller to shut the pipeline down", mean,
                          len(returns), progress.env_steps, time.monotonic() - t_start)
-                poller.unregister(intake)  # what still arrives is no longer wanted
         now = time.monotonic()
         if solved and now - last_shutdown_request > 1.0:  # until the controller broadcasts it
             last_shutdown_request = now
@@ -261,11 +307,28 @@ def _learn(cfg: Config, log, stop, link, broker, intake, rejects, poller, name: 
             log.info("env steps %d, %.0f steps/s, mean return %s, policy version %d",
                      progress.env_steps, progress.env_steps / max(now - t_start, 1e-9),
                      f"{mean:.1f}" if mean is not None else "-", progress.version)
+    # The assembler flushes open trajectories as truncated on the same shutdown: take them in
+    # (and receipt them) so that the checkpoint's counts include them.
+    deadline = time.monotonic() + (0 if stop.reason == "SIGUSR1" else SHUTDOWN_DRAIN_MAX_S)
+    while time.monotonic() < deadline and intake.poll(SHUTDOWN_DRAIN_QUIET_S * 1000):
+        node.drain(intake, take_one)
+        send_receipts()
     save()
     metrics.close()
-    log.info("trainer stopping (%s); checkpoint at %s; %d messages refused",
-             link.shutdown_reason or stop.reason, ckpt_path, rejects.total)
+    log.info("learner stopping (%s); checkpoint at %s; %d trajectories taken in, %d messages "
+             "refused", link.shutdown_reason or stop.reason, ckpt_path, counts["trajectories"],
+             rejects.total)
     return 0
+
+
+def _slot_gone(stop: node.StopFlag) -> bool:
+    """A learner whose trainer slot was killed leaves (as on a stop signal) instead of lingering
+    next to the learner of the slot that replaces it."""
+    slot_pid = os.environ.get(SLOT_PID_ENV)
+    if slot_pid and str(os.getppid()) != slot_pid:
+        stop.reason = stop.reason or "its trainer slot is gone"
+        return True
+    return False
 
 
 def _link_latest(run_dir: Path) -> None:

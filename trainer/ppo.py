@@ -18,6 +18,7 @@ from stepbus.trainer.model import (
     Params,
     clip_grad_norm,
     infer_action_space,
+    init_params,
     ppo_loss_and_grads,
     value,
 )
@@ -199,3 +200,36 @@ def ppo_update(
     out["n_samples"] = float(n)
     out["n_grad_steps"] = float(n_steps)
     return out
+
+
+class PPO:
+    """The default learning algorithm of the learner process (`--algo`).
+
+    Any class with this constructor, `params`, `update`, `optimizer_state` and
+    `load_optimizer_state` can replace it: `--algo module:Class`, also in a live
+    `stepbus trainer swap`. `params` must keep `trainer.model`'s layout, because the broker
+    serves the policy from them; they are updated in place.
+    """
+
+    def __init__(self, obs_dim: int, action: ActionSpace, config: PPOConfig,
+                 rng: np.random.Generator) -> None:
+        self.config, self.action, self.rng = config, action, rng
+        self.params: Params = init_params(obs_dim, action, config.hidden, rng)
+        self.adam = Adam(lr=config.lr)
+
+    def update(self, batch: Sequence[Trajectory],
+               tick: Callable[[], object] | None = None) -> dict[str, float]:
+        return ppo_update(self.params, self.adam, batch, self.config, self.rng,
+                          action=self.action, tick=tick)
+
+    def optimizer_state(self) -> dict[str, np.ndarray]:
+        state = {f"m/{k}": v for k, v in self.adam.m.items()}
+        state |= {f"v/{k}": v for k, v in self.adam.v.items()}
+        state["t"] = np.array(self.adam.t)
+        return state
+
+    def load_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
+        """Moments from a checkpoint; keys another algorithm wrote are ignored."""
+        self.adam.m = {k[2:]: v for k, v in state.items() if k.startswith("m/")}
+        self.adam.v = {k[2:]: v for k, v in state.items() if k.startswith("v/")}
+        self.adam.t = int(state["t"]) if "t" in state else 0
