@@ -23,15 +23,20 @@ def recording_cartpole() -> gym.Env:
 
 
 class Flaky(gym.Wrapper):
-    """CartPole whose every instance raises on its 40th step: a buggy user environment."""
+    """CartPole whose first 3 instances in a process raise on their 40th step: a buggy user
+    environment, but rare enough to stay within the worker's restart bound (10 a minute)."""
+
+    made = 0  # instances created in this process
 
     def __init__(self, env: gym.Env) -> None:
         super().__init__(env)
+        Flaky.made += 1
+        self.raises = Flaky.made <= 3
         self.steps = 0
 
     def step(self, action):
         self.steps += 1
-        if self.steps == 40:
+        if self.steps == 40 and self.raises:
             raise RuntimeError("simulated physics blow-up")
         return self.env.step(action)
 
@@ -50,6 +55,51 @@ class Slow(gym.Wrapper):
 
 def slow_cartpole() -> gym.Env:
     return Slow(gym.make("CartPole-v1"))
+
+
+class Stalling(gym.Wrapper):
+    """CartPole whose every step takes 2.5 s: one env call longer than the 1.5 s liveness
+    timeout (a simulator that computes for a while before it answers)."""
+
+    def step(self, action):
+        time.sleep(2.5)
+        return self.env.step(action)
+
+
+def stalling_cartpole() -> gym.Env:
+    return Stalling(gym.make("CartPole-v1"))
+
+
+class Sleepy(gym.Wrapper):
+    """CartPole whose steps take 5 ms: a worker is nearly always inside a step (so a signal
+    lands mid-step), and stepping stays well below what the trainer takes in (so the credit
+    window never pauses it)."""
+
+    def step(self, action):
+        time.sleep(0.005)
+        return self.env.step(action)
+
+
+def sleepy_cartpole() -> gym.Env:
+    return Sleepy(gym.make("CartPole-v1"))
+
+
+class Broken(gym.Wrapper):
+    """CartPole whose every instance raises from its 3rd step on: an env that cannot work."""
+
+    def __init__(self, env: gym.Env) -> None:
+        super().__init__(env)
+        self.steps = 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps >= 3:
+            raise RuntimeError("simulated broken build")
+        return self.env.step(action)
+
+
+def broken_cartpole() -> gym.Env:
+    return Broken(gym.make("CartPole-v1"))
 
 
 class Picky(gym.Wrapper):

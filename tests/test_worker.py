@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import gymnasium as gym
 import numpy as np
 import pytest
 from stepbus.workers.envs import env_seed, make_env, space_spec
-from stepbus.workers.worker import Config, EnvSet
+from stepbus.workers.worker import Config, EnvFailure, EnvSet
 
 
 def test_env_seeds_derive_from_seed_worker_and_env_and_are_reproducible():
@@ -46,3 +47,67 @@ def test_spaces_are_described_for_the_learner():
     assert spec.action_low == [-2.0] and spec.action_high == [2.0]
     spec = space_spec(make_env("CartPole-v1"))
     assert (spec.action_kind, spec.action_n, spec.obs_shape) == ("discrete", 2, [4])
+
+
+class Probe(gym.Wrapper):
+    """Records whether the EnvSet says env code is running at each call into the env."""
+
+    def __init__(self, env: gym.Env, envs: EnvSet, seen: list[bool], raise_at: int) -> None:
+        super().__init__(env)
+        self.envs, self.seen, self.raise_at, self.steps = envs, seen, raise_at, 0
+
+    def reset(self, **kwargs):
+        self.seen.append(self.envs.in_env)
+        return self.env.reset(**kwargs)
+
+    def step(self, action):
+        self.seen.append(self.envs.in_env)
+        self.steps += 1
+        if self.steps == self.raise_at:
+            raise RuntimeError("probe")
+        return self.env.step(action)
+
+
+def test_in_env_is_set_exactly_while_env_code_runs_never_while_errors_are_reported():
+    """The worker's SIGALRM handler sends heartbeats only while `in_env` is set; reporting an
+    error sends on the same sockets, so it must happen with the flag down."""
+    at_report: list[bool] = []
+    envs = EnvSet(Config(envs_per_worker=2), lambda e: at_report.append(envs.in_env),
+                  logging.getLogger("test"))
+    seen: list[bool] = []
+    envs.envs = [Probe(env, envs, seen, raise_at=3 + i) for i, env in enumerate(envs.envs)]
+    envs.reset({})
+    for _ in range(5):
+        envs.step(np.zeros(2, np.int64), {})
+        assert not envs.in_env
+    assert len(seen) >= 2 + 3 + 4 and all(seen), "every env call ran with the flag up"
+    assert at_report == [False, False], "both errors were reported with it down"
+
+
+def test_more_env_restarts_within_a_minute_than_the_bound_raise_one_clear_failure():
+    reports: list = []
+    envs = EnvSet(Config(env="scripted_envs:broken_cartpole", envs_per_worker=1,
+                         max_env_restarts_per_minute=3), reports.append, logging.getLogger("t"))
+    envs.reset({})
+    with pytest.raises(EnvFailure) as failure:
+        for _ in range(100):
+            envs.step(np.zeros(1, np.int64), {})
+    assert len(reports) == 4, "each error is reported, the one past the bound too"
+    message = str(failure.value)
+    assert "scripted_envs:broken_cartpole keeps raising: 4 env restarts within 60 s" in message
+    assert "--max-env-restarts-per-minute 3" in message and "fix the environment" in message
+
+
+def test_restarts_older_than_a_minute_and_rejected_reset_options_do_not_count():
+    log = logging.getLogger("t")
+    envs = EnvSet(Config(env="scripted_envs:broken_cartpole", envs_per_worker=1,
+                         max_env_restarts_per_minute=2), [].append, log)
+    envs.reset({})
+    envs.restarts.extend([time.monotonic() - 61] * 5)  # an error storm more than a minute ago
+    for _ in range(6):  # two errors, each 3 steps apart: within the bound
+        envs.step(np.zeros(1, np.int64), {})
+    assert envs.errors == 2 and len(envs.restarts) == 2
+    picky = EnvSet(Config(env="scripted_envs:picky_cartpole", envs_per_worker=3,
+                          max_env_restarts_per_minute=0), [].append, log)
+    picky.reset({"level": 9})  # every env rejects the options: reported, not a failure
+    assert picky.errors == 3 and picky.without_options == {0, 1, 2}

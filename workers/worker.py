@@ -3,25 +3,42 @@
 The worker never decides anything: it announces its spaces (WORKER_HELLO, repeated while it
 waits, so a restarted broker learns of it), resets when told, and steps when told. Episodes
 autoreset in the same step; the observation an episode ended on travels in `final_obs`.
+
+Liveness: heartbeats (to the broker and the controller) go out between env calls, and during
+one long env call from a SIGALRM handler, armed only while a batch is stepped and acting only
+while env code runs. So a slow env looks busy, not dead; only a single C call that never returns
+to Python (holding the GIL) still looks dead. The worker owns SIGALRM: an env must not use it.
+An env that keeps raising is recreated up to --max-env-restarts-per-minute times, then the
+worker exits 1 with one line saying so.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
+import signal
 import socket as pysocket
 import time
 import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 import zmq
 from stepbus.bus import node, wiring
 from stepbus.bus import protocol as p
 from stepbus.workers.envs import env_seed, make_env, space_spec
+
+T = TypeVar("T")
+
+# While env code runs, SIGALRM fires this often and sends the busy heartbeats. Half the
+# heartbeat interval, so a beat skipped by the rate limits still leaves the next one in time.
+BUSY_BEAT_S = node.HEARTBEAT_INTERVAL_S / 2
+RESTART_WINDOW_S = 60.0  # --max-env-restarts-per-minute counts recreations within this window
 
 
 def _default_name() -> str:
@@ -49,23 +66,30 @@ class Config:
     steps: str = wiring.endpoint("steps", "broker endpoint to connect")
     controller: str = wiring.endpoint("controller", "controller endpoint to connect")
     broadcast: str = wiring.endpoint("broadcast", "controller broadcast endpoint to connect")
+    max_env_restarts_per_minute: int = field(default=10, metadata={
+        "help": "env recreations (after an env raised) allowed within 60 s; one more makes the "
+                "worker exit 1, since an env that keeps raising needs fixing, not retrying"})
 
 
 class EnvFailure(RuntimeError):
-    """An environment could not be recreated after it raised: the worker cannot go on."""
+    """Environments keep raising (or cannot be recreated): the worker cannot go on."""
 
 
 class EnvSet:
-    """K environments stepped together; an env that raises is reported and recreated.
+    """K environments stepped together; an env that raises is reported and recreated, up to
+    `max_env_restarts_per_minute` times within 60 s.
 
     `report` receives each error as data; `tick` is called between env steps so a slow batch
-    can keep the worker's heartbeat going.
+    can keep the worker's heartbeat going. `in_env` is True exactly while env code runs, so a
+    timer signal knows when it may send heartbeats itself (see `run`).
     """
 
     def __init__(self, cfg: Config, report: Callable[[p.RemoteError], None], log,
                  tick: Callable[[], None] = lambda: None) -> None:
         self.cfg, self.report, self.log, self.tick = cfg, report, log, tick
-        self.envs = [make_env(cfg.env) for _ in range(cfg.envs_per_worker)]
+        self.in_env = False
+        self.restarts: collections.deque[float] = collections.deque()  # recent recreations
+        self.envs = [self._env_call(make_env, cfg.env) for _ in range(cfg.envs_per_worker)]
         self.spec = space_spec(self.envs[0])
         self.obs_dtype = np.dtype(self.spec.obs_dtype)
         self.seeds = [env_seed(cfg.seed, cfg.worker_index, i) for i in range(len(self.envs))]
@@ -82,9 +106,10 @@ class EnvSet:
         for i, env in enumerate(self.envs):
             seed = self.seeds[i] if not self.seeded else None
             try:
-                obs[i] = env.reset(seed=seed, options=options or None)[0]
+                obs[i] = self._env_call(env.reset, seed=seed, options=options or None)[0]
             except Exception as exc:  # e.g. options this env rejects: report, go on without
-                obs[i] = self._recreate(i, exc, {})
+                # Rejected options are the operator's doing, bounded by barriers: not counted.
+                obs[i] = self._recreate(i, exc, {}, counted=not options)
                 self.without_options.add(i)  # its later autoresets too, until the next barrier
             self.tick()
         if not self.seeded:
@@ -106,7 +131,8 @@ class EnvSet:
             actions = np.clip(actions.reshape(k, -1), *self.action_bounds).reshape(shape)
         for i, env in enumerate(self.envs):
             try:
-                obs[i], reward[i], terminated[i], truncated[i], _ = env.step(actions[i])
+                obs[i], reward[i], terminated[i], truncated[i], _ = self._env_call(
+                    env.step, actions[i])
             except Exception as exc:  # the env's fault, not ours: cut the episode, go on
                 obs[i], truncated[i] = self.last_obs[i], True
                 finals.append(obs[i].copy())
@@ -118,7 +144,7 @@ class EnvSet:
                 finals.append(obs[i].copy())
                 try:
                     opts = None if i in self.without_options else options or None
-                    obs[i] = env.reset(options=opts)[0]
+                    obs[i] = self._env_call(env.reset, options=opts)[0]
                 except Exception as exc:
                     obs[i] = self._recreate(i, exc, {})
         self.last_obs = obs
@@ -127,21 +153,45 @@ class EnvSet:
         return p.StepResult(incarnation="", epoch=0, seq=0, first=False, obs=obs, reward=reward,
                             terminated=terminated, truncated=truncated, final_obs=final_obs)
 
-    def _recreate(self, i: int, exc: Exception, options: dict) -> np.ndarray:
-        """Report the error, replace env i, and return its first observation."""
+    def _env_call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run env code with `in_env` set: only then may the timer signal send heartbeats,
+        because only then is this thread surely not inside a ZeroMQ call of its own."""
+        self.in_env = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.in_env = False
+
+    def _recreate(self, i: int, exc: Exception, options: dict, *,
+                  counted: bool = True) -> np.ndarray:
+        """Report the error, replace env i, and return its first observation; past the restart
+        bound, raise EnvFailure instead (one line for the operator, not endless tracebacks)."""
         self.errors += 1
         tb = traceback.format_exc()
-        self.log.error("env %d (%s, seed %d) raised %s: %s; recreating it", i, self.cfg.env,
-                       self.seeds[i], type(exc).__name__, exc)
+        now = time.monotonic()
+        if counted:
+            self.restarts.append(now)
+        while self.restarts and now - self.restarts[0] > RESTART_WINDOW_S:
+            self.restarts.popleft()
+        over = counted and len(self.restarts) > self.cfg.max_env_restarts_per_minute
+        self.log.error("env %d (%s, seed %d) raised %s: %s%s", i, self.cfg.env, self.seeds[i],
+                       type(exc).__name__, exc, "" if over else "; recreating it")
         self.report(p.RemoteError(
             origin=self.cfg.name, error_type=type(exc).__name__, message=str(exc), traceback=tb,
             context={"env": self.cfg.env, "env_index": i, "seed": self.seeds[i]}))
+        if over:
+            raise EnvFailure(
+                f"{self.cfg.env} keeps raising: {len(self.restarts)} env restarts within "
+                f"{RESTART_WINDOW_S:.0f} s (last: env {i}, {type(exc).__name__}: {exc}), over "
+                f"--max-env-restarts-per-minute {self.cfg.max_env_restarts_per_minute}; fix the "
+                f"environment (the controller's log has each traceback) or raise the limit")
         with contextlib.suppress(Exception):
-            self.envs[i].close()
+            self._env_call(self.envs[i].close)
         seed = self.seeds[i] + self.errors
         try:
-            self.envs[i] = make_env(self.cfg.env)
-            return np.asarray(self.envs[i].reset(seed=seed, options=options or None)[0])
+            self.envs[i] = self._env_call(make_env, self.cfg.env)
+            return np.asarray(self._env_call(self.envs[i].reset, seed=seed,
+                                             options=options or None)[0])
         except Exception as again:
             raise EnvFailure(f"env {i} ({self.cfg.env}) raised again while being recreated: "
                              f"{type(again).__name__}: {again}") from again
@@ -161,6 +211,23 @@ class EnvSet:
     def close(self) -> None:
         for env in self.envs:
             env.close()
+
+
+class BusyBeats:
+    """`with BUSY_BEATS:` raises SIGALRM every BUSY_BEAT_S while a batch is being stepped, so an
+    env call longer than the liveness timeout still lets the handler `run` installs send
+    heartbeats. Armed only around env work (two setitimer calls per batch, about 1 us), so no
+    signal interrupts the worker while it waits on ZeroMQ. A class, not a generator-based
+    context manager, because that costs twice as much on every batch."""
+
+    def __enter__(self) -> None:
+        signal.setitimer(signal.ITIMER_REAL, BUSY_BEAT_S, BUSY_BEAT_S)
+
+    def __exit__(self, *exc_info: object) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+BUSY_BEATS = BusyBeats()
 
 
 def run(cfg: Config) -> int:
@@ -194,6 +261,19 @@ def run(cfg: Config) -> int:
         link.close()
         ctx.destroy(linger=wiring.LINGER_MS)
         return 2
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        # Python runs this in this (the main) thread between bytecodes. Inside env code we are
+        # not inside a ZeroMQ call, so our sends cannot interleave with a half-sent message.
+        # Limit: a single C call that never returns to Python leaves no bytecode to run it in.
+        if envs.in_env:
+            envs.in_env = False  # an alarm during these sends must not interleave its own
+            try:
+                tick()
+            finally:
+                envs.in_env = True
+
+    signal.signal(signal.SIGALRM, on_alarm)
     incarnation = uuid.uuid4().hex[:8]
     hello = p.WorkerHello(worker=cfg.name, incarnation=incarnation, env_id=cfg.env,
                           num_envs=cfg.envs_per_worker, seed=cfg.seed,
@@ -237,12 +317,15 @@ def run(cfg: Config) -> int:
                         rejects.refuse("broker", p.ProtocolError("bad actions", problem))
                         continue
                     seq = msg.seq
-                    reply(envs.step(msg.actions, options))
+                    with BUSY_BEATS:
+                        result = envs.step(msg.actions, options)
+                    reply(result)
                     steps_done += cfg.envs_per_worker
                     last_heard = time.monotonic()
                 elif isinstance(msg, p.Reset):
                     epoch, options, seq = msg.epoch, msg.options, msg.seq
-                    obs = envs.reset(options)
+                    with BUSY_BEATS:
+                        obs = envs.reset(options)
                     k = cfg.envs_per_worker
                     reply(p.StepResult(
                         incarnation="", epoch=0, seq=0, first=True, obs=obs,
