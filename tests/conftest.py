@@ -21,6 +21,7 @@ from stepbus.bus import protocol as p
 from stepbus.bus import wiring
 
 TESTS_DIR = Path(__file__).parent
+REPO = TESTS_DIR.parent
 ROLES = ("controller", "broker", "worker", "assembler", "trainer")
 
 
@@ -80,13 +81,14 @@ class Cluster:
         return proc
 
     def start_all(self, trainer_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = (),
-                  workers: int = 1) -> dict[str, Proc]:
+                  workers: int = 1, trainer: str = "trainer") -> dict[str, Proc]:
+        """Every process; `trainer` is the trainer slot, or "learner" for a bare learner."""
         procs = {"controller": self.start("controller"), "broker": self.start("broker"),
                  "assembler": self.start("assembler")}
         for i in range(workers):
             procs[f"worker{i}"] = self.start("worker", "--name", f"w{i}", "--worker-index",
                                              str(i), *worker_args)
-        procs["trainer"] = self.start("trainer", *trainer_args)
+        procs["trainer"] = self.start(trainer, *trainer_args)
         return procs
 
     def socket(self, kind: int, endpoint: str, *, bind: bool = False) -> zmq.Socket:
@@ -175,6 +177,26 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def honcho(cluster: Cluster, *args: str, target: str | None = None) -> subprocess.Popen:
+    """`honcho start` on the repo's Procfile, endpoints on free TCP ports."""
+    procfile = cluster.dir / "Procfile"
+    text = (REPO / "Procfile").read_text()
+    if target is not None:
+        text = text.replace("exec stepbus trainer",
+                            f"exec stepbus trainer --target-return {target}")
+    procfile.write_text(text)
+    names = list(wiring.ENDPOINTS)  # the cluster's CLI commands follow them
+    cluster.endpoints = {n: f"tcp://127.0.0.1:{port}"
+                         for n, port in zip(names, wiring.free_tcp_ports(len(names)), strict=True)}
+    env = cluster.env()
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    honcho_bin = shutil.which("honcho", path=env["PATH"])
+    assert honcho_bin, "honcho is a dependency"
+    return subprocess.Popen([honcho_bin, "start", *args], cwd=cluster.dir, env=env,
+                            stdout=open(cluster.dir / "honcho.out", "wb"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def status_rows(cluster: Cluster) -> list[dict]:

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from conftest import Cluster, status_rows, wait_for
-from stepbus.bus import wiring
+from conftest import Cluster, honcho, status_rows, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,9 +40,8 @@ def test_killed_trainer_resumes_from_its_checkpoint_with_a_higher_policy_version
                                      if r["role"] == "trainer"], 10, "the learner's row")[0]
     procs["trainer"].signal(signal.SIGKILL)  # the trainer slot, not its learner
     procs["trainer"].wait(5)
-    wait_for(lambda: not os.path.exists(f"/proc/{learner_pid}")
-             or open(f"/proc/{learner_pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z",
-             10, "the orphaned learner to leave by itself")
+    wait_for(lambda: learner_pid not in cluster.strays(), 10,
+             "the orphaned learner to leave by itself")
     killed_at = max(r["policy_version"] for r in cluster.metrics())
     with np.load(cluster.runs_dir / "latest" / "checkpoint.npz") as saved:
         checkpointed_steps = json.loads(bytes(saved["meta"]))["progress"]["env_steps"]
@@ -103,25 +98,6 @@ def test_status_names_the_address_it_tried_when_no_controller_answers(cluster: C
     res = cluster.cli("status", "--controller", "tcp://127.0.0.1:9", "--timeout", "0.5")
     assert res.returncode != 0
     assert "tcp://127.0.0.1:9" in res.stderr
-
-
-def honcho(cluster: Cluster, *args: str, target: str | None = None) -> subprocess.Popen:
-    """`honcho start` on the repo's Procfile, endpoints on free TCP ports."""
-    procfile = cluster.dir / "Procfile"
-    text = (REPO / "Procfile").read_text()
-    if target is not None:
-        text = text.replace("exec stepbus trainer",
-                            f"exec stepbus trainer --target-return {target}")
-    procfile.write_text(text)
-    names = ["controller", "broadcast", "steps", "policy", "experience", "trajectories"]
-    env = cluster.env({f"STEPBUS_{n.upper()}": f"tcp://127.0.0.1:{port}"
-                       for n, port in zip(names, wiring.free_tcp_ports(len(names)), strict=False)})
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    honcho_bin = shutil.which("honcho", path=env["PATH"])
-    assert honcho_bin, "honcho is a dependency"
-    return subprocess.Popen([honcho_bin, "start", *args], cwd=cluster.dir, env=env,
-                            stdout=open(cluster.dir / "honcho.out", "wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def test_honcho_start_with_three_workers_solves_cartpole_and_exits_zero(cluster: Cluster):

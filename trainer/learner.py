@@ -145,7 +145,11 @@ def _learn(cfg: Config, log, stop, link, broker, intake, receipts, rejects, poll
     spec = env_spec.spec
     action = spaces.action_space(spec)
     rng = np.random.default_rng(cfg.seed)
-    algo = algo_class(spaces.obs_dim(spec), action, cfg.ppo, rng)
+    try:
+        algo = algo_class(spaces.obs_dim(spec), action, cfg.ppo, rng)
+    except Exception as exc:  # user code: one clear line, and the slot reverts a swap
+        log.error("--algo %s failed to start: %s: %s", cfg.algo, type(exc).__name__, exc)
+        return 2
     params = algo.params
     ckpt_path = run_dir / "checkpoint.npz"
     progress = Progress()
@@ -262,6 +266,7 @@ def _learn(cfg: Config, log, stop, link, broker, intake, receipts, rejects, poll
         elif msg is not None:
             rejects.refuse("assembler", p.ProtocolError("unexpected kind", msg.KIND.name))
 
+    save()  # at once, so the next learner's generation is above this one's even if it dies now
     publish()
     while not stop and not link.shutdown_reason and not _slot_gone(stop):
         now = time.monotonic()

@@ -1,0 +1,162 @@
+"""The trainer slot: a learner killed or swapped under a running pipeline, nothing lost."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+
+from conftest import Cluster, honcho, status_rows, wait_for
+
+
+def row(cluster: Cluster, role: str) -> dict:
+    rows = [r for r in status_rows(cluster) if r["role"] == role]
+    return rows[0] if rows else {}
+
+
+def learner_row(cluster: Cluster, generation: int) -> dict:
+    """The learner's status row once the learner of `generation` reports (figures travel with
+    heartbeats, so this waits)."""
+    return wait_for(lambda: (r := row(cluster, "trainer")).get("generation") == generation and r,
+                    60, f"learner generation {generation} in stepbus status")
+
+
+def never_receipted(assembler_log: str) -> int:
+    line = [ln for ln in assembler_log.splitlines() if "assembler stopping" in ln][-1]
+    return int(line.split(" never receipted")[0].rsplit(", ", 1)[1].split()[0])
+
+
+def test_a_killed_learner_is_restarted_by_its_slot_and_nothing_sent_to_it_is_lost(
+        cluster: Cluster):
+    procs = cluster.start_all(trainer_args=("--target-return", "0",
+                                            "--checkpoint-interval-s", "0.2"), workers=2)
+    wait_for(lambda: len(cluster.metrics()) >= 5, 60, "five updates")
+    first = learner_row(cluster, 1)
+    killed_at = max(r["policy_version"] for r in cluster.metrics())
+    os.kill(first["pid"], signal.SIGKILL)
+    second = learner_row(cluster, 2)
+    assert second["pid"] != first["pid"]
+    wait_for(lambda: any(r["generation"] == 2 and r["policy_version"] > killed_at
+                         for r in cluster.metrics()), 60, "generation 2 learning past the kill")
+    slot = wait_for(lambda: (r := row(cluster, "slot")).get("learner_deaths") == 1 and r, 10,
+                    "the slot to count the death")
+    assert slot["last_death"] == "killed by SIGKILL"
+    assembler = wait_for(lambda: (r := row(cluster, "assembler")).get("trainer_swaps") and r,
+                         10, "the assembler to see the new learner")
+    print(f"swap gap {assembler['last_swap_gap_s']}s, {assembler['resent']} resent")
+    assert procs["trainer"].popen.poll() is None, "the slot itself survives"
+    assert cluster.cli("shutdown").returncode == 0
+    codes = {name: proc.wait(30) for name, proc in procs.items()}
+    assert codes == dict.fromkeys(procs, 0), cluster.dump()
+    assert never_receipted(procs["assembler"].output()) == 0, procs["assembler"].output()[-2000:]
+    assert "Traceback" not in cluster.dump()
+
+
+def plateau(read: Callable[[], int], quiet_s: float, timeout: float, what: str) -> int:
+    """The value `read` settles on: unchanged for `quiet_s` (status figures move with 0.5 s
+    heartbeats, so quiet_s spans several)."""
+    deadline = time.monotonic() + timeout
+    last, since = read(), time.monotonic()
+    while time.monotonic() < deadline:
+        value, now = read(), time.monotonic()
+        if value != last:
+            last, since = value, now
+        elif now - since >= quiet_s:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def test_swap_to_new_flags_and_algorithm_keeps_versions_rising_and_reverts_a_bad_one(
+        cluster: Cluster):
+    procs = cluster.start_all(trainer_args=("--target-return", "0"))
+    wait_for(lambda: len(cluster.metrics()) >= 3, 60, "three updates")
+    before = max(r["policy_version"] for r in cluster.metrics())
+
+    swap = cluster.cli("trainer", "swap", "--lr", "0.0005", "--algo", "scripted_algos:NoUpdatePPO")
+    assert swap.returncode == 0, swap.stdout + swap.stderr
+    assert "--algo scripted_algos:NoUpdatePPO" in swap.stdout
+    second = learner_row(cluster, 2)
+    assert second["algo"] == "scripted_algos:NoUpdatePPO"
+    wait_for(lambda: any(r.get("no_update") for r in cluster.metrics()), 30,
+             "an update by the swapped-in algorithm")
+    swapped = [r for r in cluster.metrics() if r.get("no_update")]
+    assert swapped[0]["generation"] == 2 and swapped[0]["policy_version"] > before
+    assembler = wait_for(lambda: (r := row(cluster, "assembler")).get("trainer_swaps") and r,
+                         10, "the assembler to report the swap")
+    assert assembler["last_swap_gap_s"] is not None
+
+    bad = cluster.cli("trainer", "swap", "--algo", "scripted_algos:RefusesToStart")
+    assert bad.returncode == 1
+    assert "back to the previous settings" in bad.stdout
+    third = learner_row(cluster, 3)
+    assert third["algo"] == "scripted_algos:NoUpdatePPO", "the previous settings are back"
+    slot = row(cluster, "slot")
+    assert (slot["swaps"], slot["swaps_reverted"]) == (1, 1)
+    assert "this algorithm refuses to start" in procs["trainer"].output()
+
+    typo = cluster.cli("trainer", "swap", "--no-such-flag", "1")
+    assert typo.returncode != 0 and "--no-such-flag" in typo.stderr
+    assert row(cluster, "trainer")["pid"] == third["pid"], "a refused swap stops nothing"
+
+    assert cluster.cli("shutdown").returncode == 0
+    codes = {name: proc.wait(30) for name, proc in procs.items()}
+    assert codes == dict.fromkeys(procs, 0), cluster.dump()
+    assert max(r["policy_version"] for r in cluster.metrics()) > swapped[0]["policy_version"]
+
+
+def test_without_a_learner_stepping_pauses_and_the_next_learner_gets_everything(
+        cluster: Cluster):
+    args = ("--target-return", "0", "--checkpoint-interval-s", "0.2")
+    procs = cluster.start_all(trainer_args=args, trainer="learner")
+    wait_for(lambda: len(cluster.metrics()) >= 3 and list(cluster.runs_dir.glob(
+        "*/checkpoint.npz")), 60, "three updates and a checkpoint")
+    procs["trainer"].signal(signal.SIGKILL)
+    procs["trainer"].wait(5)
+
+    def assembler_steps() -> int:
+        return row(cluster, "assembler").get("steps", -1)
+
+    # Stepping stops once the credit window is spent; the assembler keeps what it made.
+    paused_at = plateau(assembler_steps, 2.0, 30, "stepping to pause")
+    kept = row(cluster, "assembler")
+    assert kept["held"] + kept["unreceipted"] > 0, "trajectories wait for the next learner"
+    assert kept["held"] + kept["unreceipted"] <= 10_000
+
+    procs["trainer"] = cluster.start("learner", *args)
+    wait_for(lambda: assembler_steps() > paused_at, 60, "stepping to resume with a new learner")
+    wait_for(lambda: any(r["generation"] == 2 for r in cluster.metrics()), 60,
+             "the new learner's first update")
+    assert cluster.cli("shutdown").returncode == 0
+    codes = {name: proc.wait(30) for name, proc in procs.items()}
+    assert codes == dict.fromkeys(procs, 0), cluster.dump()
+    assert never_receipted(procs["assembler"].output()) == 0, procs["assembler"].output()[-2000:]
+
+
+def test_under_honcho_a_killed_or_swapped_learner_is_replaced_and_ctrl_c_ends_cleanly(
+        cluster: Cluster):
+    proc = honcho(cluster, target="0")
+    try:
+        wait_for(lambda: len(cluster.metrics()) >= 3, 60, "training under way")
+        os.kill(learner_row(cluster, 1)["pid"], signal.SIGKILL)
+        learner_row(cluster, 2)
+        swap = cluster.cli("trainer", "swap", "--lr", "0.0005")
+        assert swap.returncode == 0, swap.stdout + swap.stderr
+        learner_row(cluster, 3)
+        wait_for(lambda: any(r["generation"] == 3 for r in cluster.metrics()), 60,
+                 "the swapped-in learner's first update")
+        assert proc.poll() is None, "honcho kept every process running"
+        proc.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        proc.wait(timeout=10)
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = (cluster.dir / "honcho.out").read_text()
+    assert elapsed < 5, out[-3000:]
+    assert out.count("stopped (rc=0)") == 5, out[-5000:]
+    assert "Traceback" not in out
+    assert never_receipted(out) == 0, out[-3000:]
+    assert cluster.strays() == [], "no process is left behind"
