@@ -10,7 +10,9 @@ import os
 import socket as pysocket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 from stepbus.bus import node, wiring
@@ -43,6 +45,9 @@ class PendingReset:
     requester: bytes
     epoch: int
     deadline: float
+
+
+Handler = Callable[[bytes, Any, float], None]
 
 
 @dataclass
@@ -106,7 +111,7 @@ def run(cfg: Config) -> int:
                 for q in peers.values()]
         rows.insert(0, {"role": "controller", "name": "controller", "host": host, "pid": pid,
                         "uptime_s": round(now - started, 1), "last_heartbeat_s": 0.0,
-                        "processes": len(peers), "rejected": rejects.total})
+                        "processes": len(peers), **rejects.figures()})
         node.send(router, p.StatusReply(run_id=run_id, epoch=epoch, processes=rows), to=sender,
                   block=False)
 
@@ -175,6 +180,14 @@ def run(cfg: Config) -> int:
         log.error("error in %s: %s: %s %s\n%s", msg.origin, msg.error_type, msg.message,
                   msg.context, msg.traceback)
 
+    def alive(handler: Handler) -> Handler:
+        """Any message from a registered process counts as its heartbeat."""
+        def handle(sender: bytes, msg: Any, now: float) -> None:
+            if sender in peers:
+                peers[sender].last_seen = now
+            handler(sender, msg, now)
+        return handle
+
     handlers = {
         p.Heartbeat: on_heartbeat,
         p.StatusRequest: on_status,
@@ -185,6 +198,7 @@ def run(cfg: Config) -> int:
         p.TrainerSwap: on_trainer_swap,
         p.Reply: on_reply,
     }
+    handlers = {kind: alive(handler) for kind, handler in handlers.items()}
 
     poller = zmq.Poller()
     poller.register(router, zmq.POLLIN)
