@@ -128,7 +128,8 @@ def run(cfg: Config) -> int:
     trainers: dict[str, int] = {}  # trainer incarnation -> the first seq it receipted
     swap = {"trainer": "", "last_receipt": 0.0}
     counts = {"steps": 0, "trajectories": 0, "episodes": 0, "closed_truncated": 0, "gaps": 0,
-              "resent": 0, "trainer_swaps": 0}
+              "resent": 0, "trainer_swaps": 0, "joined_mid_episode": 0}
+    tracks_seen: set[str] = set()  # workers this assembler has had a track for
     last_swap_gap_s: float | None = None
     next_seq = 0
     log.info("assembler: experience on %s, trajectories on %s, receipts on %s, horizon %d",
@@ -177,6 +178,10 @@ def run(cfg: Config) -> int:
                 close(m.worker, why)
                 track = None
         if track is None:  # rewards in m belong to actions we never saw: start from its obs
+            if not m.first and m.worker not in tracks_seen:
+                # Steps before this one went to an assembler that is gone (this one restarted).
+                counts["joined_mid_episode"] += k
+            tracks_seen.add(m.worker)
             agents = [AgentBuffer(f"{m.worker}/{i}", cfg.horizon) for i in range(k)]
             for agent in agents:
                 agent.stats_valid = m.first

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 
 import numpy as np
 import zmq
-from conftest import Cluster, recv_message, send_message, wait_for
+from conftest import Cluster, recv_message, send_message, status_rows, wait_for
 from stepbus.bus import protocol as p
-
-
-def status_rows(cluster: Cluster) -> list[dict]:
-    res = cluster.cli("status", "--json", "--timeout", "2")
-    return json.loads(res.stdout)["processes"] if res.returncode == 0 else []
 
 
 def figure(cluster: Cluster, role: str, key: str, name: str | None = None) -> int:
@@ -30,6 +24,10 @@ def test_the_run_survives_the_assembler_being_killed_and_restarted_twice(cluster
         procs["assembler"].signal(signal.SIGKILL)
         procs["assembler"].wait(5)
         procs["assembler"] = cluster.start("assembler", name=f"assembler-restart{round_}")
+        pid = procs["assembler"].pid
+        wait_for(lambda p=pid: any(r["pid"] == p and r.get("joined_mid_episode", 0) > 0
+                                   for r in status_rows(cluster)), 30,
+                 "the new assembler to count the agents whose earlier steps died with the old")
     codes = {name: proc.wait(90) for name, proc in procs.items()}
     assert codes == dict.fromkeys(procs, 0), cluster.dump()
     assert cluster.metrics()[-1]["mean_return"] >= 475

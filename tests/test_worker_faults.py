@@ -7,19 +7,13 @@ none reads a single snapshot and hopes it is fresh.
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import time
 
-from conftest import Cluster, Proc, wait_for
+from conftest import Cluster, Proc, status_rows, wait_for
 
 SLEEPY = ("--env", "scripted_envs:sleepy_cartpole", "--envs-per-worker", "2")
-
-
-def status_rows(cluster: Cluster) -> list[dict]:
-    res = cluster.cli("status", "--json", "--timeout", "2")
-    return json.loads(res.stdout)["processes"] if res.returncode == 0 else []
 
 
 def figure(cluster: Cluster, role: str, key: str, *, name: str | None = None,
