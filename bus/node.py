@@ -51,27 +51,63 @@ class StopFlag:
 
 
 class RejectLog:
-    """Counts refused input by reason; logs the first of each (reason, sender) only, so a
-    hostile or broken peer cannot flood the log. The counts show in `stepbus status`."""
+    """Refused input, counted by (reason, sender) and logged at most once per second per
+    sender, so a hostile or broken peer can neither flood the log nor drop out of it: a sender
+    still misbehaving an hour later is logged again, with how many of its refusals were only
+    counted since its previous line. `figures()` puts the counts in `stepbus status`."""
 
-    MAX_REMEMBERED = 10_000  # (reason, sender) pairs; a spoofing flood cannot grow memory
+    MAX_SENDERS = 256  # senders counted by name; a spoofing flood of names cannot grow memory
+    OTHER_SENDERS = "(other senders)"  # everyone past MAX_SENDERS, counted and logged as one
+    LOG_INTERVAL_S = 1.0
+    MAX_NAME = 64  # characters of a sender name kept (ROUTER identities reach 255 bytes)
+    FIGURE_REASONS = 5  # reasons shown as rejected_<reason>; the rest add up in one figure
+    FIGURE_SENDERS = 3  # senders named in rejected_from
 
-    def __init__(self, log: logging.Logger) -> None:
-        self.log = log
-        self.counts: Counter[str] = Counter()
-        self._logged: set[tuple[str, str]] = set()
+    def __init__(self, log: logging.Logger,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.log, self.clock = log, clock
+        self.counts: Counter[str] = Counter()  # by reason
+        self.by_sender: dict[str, Counter[str]] = {}  # sender -> reason -> count
+        self._next_line: dict[str, float] = {}  # sender -> earliest time of its next log line
+        self._unlogged: Counter[str] = Counter()  # sender -> refusals since its last line
 
     def refuse(self, sender: str, error: p.ProtocolError) -> None:
+        sender = sender[:self.MAX_NAME]
+        if sender not in self.by_sender and len(self.by_sender) >= self.MAX_SENDERS:
+            sender = self.OTHER_SENDERS
         self.counts[error.reason] += 1
-        key = (error.reason, sender)
-        if key not in self._logged and len(self._logged) < self.MAX_REMEMBERED:
-            self._logged.add(key)
-            self.log.warning("dropped message from %s: %s (further ones from it are only "
-                             "counted)", sender, error)
+        self.by_sender.setdefault(sender, Counter())[error.reason] += 1
+        now = self.clock()
+        if now < self._next_line.get(sender, now):
+            self._unlogged[sender] += 1
+            return
+        self._next_line[sender] = now + self.LOG_INTERVAL_S
+        unlogged = self._unlogged.pop(sender, 0)
+        self.log.warning("dropped message from %s: %s%s", sender, error,
+                         f" (and {unlogged} more from it since its last line)" if unlogged
+                         else "")
 
     @property
     def total(self) -> int:
         return sum(self.counts.values())
+
+    def figures(self) -> dict[str, int | str]:
+        """Scalars for a status row: `rejected` (all), and once anything was refused
+        `rejected_<reason>` for the most frequent reasons (`rejected_other_reasons` for the
+        rest) and `rejected_from`, the senders refused most, e.g. "liar:12, 6b8b4567:3 (+2)"."""
+        figures: dict[str, int | str] = {"rejected": self.total}
+        reasons = self.counts.most_common()
+        for reason, n in reasons[:self.FIGURE_REASONS]:
+            figures[f"rejected_{reason.replace(' ', '_')}"] = n
+        if len(reasons) > self.FIGURE_REASONS:
+            figures["rejected_other_reasons"] = sum(n for _, n in reasons[self.FIGURE_REASONS:])
+        if self.by_sender:
+            senders = sorted(((sum(c.values()), name) for name, c in self.by_sender.items()),
+                             reverse=True)
+            named = ", ".join(f"{name[:24]}:{n}" for n, name in senders[:self.FIGURE_SENDERS])
+            more = len(senders) - self.FIGURE_SENDERS
+            figures["rejected_from"] = named + (f" (+{more})" if more > 0 else "")
+        return figures
 
 
 def send(sock: zmq.Socket, msg: p.Message, *, to: bytes | None = None,
@@ -102,7 +138,7 @@ def recv(sock: zmq.Socket, rejects: RejectLog, *,
     try:
         return sender, p.decode(frames)
     except p.ProtocolError as exc:
-        rejects.refuse(_sender_name(sender, sock), exc)
+        rejects.refuse(_sender_name(sender, sock, frames), exc)
         return sender, None
 
 
@@ -125,10 +161,17 @@ def serve(sock: zmq.Socket, rejects: RejectLog,
     drain(sock, one)
 
 
-def _sender_name(sender: bytes | None, sock: zmq.Socket) -> str:
-    if sender is None:
-        return f"peer of {sock.getsockopt(zmq.LAST_ENDPOINT).decode(errors='replace')}"
-    return sender.decode(errors="replace") if sender.isascii() else sender.hex()
+def _sender_name(sender: bytes | None, sock: zmq.Socket, frames: Any = ()) -> str:
+    """A ROUTER peer's routing id (its name, or hex when it set none); otherwise the TCP peer's
+    address, which the peer cannot choose, or failing that (ipc) the endpoint."""
+    if sender is not None:
+        return sender.decode(errors="replace") if sender.isascii() else sender.hex()
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode(errors="replace")
+    try:
+        address = frames[-1].get("Peer-Address") if endpoint.startswith("tcp://") else ""
+    except (AttributeError, IndexError, zmq.ZMQError):
+        address = ""
+    return f"{address} on {endpoint}" if address else f"peer of {endpoint}"
 
 
 def drain(sock: zmq.Socket, handle: Callable[[], None], limit: int = 1000) -> None:

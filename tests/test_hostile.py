@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 import signal
 from pathlib import Path
@@ -10,8 +11,10 @@ from pathlib import Path
 import msgpack
 import msgpack_numpy
 import numpy as np
+import pytest
 import zmq
 from conftest import Cluster, send_message, wait_for
+from stepbus.bus import node, wiring
 from stepbus.bus import protocol as p
 
 
@@ -167,3 +170,122 @@ def test_the_trainer_refuses_trajectories_it_cannot_train_on_and_keeps_learning(
     assert trainer.wait(10) == 0
     assert f"{len(bad)} messages refused" in trainer.output()
     assert "Traceback" not in trainer.output()
+
+
+# ---------------------------------------------------------------------------------------------
+# RejectLog: counted by reason and sender, logged at most once per second per sender.
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def reject_log() -> tuple[node.RejectLog, list[str], FakeClock]:
+    lines: list[str] = []
+    log = logging.getLogger("test.rejects")
+    log.propagate = False
+    log.handlers = [ListHandler(lines)]
+    clock = FakeClock()
+    return node.RejectLog(log, clock=clock), lines, clock
+
+
+class ListHandler(logging.Handler):
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__()
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_refusals_are_counted_by_reason_and_sender() -> None:
+    rejects, _, _ = reject_log()
+    for sender, reason, n in (("liar", "bad msgpack", 3), ("liar", "bad dtype", 2),
+                              ("6b8b4567", "bad msgpack", 1)):
+        for _ in range(n):
+            rejects.refuse(sender, p.ProtocolError(reason))
+    assert rejects.total == 6
+    assert rejects.counts == {"bad msgpack": 4, "bad dtype": 2}
+    assert rejects.by_sender == {"liar": {"bad msgpack": 3, "bad dtype": 2},
+                                 "6b8b4567": {"bad msgpack": 1}}
+
+
+def test_each_sender_is_logged_at_most_once_per_second_and_again_when_it_comes_back() -> None:
+    rejects, lines, clock = reject_log()
+    for _ in range(500):  # a flood within one second: one line
+        rejects.refuse("liar", p.ProtocolError("bad msgpack", "x"))
+        clock.now += 0.001
+    assert lines == ["dropped message from liar: bad msgpack: x"]
+    rejects.refuse("other", p.ProtocolError("bad dtype"))  # another sender is not held back
+    assert len(lines) == 2 and "other" in lines[1]
+    clock.now += 0.6  # past one second since liar's line: its next refusal is logged
+    rejects.refuse("liar", p.ProtocolError("frame count"))
+    assert lines[2] == ("dropped message from liar: frame count (and 499 more from it since "
+                        "its last line)")
+    clock.now += 3600  # an hour later, still misbehaving: it shows up again
+    rejects.refuse("liar", p.ProtocolError("bad msgpack"))
+    assert lines[3] == "dropped message from liar: bad msgpack"
+    seconds = 20
+    for _ in range(seconds * 100):  # a steady flood: one line per second
+        rejects.refuse("liar", p.ProtocolError("bad msgpack"))
+        clock.now += 0.01
+    assert len(lines) - 4 <= seconds + 1
+    assert rejects.total == 500 + 1 + 1 + 1 + seconds * 100
+
+
+def test_spoofed_senders_cannot_grow_memory_or_the_log() -> None:
+    rejects, lines, clock = reject_log()
+    cap = node.RejectLog.MAX_SENDERS
+    for i in range(cap * 20):
+        rejects.refuse(f"spoof-{i}-" + "x" * 300, p.ProtocolError("bad msgpack"))
+        clock.now += 0.0001
+    assert len(rejects.by_sender) == cap + 1
+    assert rejects.by_sender[node.RejectLog.OTHER_SENDERS]["bad msgpack"] == cap * 19
+    assert all(len(name) <= node.RejectLog.MAX_NAME for name in rejects.by_sender)
+    assert len(rejects._next_line) <= cap + 1 and len(rejects._unlogged) <= cap + 1
+    assert len(lines) == cap + 1  # each named sender once, the rest as one sender
+    assert rejects.total == cap * 20
+
+
+def test_reject_figures_are_few_short_scalars() -> None:
+    rejects, _, _ = reject_log()
+    assert rejects.figures() == {"rejected": 0}  # a clean status row stays clean
+    reasons = ["bad msgpack", "bad dtype", "frame count", "bad shape", "unknown kind",
+               "bad fields", "protocol version"]
+    for i, reason in enumerate(reasons):
+        for _ in range(10 - i):
+            rejects.refuse(f"sender{i % 4}", p.ProtocolError(reason))
+    figures = rejects.figures()
+    assert figures["rejected"] == rejects.total == sum(range(4, 11))
+    assert figures["rejected_bad_msgpack"] == 10 and figures["rejected_bad_dtype"] == 9
+    assert "rejected_bad_fields" not in figures  # past the 5 most frequent reasons
+    assert figures["rejected_other_reasons"] == 5 + 4
+    assert figures["rejected_from"] == "sender0:16, sender1:14, sender2:12 (+1)"
+    assert len(figures) == 1 + 5 + 1 + 1
+    assert all(isinstance(v, (int, str)) for v in figures.values())
+
+
+@pytest.mark.parametrize("kind", [zmq.PULL, zmq.ROUTER])
+def test_recv_names_the_sender_of_a_refused_message(kind: int) -> None:
+    """ROUTER: the routing id; otherwise, over TCP, the peer's address (it cannot choose it)."""
+    rejects, lines, _ = reject_log()
+    ctx = zmq.Context.instance()
+    sock = wiring.socket(ctx, kind, bind="tcp://127.0.0.1:0")
+    peer = ctx.socket(zmq.DEALER if kind == zmq.ROUTER else zmq.PUSH)
+    try:
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.setsockopt(zmq.IDENTITY, b"liar")
+        peer.connect(sock.getsockopt(zmq.LAST_ENDPOINT).decode())
+        peer.send(b"\xc1 not msgpack")
+        assert sock.poll(5000)
+        assert node.recv(sock, rejects, routed=kind == zmq.ROUTER)[1] is None
+    finally:
+        peer.close(0)
+        sock.close(0)
+    (sender,) = rejects.by_sender
+    assert sender == "liar" if kind == zmq.ROUTER else sender.startswith("127.0.0.1 on tcp://")
+    assert rejects.counts == {"bad msgpack": 1} and sender in lines[0]
