@@ -284,7 +284,7 @@ def run(cfg: Config) -> int:
         return {"workers": len(workers), "policy_version": version, "epoch": epoch,
                 "steps_per_s": round(steps_per_s), "outstanding_steps": credit.outstanding(),
                 "credit_window": window(), "credit_topups": credit.topups,
-                "assembler_blocked": assembler_blocked, "rejected": rejects.total, **counts}
+                "assembler_blocked": assembler_blocked, **rejects.figures(), **counts}
 
     worker_handlers = {p.WorkerHello: on_hello, p.StepResult: on_result,
                        p.Heartbeat: on_worker_heartbeat, p.RemoteError: on_worker_error}

@@ -287,7 +287,7 @@ def run(cfg: Config) -> int:
                                               seq=seq), block=False)
 
     def figures() -> dict:
-        return {"env_steps": steps_done, "env_errors": envs.errors, "rejected": rejects.total}
+        return {"env_steps": steps_done, "env_errors": envs.errors, **rejects.figures()}
 
     poller = zmq.Poller()
     poller.register(dealer, zmq.POLLIN)
