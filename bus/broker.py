@@ -7,6 +7,11 @@ replied, or `batch_wait_ms` after it arrived, whichever is first.
 Flow control is a credit window: the broker steps at most `window` env steps beyond what the
 trainer reports as received (in each WEIGHTS message). That bounds policy lag and memory, and
 makes stepping pause, not drop, while no trainer is consuming.
+
+A broker started mid-run (the old one crashed) knows nothing of it: it defers workers' hellos
+until the controller tells it the run's epoch and reset options, then resets every worker (the
+assembler closes their open trajectories as truncated), and steps once the trainer's weights
+arrive, within 0.25 s, because a trainer without data re-publishes them.
 """
 
 from __future__ import annotations
@@ -25,6 +30,13 @@ from stepbus.trainer import model, spaces
 # trajectory in the assembler (up to the default horizon, 32), the step awaiting its reward, and
 # the step in flight. Too small a window deadlocks until the trainer reports itself starving.
 HORIZON_ALLOWANCE = 32 + 2
+
+# How long a new broker defers new workers' hellos until the controller has told it the run's
+# epoch and reset options: a broker restarted mid-run must not reset envs without the last
+# barrier's options (and step them) before it knows them. Deferred hellos are answered as soon as
+# the run state is in (one controller round trip); without a controller, after this grace.
+RUN_STATE_GRACE_S = 2 * node.HEARTBEAT_INTERVAL_S * node.LIVENESS_INTERVALS
+MAX_DEFERRED_HELLOS = 1000  # hellos are untrusted: a flood of names cannot grow memory
 
 
 @dataclass
@@ -103,6 +115,8 @@ def run(cfg: Config) -> int:
     assembler_blocked, look_again = False, None
     barrier_lost: set[str] = set()  # workers that died during the current barrier
     barrier_errors: list[str] = []  # env errors workers reported during it
+    started = time.monotonic()
+    deferred: dict[bytes, p.WorkerHello] = {}  # the latest hello per sender, until the run state
     log.info("broker: workers on %s, trainers on %s, experience to %s",
              cfg.steps, cfg.policy, cfg.experience)
 
@@ -149,6 +163,13 @@ def run(cfg: Config) -> int:
             if w.in_flight and now - w.ready_since > 2 * node.HEARTBEAT_INTERVAL_S:
                 reset_worker(w)  # it is idle, yet we wait on it: a message was lost
                 w.ready_since = now
+            return
+        if link.state is None and now - started < RUN_STATE_GRACE_S:
+            if ident not in deferred and len(deferred) < MAX_DEFERRED_HELLOS:
+                log.info("worker %s waits until the controller tells the run's epoch and reset "
+                         "options (at most %.0fs)", msg.worker, RUN_STATE_GRACE_S)
+            if ident in deferred or len(deferred) < MAX_DEFERRED_HELLOS:
+                deferred[ident] = msg
             return
         if not 1 <= msg.num_envs <= checks.MAX_ENVS_PER_WORKER:
             rejects.refuse(msg.worker, p.ProtocolError("bad hello", f"num_envs {msg.num_envs}"))
@@ -307,6 +328,14 @@ def run(cfg: Config) -> int:
                     on_barrier(msg.epoch, msg.options)
             if link.state is not None and link.state.epoch > epoch:  # a missed broadcast
                 on_barrier(link.state.epoch, link.state.options)
+            if deferred and (link.state is not None or now - started >= RUN_STATE_GRACE_S):
+                if link.state is None:
+                    log.warning("no run state from the controller at %s within %.0fs; serving "
+                                "workers at epoch %d without it", cfg.controller,
+                                RUN_STATE_GRACE_S, epoch)
+                for ident, hello in list(deferred.items()):
+                    on_hello(ident, hello, time.monotonic())
+                deferred.clear()
             if steps in events:
                 node.serve(steps, rejects, worker_handlers)
             if policy_sock in events:

@@ -1,0 +1,194 @@
+"""The step broker killed (SIGKILL) and restarted under a running pipeline: what the user sees in
+`stepbus status` and the metrics, what is counted, and how fast the run is back."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from typing import Any
+
+import zmq
+from conftest import Cluster, recv_message, send_message, wait_for
+from stepbus.bus import protocol as p
+
+
+class Status:
+    """`stepbus status` without a process start per look: the same StatusReply the CLI prints,
+    asked over one socket, so timings can be polled at 50 ms instead of ~0.5 s per CLI run."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.sock = cluster.socket(zmq.DEALER, cluster.endpoints["controller"])
+
+    def rows(self, role: str, **match: Any) -> list[dict]:
+        send_message(self.sock, p.StatusRequest())
+        reply = recv_message(self.sock, timeout=5)
+        assert isinstance(reply, p.StatusReply), reply
+        return [r for r in reply.processes if r["role"] == role
+                and all(r.get(k) == v for k, v in match.items())]
+
+    def figure(self, role: str, key: str, **match: Any) -> Any:
+        """The figure of the one matching process (None while it is not registered)."""
+        rows = self.rows(role, **match)
+        return rows[0].get(key) if len(rows) == 1 else None
+
+    def known(self, role: str, key: str, **match: Any) -> Any:
+        """The figure once the process is registered and reports it (one heartbeat at most)."""
+        return wait_for(lambda: self.figure(role, key, **match) is not None
+                        and [self.figure(role, key, **match)], 5, f"{role} {key}")[0]
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def cli_status(cluster: Cluster) -> list[dict]:
+    res = cluster.cli("status", "--json", "--timeout", "5")
+    assert res.returncode == 0, res.stdout + res.stderr
+    return json.loads(res.stdout)["processes"]
+
+
+def test_the_run_survives_the_broker_being_killed_and_restarted(cluster: Cluster):
+    procs = cluster.start_all(trainer_args=("--target-return", "0"), workers=2)
+    status = Status(cluster)
+    try:
+        wait_for(lambda: len(cluster.metrics()) >= 3, 60, "training under way")
+        for w in ("w0", "w1"):
+            wait_for(lambda w=w: (status.figure("worker", "env_steps", name=w) or 0) > 0, 20,
+                     f"worker {w} stepping")
+        old_pid = procs["broker"].pid
+        version_before = status.known("broker", "policy_version", pid=old_pid)
+        closed_before = status.known("assembler", "closed_truncated")
+        trainer_at_kill = status.known("trainer", "policy_version")
+
+        procs["broker"].signal(signal.SIGKILL)
+        assert procs["broker"].wait(5) == -signal.SIGKILL
+        dead_broker = procs.pop("broker")
+        time.sleep(1.0)  # the outage: workers wait on a reply that will never come
+
+        # Nothing steps without a broker: these are the figures the run resumes from, read
+        # until two looks a heartbeat apart agree (figures travel with 0.5 s heartbeats).
+        def idle_figures() -> tuple[int, ...]:
+            return (*(status.known("worker", "env_steps", name=w) for w in ("w0", "w1")),
+                    status.known("assembler", "steps"))
+
+        looks = [idle_figures()]
+        time.sleep(0.6)  # the next look is a heartbeat later
+        wait_for(lambda: looks.append(idle_figures()) or looks[-1] == looks[-2], 10,
+                 "the figures to settle while no broker runs", interval=0.6)
+        *worker_steps, assembler_steps = looks[-1]
+        stalled = dict(zip(("w0", "w1"), worker_steps, strict=True))
+        trainer_version = status.known("trainer", "policy_version")
+        # Every env step a worker took either completed a transition in the assembler or was
+        # lost with the broker: at least each worker's last reply (8 envs), which went to it.
+        lost = sum(worker_steps) - assembler_steps
+        print(f"\nenv steps lost with the dead broker: {lost} (workers' env_steps minus the "
+              f"assembler's steps)")
+        assert lost >= 2 * 8
+        records_at_restart = len(cluster.metrics())
+
+        t_start = time.monotonic()
+        procs["broker"] = broker = cluster.start("broker", name="broker-restarted")
+        seen: dict[str, float] = {}
+
+        def milestones() -> bool:
+            """Notes when each thing the user waits for first shows (polled together)."""
+            now = time.monotonic()
+            if "bound" not in seen and "broker: workers on" in broker.output():
+                seen["bound"] = now
+            for w, steps in stalled.items():
+                if f"{w} joined" not in seen and f"worker {w} joined" in broker.output():
+                    seen[f"{w} joined"] = now  # its hello reached the new broker
+                if w not in seen and (status.figure("worker", "env_steps", name=w) or 0) > steps:
+                    seen[w] = now
+            updates = [r for r in cluster.metrics()[records_at_restart:]
+                       if r["policy_version"] > trainer_version]
+            for i, key in enumerate(("update1", "update2")):
+                if key not in seen and len(updates) > i:
+                    seen[key] = now
+            return len(seen) == 7
+
+        wait_for(milestones, 20, "the new broker bound, both workers served, two updates")
+        t_bound, t_served = seen["bound"], max(seen["w0"], seen["w1"])
+        t_update = seen["update1"]
+        t_joined = max(seen["w0 joined"], seen["w1 joined"])
+        print(f"\nbroker restart, s after the new process started: bound "
+              f"{t_bound - t_start:.2f}; both workers' hellos in {t_joined - t_start:.2f}; "
+              f"both served again {t_served - t_start:.2f} (figures ride 0.5 s heartbeats); "
+              f"policy updates {t_update - t_start:.2f}, {seen['update2'] - t_start:.2f}")
+        assert t_served - t_bound < 5.0, "workers reconnect within a few seconds"
+
+        # The new broker's first weights were published after the kill (up to 4 wait in the
+        # trainer's queue while no broker is there), so they are at least what the old broker
+        # had; the trainer's starving re-publish then brings its newest within 0.25 s.
+        first = re.search(r"connected at policy version (\d+)", broker.output())
+        assert first is not None, broker.output()
+        assert int(first[1]) >= max(version_before, trainer_at_kill)
+        wait_for(lambda: (status.figure("broker", "policy_version", pid=broker.pid) or -1)
+                 >= trainer_version, 5, "the new broker to have the trainer's newest weights")
+
+        # Training goes on, and versions only ever increase across the restart.
+        wait_for(lambda: len(cluster.metrics()) >= records_at_restart + 3, 30,
+                 "three more updates after the restart")
+        versions = [r["policy_version"] for r in cluster.metrics()]
+        assert versions == sorted(versions) and len(set(versions)) == len(versions)
+
+        # What the dead broker took with it is counted: each worker's open trajectories were
+        # closed as truncated (bootstrapped from the last observation seen), none joined to
+        # steps after the restart.
+        wait_for(lambda: (status.figure("assembler", "closed_truncated") or 0)
+                 >= closed_before + 2, 10, "the workers' open trajectories closed as truncated")
+        rows = {(r["role"], r.get("pid")): r for r in cli_status(cluster)}  # as the user sees it
+        trainer_row = next(r for (role, _), r in rows.items() if role == "trainer")
+        assembler_row = next(r for (role, _), r in rows.items() if role == "assembler")
+        broker_row = rows[("broker", broker.pid)]
+        print(f"after the restart: assembler {assembler_row}\nbroker {broker_row}")
+        assert trainer_row["rejected"] == 0, "no malformed trajectory reached the trainer"
+        assert assembler_row["rejected"] == 0 and assembler_row["gaps"] == 0
+        assert broker_row["rejected"] == 0 and broker_row["workers"] == 2
+        assert broker_row["policy_version"] >= version_before
+
+        done = cluster.cli("shutdown")
+        assert done.returncode == 0, done.stdout + done.stderr
+        deadline = time.monotonic() + 20
+        codes = {name: proc.wait(max(0.1, deadline - time.monotonic()))
+                 for name, proc in procs.items()}
+        assert codes == dict.fromkeys(procs, 0), cluster.dump()
+        for proc in (*procs.values(), dead_broker):
+            assert "Traceback" not in proc.output(), proc.output()
+    finally:
+        status.close()
+
+
+def test_a_restarted_broker_resets_workers_into_the_runs_epoch_with_its_options(
+        cluster: Cluster, monkeypatch):
+    """The controller remembers the last barrier's epoch and options; a new broker must reset
+    workers with them, never first without them (a spell of unconfigured envs). The controller
+    is frozen while the new broker starts, so the workers' hellos surely come first."""
+    reset_log = cluster.dir / "resets.jsonl"
+    monkeypatch.setenv("RESET_LOG", str(reset_log))
+    procs = cluster.start_all(trainer_args=("--target-return", "0"), workers=2,
+                              worker_args=("--env", "scripted_envs:recording_cartpole",
+                                           "--envs-per-worker", "3"))
+    status = Status(cluster)
+    try:
+        wait_for(lambda: len(cluster.metrics()) >= 2, 60, "training under way")
+        done = cluster.cli("reset", "--option", "level=3")
+        assert done.returncode == 0, done.stdout + done.stderr
+        procs["broker"].signal(signal.SIGKILL)
+        procs["broker"].wait(5)
+        procs.pop("broker")
+        procs["controller"].signal(signal.SIGSTOP)
+        logged = len(reset_log.read_text().splitlines())
+        records = len(cluster.metrics())
+        procs["broker"] = broker = cluster.start("broker", name="broker-restarted")
+        wait_for(lambda: all(re.search(rf"worker {w} (joined|waits)", broker.output())
+                             for w in ("w0", "w1")), 10, "both workers' hellos at the new broker")
+        procs["controller"].signal(signal.SIGCONT)
+        wait_for(lambda: len(cluster.metrics()) >= records + 2, 30, "training after the restart")
+        resets = [json.loads(line) for line in reset_log.read_text().splitlines()[logged:]]
+        assert resets and all(r == {"level": 3} for r in resets), resets
+        assert status.known("broker", "epoch", pid=broker.pid) == 1
+        assert "Traceback" not in broker.output()
+    finally:
+        status.close()
