@@ -70,15 +70,22 @@ RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 2_000  # reconnect backoff ceiling
 TCP_HEARTBEAT_IVL_MS = 1_000
 TCP_HEARTBEAT_TIMEOUT_MS = 3_000
-ZAP_DOMAIN = b"stepbus"  # refuses ZMTP 1.0 peers, so raw bytes never become messages
+# With a ZAP domain set libzmq refuses ZMTP 1.0 and 2.0 peers, whose framing any TCP client
+# can produce without a handshake, so raw bytes never become messages. ZMTP 3.0 peers still
+# pass (no ZAP handler runs): they are ZeroMQ peers, and the decoder refuses what they send.
+ZAP_DOMAIN = b"stepbus"
 
 
 def socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,
-           identity: bytes | None = None, immediate: bool = False) -> zmq.Socket:
+           identity: bytes | None = None, immediate: bool = False,
+           max_message_bytes: int = MAX_MESSAGE_BYTES) -> zmq.Socket:
     """One socket with the project's options; exactly one of bind/connect.
 
     immediate: queue outgoing messages only on completed connections, so a socket with no
     live peer is not writable (and a send with NOBLOCK fails) instead of queueing into the void.
+    max_message_bytes: the largest frame a peer may declare to a bound socket; libzmq
+    allocates a declared frame before its bytes arrive, so one that carries no arrays (the
+    controller's) can be bound much lower than the default.
     """
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, LINGER_MS)
@@ -97,7 +104,7 @@ def socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str
     if kind == zmq.SUB:
         sock.setsockopt(zmq.SUBSCRIBE, b"")
     if bind is not None:
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
         try:
             sock.bind(bind)

@@ -1,0 +1,351 @@
+"""Bytes that are not ZeroMQ on every bound TCP port: refused by libzmq before they can become
+messages, with no process dying and no memory kept. Plus the socket options that make it so
+(ZAP domain, MAXMSGSIZE, loopback defaults), each shown to matter against a plain socket."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import json
+import os
+import random
+import socket
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import zmq
+from conftest import Cluster, Proc, wait_for
+from stepbus.bus import wiring
+
+REPO = Path(__file__).resolve().parent.parent
+
+# ---------------------------------------------------------------------------------------------
+# ZMTP by hand (rfc.zeromq.org/spec/23): enough to greet, say READY and declare a frame.
+
+MECHANISMS = [b"NULL", b"PLAIN", b"CURVE", b"GSSAPI", b"\xff" * 20]
+PEER_TYPE = {b"ROUTER": b"DEALER", b"PUB": b"SUB", b"PULL": b"PUSH", b"PUSH": b"PULL"}
+LONG_FRAME = 0x02
+
+
+def greeting(major: int = 3, minor: int = 0, mechanism: bytes = b"NULL") -> bytes:
+    return b"\xff" + bytes(8) + b"\x7f" + bytes([major, minor]) + mechanism[:20].ljust(20, b"\0") \
+        + b"\0" + bytes(31)
+
+
+def ready(socket_type: bytes) -> bytes:
+    body = b"\x05READY" + b"\x0bSocket-Type" + len(socket_type).to_bytes(4, "big") + socket_type
+    return b"\x04" + bytes([len(body)]) + body
+
+
+def zmtp1_message(body: bytes) -> bytes:
+    """What libzmq takes for a message from a ZMTP 1.0 peer: an empty identity, then a frame."""
+    return b"\x01\x00" + bytes([len(body) + 1, 0]) + body
+
+
+def connect(port: int, timeout: float = 2.0) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=timeout)
+
+
+def handshake(port: int) -> socket.socket:
+    """A raw TCP socket that has completed a ZMTP 3.0 NULL handshake: a ZeroMQ peer by hand.
+    Waits for the server's READY first, so the next bytes are read as frames, not commands."""
+    sock = connect(port)
+    sock.sendall(greeting())
+    data = b""
+    while len(data) < 66 or len(data) < 66 + data[65]:  # greeting, then READY's short frame
+        chunk = sock.recv(4096)
+        assert chunk, "the server closed a well-formed ZMTP 3.0 handshake"
+        data += chunk
+    prop = data[66:66 + data[65]].partition(b"Socket-Type")[2]
+    server_type = prop[4:4 + int.from_bytes(prop[:4], "big")]
+    sock.sendall(ready(PEER_TYPE[server_type]))
+    return sock
+
+
+def closed_by_peer(sock: socket.socket, within: float) -> bool:
+    """True once the other side closes (EOF or reset) within `within` seconds."""
+    sock.settimeout(within)
+    deadline = time.monotonic() + within
+    try:
+        while time.monotonic() < deadline:
+            if not sock.recv(65536):
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+    return False
+
+
+def send_quietly(sock: socket.socket, data: bytes) -> None:
+    """Send what the server takes before it hangs up; its hanging up is the expected outcome."""
+    with contextlib.suppress(OSError):
+        sock.sendall(data)
+
+
+@contextlib.contextmanager
+def bound(kind: int, *, ours: bool) -> Iterator[tuple[zmq.Socket, int]]:
+    """A socket bound on a free loopback port: through wiring.socket, or a plain one."""
+    ctx = zmq.Context.instance()
+    if ours:
+        sock = wiring.socket(ctx, kind, bind="tcp://127.0.0.1:0")
+    else:
+        sock = ctx.socket(kind)
+        sock.bind("tcp://127.0.0.1:0")
+    try:
+        yield sock, int(sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+    finally:
+        sock.close(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. The options, and what each one is for.
+
+
+@pytest.mark.parametrize("ours", [False, True], ids=["plain socket", "wiring.socket"])
+def test_zmtp1_bytes_become_a_message_only_without_the_zap_domain(ours: bool) -> None:
+    """The control shows raw bytes *can* become a message: libzmq still speaks ZMTP 1.0, which
+    has no greeting, so any TCP client can frame a message. A ZAP domain turns that off."""
+    with bound(zmq.PULL, ours=ours) as (sock, port):
+        raw = connect(port)
+        send_quietly(raw, zmtp1_message(b"hello"))
+        got = sock.recv_multipart() if sock.poll(1000) else None
+        assert got == (None if ours else [b"hello"])
+        assert closed_by_peer(raw, 1.0) is ours
+        raw.close()
+
+
+@pytest.mark.parametrize("ours", [False, True], ids=["plain socket", "wiring.socket"])
+def test_a_frame_declared_over_maxmsgsize_closes_the_connection_at_once(ours: bool) -> None:
+    """Without MAXMSGSIZE libzmq allocates what the header declares and waits for the bytes."""
+    with bound(zmq.PULL, ours=ours) as (_, port):
+        raw = handshake(port)
+        send_quietly(raw, bytes([LONG_FRAME]) + (wiring.MAX_MESSAGE_BYTES + 1).to_bytes(8, "big")
+                     + b"x" * 1000)
+        assert closed_by_peer(raw, 1.0 if ours else 0.3) is ours
+        raw.close()
+
+
+def test_a_zeromq_peer_by_hand_does_get_a_message_through() -> None:
+    """The raw handshake above is right: after it a frame is a message (so the refusals in
+    these tests are libzmq's doing, not a broken client)."""
+    with bound(zmq.PULL, ours=True) as (sock, port):
+        raw = handshake(port)
+        raw.sendall(b"\x00\x05hello")
+        assert sock.poll(2000) and sock.recv_multipart() == [b"hello"]
+        raw.close()
+
+
+BIND_KINDS = [zmq.ROUTER, zmq.PUB, zmq.PULL, zmq.PUSH]
+
+
+@pytest.mark.parametrize("kind", BIND_KINDS, ids=lambda k: zmq.SocketType(k).name)
+def test_every_bound_socket_sets_a_maximum_message_size_and_a_zap_domain(kind: int) -> None:
+    with bound(kind, ours=True) as (sock, _):
+        assert sock.getsockopt(zmq.MAXMSGSIZE) == wiring.MAX_MESSAGE_BYTES
+        assert sock.getsockopt(zmq.ZAP_DOMAIN) == wiring.ZAP_DOMAIN
+
+
+def test_every_default_endpoint_is_on_loopback() -> None:
+    for spec in wiring.ENDPOINTS.values():
+        url = urlsplit(spec.default)
+        assert url.scheme == "tcp" and url.hostname == "127.0.0.1", spec
+
+
+def test_processes_bind_only_through_wiring_socket() -> None:
+    """So every bound socket has the options above: no module binds a socket by itself."""
+    offenders = []
+    for folder in ("bus", "workers", "processor", "trainer", "stepbus"):
+        for path in (REPO / folder).rglob("*.py"):
+            if path == REPO / "bus" / "wiring.py":
+                continue
+            for call in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                        and call.func.attr in ("bind", "bind_to_random_port")):
+                    offenders.append(f"{path.relative_to(REPO)}:{call.lineno}")
+    assert not offenders, f"sockets bound outside wiring.socket: {offenders}"
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Real processes on TCP, and noise on every port they listen on.
+
+
+def use_tcp(cluster: Cluster) -> None:
+    """Rewire a cluster (before it starts anything) from ipc:// to free loopback TCP ports."""
+    ports = wiring.free_tcp_ports(len(cluster.endpoints))
+    cluster.endpoints = {name: f"tcp://127.0.0.1:{port}"
+                         for name, port in zip(cluster.endpoints, ports, strict=True)}
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket the process listens on, from /proc."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                address, port = cols[1].split(":")
+                if table == "tcp":
+                    address = ".".join(str(b) for b in reversed(bytes.fromhex(address)))
+                found.add((address, int(port, 16)))
+    return found
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def noise(rnd: random.Random) -> tuple[bytes, bool]:
+    """One connection's worth of bytes that are not a ZeroMQ peer's, and whether libzmq must
+    hang up at once (the rest wait for more bytes of a greeting or of a declared frame)."""
+    what = rnd.randrange(6)
+    if what == 0:  # anything: not 0xff first, so ZMTP 1.0, which the ZAP domain refuses
+        data = rnd.randbytes(rnd.randint(1, 32768))
+        return data, data[0] != 0xFF
+    if what == 1:  # ZMTP 1.0 framing: messages, were it not for the ZAP domain
+        return b"".join(zmtp1_message(rnd.randbytes(rnd.randint(0, 250)))
+                        for _ in range(rnd.randint(1, 100))), True
+    if what == 2:  # a ZMTP 1.0 long frame declaring a huge length
+        return b"\xff" + rnd.randint(1 << 28, (1 << 64) - 1).to_bytes(8, "big") + b"\0" \
+            + rnd.randbytes(rnd.randint(0, 16384)), True
+    if what == 3:  # a greeting of any version and mechanism, then anything
+        return greeting(rnd.choice([0, 1, 2, 3, 3, 4, 255]), rnd.randrange(256),
+                        rnd.choice(MECHANISMS))[:rnd.randint(10, 64)] \
+            + rnd.randbytes(rnd.randint(0, 16384)), False
+    if what == 4:  # greeting, READY, then a frame declared too large
+        return greeting() + ready(rnd.choice(list(PEER_TYPE.values()))) + bytes([LONG_FRAME]) \
+            + rnd.randint(wiring.MAX_MESSAGE_BYTES + 1, (1 << 64) - 1).to_bytes(8, "big") \
+            + rnd.randbytes(rnd.randint(0, 16384)), True
+    # greeting, READY, then a big frame declared within the limit and never finished
+    return greeting() + ready(rnd.choice(list(PEER_TYPE.values()))) + bytes([LONG_FRAME]) \
+        + rnd.randint(1 << 20, wiring.MAX_MESSAGE_BYTES).to_bytes(8, "big") \
+        + rnd.randbytes(rnd.randint(0, 32768)), False
+
+
+@dataclass
+class Blast:
+    sent: Counter[int] = field(default_factory=Counter)  # bytes per port
+    sampled: int = 0  # connections watched until the server hung up
+    hung_up: int = 0
+
+
+def blast(ports: list[int], connections: int, rnd: random.Random) -> Blast:
+    """`connections` connections spread over the ports, each sending noise and closing, while
+    20 others hold half a greeting open; every 10th connection that libzmq must refuse at once
+    is watched until it does, which shows the bytes were read, not lost in a socket buffer."""
+    out = Blast()
+    held = [connect(ports[i % len(ports)]) for i in range(20)]
+    for sock in held:
+        send_quietly(sock, greeting()[:rnd.randint(1, 40)])
+    for i in range(connections):
+        port = ports[i % len(ports)]
+        data, refused_at_once = noise(rnd)
+        with connect(port) as sock:
+            send_quietly(sock, data)
+            out.sent[port] += len(data)
+            if refused_at_once and i % 10 == 0:
+                out.sampled += 1
+                out.hung_up += closed_by_peer(sock, 2.0)
+    for sock in held:
+        sock.close()
+    return out
+
+
+def rows_by_role(cluster: Cluster) -> dict[str, dict]:
+    status = cluster.cli("status", "--json", "--timeout", "5")
+    assert status.returncode == 0, f"stepbus status did not answer: {status.stderr}"
+    return {row["role"]: row for row in json.loads(status.stdout)["processes"]}
+
+
+def rejected_figures(rows: dict[str, dict]) -> dict[str, dict]:
+    return {role: {k: v for k, v in row.items() if k.startswith("rejected")}
+            for role, row in rows.items()}
+
+
+BINDERS = ("controller", "broker", "assembler")
+NOISE_CONNECTIONS = 2000
+# RSS may grow by this much over a burst. Keeping the bytes would grow each process by the
+# 6-8 MB it received (asserted above 2x this), keeping each connection's 8 KiB input buffer by
+# 5 MiB (667 connections each); measured growth is under 150 KiB: heartbeats, logging and
+# malloc's rounding over a few seconds.
+RSS_GROWTH_KIB = 2048
+
+
+def test_noise_on_every_bound_tcp_port_leaves_processes_serving_and_memory_flat(
+        cluster: Cluster) -> None:
+    use_tcp(cluster)
+    procs: dict[str, Proc] = {role: cluster.start(role) for role in BINDERS}
+    wait_for(lambda: {"broker", "assembler"} <= set(rows_by_role(cluster)), 30,
+             "broker and assembler registered with the controller")
+    configured = {(urlsplit(url).hostname, urlsplit(url).port)
+                  for url in cluster.endpoints.values()}
+    ports: dict[str, list[int]] = {}
+    for role, proc in procs.items():
+        found = listening(proc.pid)
+        assert found and found <= configured, f"{role} listens on {found - configured}"
+        assert {address for address, _ in found} == {"127.0.0.1"}
+        ports[role] = sorted(port for _, port in found)
+    all_ports = sorted(port for role_ports in ports.values() for port in role_ports)
+    assert all_ports == sorted(port for _, port in configured), \
+        "every configured endpoint is bound by one of the three"
+    before = rejected_figures(rows_by_role(cluster))
+    assert before == {role: {"rejected": 0} for role in ("controller", *BINDERS[1:])}
+
+    rnd = random.Random(0)
+    for port in all_ports:  # MAXMSGSIZE on the live processes' sockets
+        raw = handshake(port)
+        send_quietly(raw, bytes([LONG_FRAME]) + (1 << 62).to_bytes(8, "big"))
+        assert closed_by_peer(raw, 2.0), f"port {port} kept a frame declared as 4 EiB"
+        raw.close()
+    blast(all_ports, 300, rnd)  # warm-up: first use of libzmq's and malloc's buffers
+    time.sleep(0.5)
+    rss_before = {role: rss_kib(proc.pid) for role, proc in procs.items()}
+    started = time.monotonic()
+    burst = blast(all_ports, NOISE_CONNECTIONS, rnd)
+    burst_s = time.monotonic() - started
+    time.sleep(0.5)
+    rss_after = {role: rss_kib(proc.pid) for role, proc in procs.items()}
+    received = {role: sum(burst.sent[port] for port in ports[role]) for role in procs}
+    print(f"noise: {NOISE_CONNECTIONS} connections, {received} bytes in {burst_s:.1f} s, "
+          f"{burst.hung_up}/{burst.sampled} sampled hung up on; RSS KiB before {rss_before}, "
+          f"after {rss_after}")
+
+    assert burst.hung_up == burst.sampled > 100, "libzmq read and refused the noise"
+    assert {role: proc.popen.poll() for role, proc in procs.items()} == dict.fromkeys(procs)
+    time.sleep(2 * 0.5 + 0.2)  # two heartbeats: the figures below are from after the noise
+    rows = rows_by_role(cluster)
+    assert rejected_figures(rows) == before, "noise became messages the decoder refused"
+    assert rows["broker"]["workers"] == 0 and rows["assembler"]["steps"] == 0
+    for role in procs:
+        assert received[role] > 2 * RSS_GROWTH_KIB * 1024, "buffering the noise would show"
+        growth = rss_after[role] - rss_before[role]
+        assert growth < RSS_GROWTH_KIB, f"{role} grew by {growth} KiB on {received[role]} bytes"
+
+    # The control: a ZeroMQ peer by hand sending one undecodable message to each process is
+    # counted at once, so the unchanged counts above mean no message got through.
+    for endpoint in ("controller", "steps", "experience"):
+        raw = handshake(urlsplit(cluster.endpoints[endpoint]).port)
+        raw.sendall(b"\x00\x01\xc1")
+        raw.close()
+    rows = wait_for(lambda: (r := rows_by_role(cluster)) and all(
+        r[role].get("rejected") == 1 for role in ("controller", *BINDERS[1:])) and r, 10,
+        "one refusal counted by each process")
+    for role in ("controller", "broker"):
+        assert rows[role]["rejected_bad_msgpack"] == 1, rows[role]
+    logs = "\n".join(proc.output() for proc in procs.values())
+    assert logs.count("dropped message from") == 3 and "Traceback" not in logs
+    assert "dropped message from 127.0.0.1 on tcp://127.0.0.1:" in procs["assembler"].output()
