@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import json
+import math
 import os
 import random
 import socket
@@ -349,3 +350,19 @@ def test_noise_on_every_bound_tcp_port_leaves_processes_serving_and_memory_flat(
     logs = "\n".join(proc.output() for proc in procs.values())
     assert logs.count("dropped message from") == 3 and "Traceback" not in logs
     assert "dropped message from 127.0.0.1 on tcp://127.0.0.1:" in procs["assembler"].output()
+
+    # A persistent offender: counted by reason and by its name, logged once per second.
+    noisy = zmq.Context.instance().socket(zmq.DEALER)
+    noisy.setsockopt(zmq.IDENTITY, b"noisy")
+    noisy.connect(cluster.endpoints["steps"])
+    started = time.monotonic()
+    for i in range(300):
+        noisy.send_multipart([b"\xc1"] if i % 2 else [b"\x94\x01\x63\x80\x90"])
+    noisy.close(linger=2000)
+    broker = wait_for(lambda: (row := rows_by_role(cluster)["broker"])["rejected"] == 301 and row,
+                      10, "the broker counting all 300")
+    elapsed = time.monotonic() - started
+    assert broker["rejected_bad_msgpack"] == 151 and broker["rejected_unknown_kind"] == 150
+    assert broker["rejected_from"].startswith("noisy:300, ")
+    lines = procs["broker"].output().count("dropped message from noisy")
+    assert 1 <= lines <= 1 + math.ceil(elapsed), f"{lines} lines in {elapsed:.1f} s"
