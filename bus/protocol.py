@@ -654,9 +654,10 @@ def decode(frames: Sequence[Any], *, max_header_bytes: int = MAX_HEADER_BYTES) -
             "frame count", f"{kind.name}: {len(descs)} arrays declared, {len(frames) - 1} frames"
         )
     schema = _SCHEMAS[kind]
-    if set(fields) != set(schema.scalars):
-        unexpected = list(itertools.islice(set(fields) - set(schema.scalars), 3))
-        missing = sorted(set(schema.scalars) - set(fields))
+    if fields.keys() != schema.scalars.keys():  # set-like views: no copies of a big map
+        unexpected = list(itertools.islice(
+            itertools.filterfalse(schema.scalars.__contains__, fields), 3))
+        missing = [name for name in schema.scalars if name not in fields]
         raise ProtocolError("bad fields", f"{kind.name}: {len(fields)} fields, unexpected "
                             f"{_brief(unexpected)}, missing {_brief(missing)}"[:160])
     for name, hint in schema.scalars.items():
