@@ -956,7 +956,7 @@ def rejection_cpu_s(frames: list[Any], runs: int = 5) -> float:
 def test_every_rejection_in_the_corpus_takes_under_ten_milliseconds_of_cpu(
         tmp_path: Path) -> None:
     """The corpus holds cost bombs at the bounds (FILL); the slowest, 12,000 new map keys that
-    msgpack must intern, measured 2.7 ms, so 10 ms leaves room for a slower CI machine while
+    msgpack must intern, measured 1.9 ms, so 10 ms leaves room for a slower CI machine while
     the same bombs without the bounds (1 MiB headers, no container budget, per-item checks)
     measured 60 to 700 ms and would fail."""
     cases = [(name, frames) for name, frames, _ in CORPUS_CASES]
