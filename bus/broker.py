@@ -37,6 +37,7 @@ HORIZON_ALLOWANCE = 32 + 2
 # the run state is in (one controller round trip); without a controller, after this grace.
 RUN_STATE_GRACE_S = 2 * node.HEARTBEAT_INTERVAL_S * node.LIVENESS_INTERVALS
 MAX_DEFERRED_HELLOS = 1000  # hellos are untrusted: a flood of names cannot grow memory
+MAX_REMEMBERED_WORKERS = 10_000  # lost workers whose last sequence number we keep
 
 
 @dataclass
@@ -116,6 +117,7 @@ def run(cfg: Config) -> int:
     barrier_lost: set[str] = set()  # workers that died during the current barrier
     barrier_errors: list[str] = []  # env errors workers reported during it
     started = time.monotonic()
+    highest_seq: dict[str, int] = {}  # lost worker name -> the last seq we used with it
     deferred: dict[bytes, p.WorkerHello] = {}  # the latest hello per sender, until the run state
     log.info("broker: workers on %s, trainers on %s, experience to %s",
              cfg.steps, cfg.policy, cfg.experience)
@@ -130,6 +132,8 @@ def run(cfg: Config) -> int:
 
     def forget(w: Worker, why: str) -> None:
         if workers.pop(w.ident, None) is not None:
+            if len(highest_seq) < MAX_REMEMBERED_WORKERS:
+                highest_seq[w.name] = w.seq
             counts["workers_lost"] += 1
             if phase is Phase.BARRIER:
                 barrier_lost.add(w.name)
@@ -193,8 +197,10 @@ def run(cfg: Config) -> int:
             log.info("worker %s restarted (incarnation %s)", msg.worker, msg.incarnation)
         else:
             log.info("worker %s joined: %d x %s", msg.worker, msg.num_envs, msg.env_id)
+        # Number above anything either side used, so no old message can pass for a new one.
+        first_seq = max(msg.seq, highest_seq.pop(msg.worker, 0)) if 0 <= msg.seq < 2**62 else 0
         w = workers[ident] = Worker(ident, msg.worker, msg.incarnation, msg.num_envs, now,
-                                    ready_since=now)
+                                    seq=first_seq, ready_since=now)
         reset_worker(w)
 
     def on_result(ident: bytes, msg: p.StepResult, now: float) -> None:

@@ -146,6 +146,7 @@ class WorkerHello(Message):
     num_envs: int
     seed: int
     spec: dict[str, Json]  # SpaceSpec as a map
+    seq: int  # the last sequence number it answered; a new broker continues above it
 
 
 @dataclass(frozen=True)

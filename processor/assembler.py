@@ -128,7 +128,7 @@ def run(cfg: Config) -> int:
     trainers: dict[str, int] = {}  # trainer incarnation -> the first seq it receipted
     swap = {"trainer": "", "last_receipt": 0.0}
     counts = {"steps": 0, "trajectories": 0, "episodes": 0, "closed_truncated": 0, "gaps": 0,
-              "resent": 0, "trainer_swaps": 0, "joined_mid_episode": 0}
+              "resent": 0, "trainer_swaps": 0, "joined_mid_episode": 0, "steps_lost": 0}
     tracks_seen: set[str] = set()  # workers this assembler has had a track for
     last_swap_gap_s: float | None = None
     next_seq = 0
@@ -153,6 +153,8 @@ def run(cfg: Config) -> int:
 
     def close(name: str, why: str) -> None:
         track = tracks.pop(name)
+        if why != "shutdown":  # actions whose results will never come: those steps are lost
+            counts["steps_lost"] += sum(agent.pending for agent in track.agents)
         for i, agent in enumerate(track.agents):
             if agent.n:
                 counts["closed_truncated"] += 1
@@ -169,12 +171,15 @@ def run(cfg: Config) -> int:
         k = m.obs.shape[0]
         track = tracks.get(m.worker)
         if track is not None:
+            # Sequence numbers continue across resets and broker restarts, so a gap is a lost
+            # message even when this one starts afresh.
+            gap = track.incarnation == m.incarnation and m.seq != track.seq + 1
+            counts["gaps"] += gap
             why = ("reset" if m.first else
                    "new incarnation" if track.incarnation != m.incarnation else
                    "other shapes" if track.last_obs.shape != m.obs.shape else
-                   "sequence gap" if m.seq != track.seq + 1 else "")
+                   "sequence gap" if gap else "")
             if why:
-                counts["gaps"] += why == "sequence gap"
                 close(m.worker, why)
                 track = None
         if track is None:  # rewards in m belong to actions we never saw: start from its obs

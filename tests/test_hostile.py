@@ -71,7 +71,7 @@ def test_hostile_messages_on_every_bound_socket_are_refused_and_learning_goes_on
     real_spec = {"obs_shape": [4], "obs_dtype": "<f4", "action_kind": "discrete", "action_n": 2,
                  "action_shape": [], "action_low": [], "action_high": []}
     send_message(liar, p.WorkerHello(worker="liar", incarnation="x", env_id="CartPole-v1",
-                                     num_envs=2, seed=0, spec=real_spec))
+                                     num_envs=2, seed=0, spec=real_spec, seq=0))
     assert liar.poll(5000), "the broker answers a good hello with a reset"
     reset = p.decode(liar.recv_multipart())
     assert isinstance(reset, p.Reset)
@@ -91,7 +91,7 @@ def test_hostile_messages_on_every_bound_socket_are_refused_and_learning_goes_on
     trainer.close(linger=1000)
     squatter = cluster.socket(zmq.DEALER, cluster.endpoints["steps"])
     send_message(squatter, p.WorkerHello(worker="squatter", incarnation="s", env_id="x",
-                                         num_envs=-1000, seed=0, spec=real_spec))
+                                         num_envs=-1000, seed=0, spec=real_spec, seq=0))
     squatter.close(linger=1000)
 
     def rejected_by_role() -> dict[str, int]:

@@ -277,7 +277,7 @@ def run(cfg: Config) -> int:
     incarnation = uuid.uuid4().hex[:8]
     hello = p.WorkerHello(worker=cfg.name, incarnation=incarnation, env_id=cfg.env,
                           num_envs=cfg.envs_per_worker, seed=cfg.seed,
-                          spec=dataclasses.asdict(envs.spec))
+                          spec=dataclasses.asdict(envs.spec), seq=0)
     epoch, options, seq = -1, {}, 0
     steps_done = 0
     log.info("%s: %d x %s, connecting to %s", cfg.name, cfg.envs_per_worker, cfg.env, cfg.steps)
@@ -298,7 +298,8 @@ def run(cfg: Config) -> int:
         while not stop and not link.shutdown_reason:
             now = time.monotonic()
             if now - last_heard >= node.HEARTBEAT_INTERVAL_S:
-                node.send(dealer, hello, block=False)  # registration and liveness
+                # registration and liveness; `seq` lets a new broker continue our numbering
+                node.send(dealer, dataclasses.replace(hello, seq=seq), block=False)
                 last_heard = now
             link.beat(now, figures)
             events = dict(poller.poll(node.MAX_POLL_MS))
