@@ -64,7 +64,8 @@ def run(cfg: Config) -> int:
     log = node.setup_logging("controller")
     stop = node.StopFlag()
     ctx = zmq.Context()
-    router = wiring.socket(ctx, zmq.ROUTER, bind=cfg.controller)
+    # Control messages carry no arrays: a peer may not make us hold more than this for it.
+    router = wiring.socket(ctx, zmq.ROUTER, bind=cfg.controller, max_message_bytes=1 << 20)
     pub = wiring.socket(ctx, zmq.PUB, bind=cfg.broadcast)
     rejects = node.RejectLog(log)
     run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]

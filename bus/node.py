@@ -211,9 +211,12 @@ class ControllerLink:
         if figures is not None:
             self._figures = figures
         if now >= self._next_beat or leaving:
+            figures = self._figures()
+            if self.rejects.total:  # refused on this link: part of the process's count
+                figures["rejected"] = figures.get("rejected", 0) + self.rejects.total
             send(self.dealer, p.Heartbeat(role=self.role, name=self.name, host=self.host,
-                                          pid=self.pid, leaving=leaving,
-                                          figures=self._figures()), block=False)
+                                          pid=self.pid, leaving=leaving, figures=figures),
+                 block=False)
             self._next_beat = now + HEARTBEAT_INTERVAL_S
         return self._next_beat
 

@@ -62,6 +62,7 @@ PROTOCOL_VERSION = 1
 # Decoding cost grows with the header's bytes and its lists and maps (each one allocated,
 # checked, freed), so both are bounded: any header, valid or not, decodes in about 2 ms.
 MAX_HEADER_BYTES = 64 << 10
+MAX_ERROR_TEXT = 16 << 10  # a REMOTE_ERROR's message and traceback are cut to fit a header
 MAX_HEADER_CONTAINERS = 4096
 MAX_ARRAYS = 256
 MAX_NDIM = 8

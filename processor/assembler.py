@@ -119,7 +119,7 @@ def run(cfg: Config) -> int:
     intake = wiring.socket(ctx, zmq.PULL, bind=cfg.experience)
     outlet = wiring.socket(ctx, zmq.PUSH, bind=cfg.trajectories)
     outlet.setsockopt(zmq.SNDHWM, 64)  # beyond this, trajectories wait in `held` (counted)
-    receipts = wiring.socket(ctx, zmq.PULL, bind=cfg.receipts)
+    receipts = wiring.socket(ctx, zmq.PULL, bind=cfg.receipts, max_message_bytes=16 << 20)
     rejects = node.RejectLog(log)
     incarnation = uuid.uuid4().hex[:8]
     tracks: dict[str, WorkerTrack] = {}
@@ -283,7 +283,7 @@ def run(cfg: Config) -> int:
 
     def figures() -> dict:
         return {**counts, "held": len(held), "unreceipted": len(unreceipted),
-                "last_swap_gap_s": last_swap_gap_s, "rejected": rejects.total,
+                "last_swap_gap_s": last_swap_gap_s, **rejects.figures(),
                 "open_agents": sum(len(t.agents) for t in tracks.values())}
 
     poller = zmq.Poller()

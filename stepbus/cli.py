@@ -44,6 +44,7 @@ PROCESSES: dict[str, tuple[type, Callable[[Any], int], str]] = {
                 "the learner alone, unsupervised: PPO on trajectories, versioned weights, "
                 "checkpoints"),
 }
+STATUS_REPLY_MAX_BYTES = 64 << 20
 SWAP_HELP = ("replace the learner in the running trainer slot: the current learner "
              "checkpoints and exits, a new one resumes the checkpoint with the slot's flags "
              "plus these (any `stepbus learner` flag, e.g. --ppo-lr 3e-4 or --algo "
@@ -121,7 +122,8 @@ def _ask(endpoint: str, request: p.Message, timeout_s: float) -> p.Message:
             if sock.poll(100):
                 frames = sock.recv_multipart(copy=False)
                 try:
-                    msg = p.decode(frames)
+                    # a status reply grows with the processes in it
+                    msg = p.decode(frames, max_header_bytes=STATUS_REPLY_MAX_BYTES)
                 except p.ProtocolError as exc:
                     raise SystemExit(f"stepbus: unreadable reply from the controller at "
                                      f"{endpoint}: {exc}") from None

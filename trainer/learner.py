@@ -257,7 +257,7 @@ def _learn(cfg: Config, log, stop, link, broker, intake, receipts, rejects, poll
                 "env_steps": progress.env_steps,
                 "episodes": progress.episodes, "generation": progress.generation,
                 "mean_return": None if mean is None else round(mean, 2),
-                "rejected": rejects.total, **counts}
+                **rejects.figures(), **counts}
 
     def take_one() -> None:
         _, msg = node.recv(intake, rejects)

@@ -177,7 +177,8 @@ class EnvSet:
         self.log.error("env %d (%s, seed %d) raised %s: %s%s", i, self.cfg.env, self.seeds[i],
                        type(exc).__name__, exc, "" if over else "; recreating it")
         self.report(p.RemoteError(
-            origin=self.cfg.name, error_type=type(exc).__name__, message=str(exc), traceback=tb,
+            origin=self.cfg.name, error_type=type(exc).__name__,
+            message=str(exc)[:p.MAX_ERROR_TEXT], traceback=tb[-p.MAX_ERROR_TEXT:],  # the tail
             context={"env": self.cfg.env, "env_index": i, "seed": self.seeds[i]}))
         if over:
             raise EnvFailure(
