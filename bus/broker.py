@@ -37,6 +37,7 @@ HORIZON_ALLOWANCE = 32 + 2
 # the run state is in (one controller round trip); without a controller, after this grace.
 RUN_STATE_GRACE_S = 2 * node.HEARTBEAT_INTERVAL_S * node.LIVENESS_INTERVALS
 MAX_DEFERRED_HELLOS = 1000  # hellos are untrusted: a flood of names cannot grow memory
+EXPERIENCE_HWM = 1000  # messages (one per worker step) queued toward the assembler
 MAX_REMEMBERED_WORKERS = 10_000  # lost workers whose last sequence number we keep
 
 
@@ -100,7 +101,9 @@ def run(cfg: Config) -> int:
     steps.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a departed worker is an error, not a silent drop
     policy_sock = wiring.socket(ctx, zmq.ROUTER, bind=cfg.policy)
     # No assembler connected: not writable, so dispatch holds instead of queueing into the void.
-    experience = wiring.socket(ctx, zmq.PUSH, connect=cfg.experience, immediate=True)
+    # A short queue: when the assembler stops taking experience in, stepping stops soon after.
+    experience = wiring.socket(ctx, zmq.PUSH, connect=cfg.experience, immediate=True,
+                               sndhwm=EXPERIENCE_HWM)
     rejects = node.RejectLog(log)
     rng = np.random.default_rng(cfg.seed)
 
@@ -257,9 +260,11 @@ def run(cfg: Config) -> int:
         if msg.starving and credit.outstanding() >= window():
             # The trainer waits for data we think is in flight: it was lost (a restarted
             # assembler) or is held in partial trajectories longer than we allowed for.
-            grant = max(credit.batch_steps, credit.extra)
+            # Doubling, but never more than one window at a time: while the assembler holds
+            # intake, queues (not stepping) would absorb the credit.
+            grant = min(max(credit.batch_steps, credit.extra), window())
             credit.baseline += grant
-            credit.extra += grant
+            credit.extra = min(credit.extra + grant, window())
             credit.topups += 1
 
     def on_barrier(new_epoch: int, new_options: dict) -> None:

@@ -190,8 +190,7 @@ class ControllerLink:
     def __init__(self, ctx: zmq.Context, *, role: str, name: str, controller: str,
                  broadcast: str, log: logging.Logger) -> None:
         self.role, self.name, self.log = role, name, log
-        self.dealer = wiring.socket(ctx, zmq.DEALER, connect=controller)
-        self.dealer.setsockopt(zmq.SNDHWM, 10)
+        self.dealer = wiring.socket(ctx, zmq.DEALER, connect=controller, sndhwm=10)
         self.sub = wiring.socket(ctx, zmq.SUB, connect=broadcast)
         self.rejects = RejectLog(log)
         self.state: p.RunState | None = None

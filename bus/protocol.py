@@ -247,14 +247,17 @@ class Trajectory(Message):
 
 @dataclass(frozen=True)
 class Receipt(Message):
-    """Trajectories a trainer took in: until then the assembler keeps them, and resends them
-    if the trainer that should have had them is gone (ZeroMQ drops a dead peer's queue)."""
+    """What a learner did with trajectories since its last receipt. The assembler keeps every
+    trajectory until it is learned from, and sends the unlearned ones again when a learner
+    disconnects (ZeroMQ drops what was queued toward a dead peer); `taken` frees room in its
+    bounded queue, so a learner filling a large batch never stalls the pipeline."""
 
     KIND: ClassVar[Kind] = Kind.RECEIPT
     trainer: str
     incarnation: str
     assembler: str
-    seqs: np.ndarray  # int64 trajectory numbers received since the last receipt
+    taken: np.ndarray  # int64 trajectory numbers taken in
+    learned: np.ndarray  # ... used in an update, or discarded on purpose (stale, after solving)
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,8 @@ ZAP_DOMAIN = b"stepbus"
 
 def socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,
            identity: bytes | None = None, immediate: bool = False,
-           max_message_bytes: int = MAX_MESSAGE_BYTES) -> zmq.Socket:
+           max_message_bytes: int = MAX_MESSAGE_BYTES, sndhwm: int = HWM,
+           rcvhwm: int = HWM) -> zmq.Socket:
     """One socket with the project's options; exactly one of bind/connect.
 
     immediate: queue outgoing messages only on completed connections, so a socket with no
@@ -86,11 +87,13 @@ def socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str
     max_message_bytes: the largest frame a peer may declare to a bound socket; libzmq
     allocates a declared frame before its bytes arrive, so one that carries no arrays (the
     controller's) can be bound much lower than the default.
+    sndhwm, rcvhwm: messages queued per peer; set here because libzmq reads them when a
+    connection's queue is made, which may be at bind/connect time.
     """
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, LINGER_MS)
-    sock.setsockopt(zmq.SNDHWM, HWM)
-    sock.setsockopt(zmq.RCVHWM, HWM)
+    sock.setsockopt(zmq.SNDHWM, sndhwm)
+    sock.setsockopt(zmq.RCVHWM, rcvhwm)
     sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
     sock.setsockopt(zmq.HEARTBEAT_IVL, TCP_HEARTBEAT_IVL_MS)

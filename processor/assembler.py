@@ -7,12 +7,12 @@ truncated, with the final observation as bootstrap) or `horizon` steps accumulat
 from the next observation). A worker's new incarnation, a reset, or shutdown closes open
 trajectories as truncated, bootstrapping from the last observation seen. Nothing is emitted twice.
 
-Every trajectory is numbered and kept until a trainer's RECEIPT names it: ZeroMQ silently drops
-what was queued toward a trainer that died, so when a new trainer incarnation starts receipting,
-whatever was sent before its first trajectory and never receipted went down with the old one and
-is sent again (renumbered). Kept plus unsent trajectories are bounded by `max_buffered`; at the
-bound the assembler stops taking experience in, the broker's experience queue fills, and stepping
-pauses. Nothing is dropped silently.
+Every trajectory is numbered and kept until a learner's RECEIPT says it was learned from:
+ZeroMQ silently drops what was queued toward a learner that died, so whenever a learner
+connects, every trajectory not yet learned from is sent again (same number; a learner ignores
+numbers it has already taken in). Unsent plus sent-but-not-yet-taken-in trajectories are bounded
+by `max_buffered`; at the bound the assembler stops taking experience in, the broker's
+experience queue fills, and stepping pauses. Nothing is dropped silently.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import numpy as np
 import zmq
 from stepbus.bus import checks, node, wiring
 from stepbus.bus import protocol as p
+from zmq.utils import monitor
 
 SHUTDOWN_FLUSH_S = 1.0  # how long shutdown waits for a trainer to take the last trajectories
 
@@ -40,8 +41,8 @@ class Config:
     broadcast: str = wiring.endpoint("broadcast", "controller broadcast endpoint to connect")
     horizon: int = field(default=32, metadata={"help": "longest trajectory, in steps"})
     max_buffered: int = field(default=10_000, metadata={
-        "help": "trajectories kept until a trainer receipts them (or unsent while no trainer "
-                "is connected); at this bound, intake and so stepping pause"})
+        "help": "trajectories no learner has taken in yet (unsent, or queued toward one); at "
+                "this bound, intake and so stepping pause"})
 
 
 class AgentBuffer:
@@ -116,17 +117,22 @@ def run(cfg: Config) -> int:
     ctx = zmq.Context()
     link = node.ControllerLink(ctx, role="assembler", name="assembler",
                                controller=cfg.controller, broadcast=cfg.broadcast, log=log)
-    intake = wiring.socket(ctx, zmq.PULL, bind=cfg.experience)
-    outlet = wiring.socket(ctx, zmq.PUSH, bind=cfg.trajectories)
-    outlet.setsockopt(zmq.SNDHWM, 64)  # beyond this, trajectories wait in `held` (counted)
+    # A short queue, so a paused intake soon pauses the broker.
+    intake = wiring.socket(ctx, zmq.PULL, bind=cfg.experience, rcvhwm=1000)
+    # Beyond 64 queued, trajectories wait in `held` (counted).
+    outlet = wiring.socket(ctx, zmq.PUSH, bind=cfg.trajectories, sndhwm=64)
+    # A learner that disconnects takes its queue with it: that is when we send again.
+    outlet_events = outlet.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+    connected = 0  # learners connected to `outlet`
     receipts = wiring.socket(ctx, zmq.PULL, bind=cfg.receipts, max_message_bytes=16 << 20)
     rejects = node.RejectLog(log)
     incarnation = uuid.uuid4().hex[:8]
     tracks: dict[str, WorkerTrack] = {}
     held: collections.deque[p.Trajectory] = collections.deque()  # not yet handed to ZeroMQ
-    unreceipted: collections.OrderedDict[int, p.Trajectory] = collections.OrderedDict()
-    trainers: dict[str, int] = {}  # trainer incarnation -> the first seq it receipted
-    swap = {"trainer": "", "last_receipt": 0.0}
+    unlearned: collections.OrderedDict[int, p.Trajectory] = collections.OrderedDict()  # sent
+    untaken: set[int] = set()  # sent, and no learner has said it took them in
+    learners: dict[str, float] = {}  # learner incarnation -> when it last sent a receipt
+    swap = {"learner": "", "last_receipt": 0.0}
     counts = {"steps": 0, "trajectories": 0, "episodes": 0, "closed_truncated": 0, "gaps": 0,
               "resent": 0, "trainer_swaps": 0, "joined_mid_episode": 0, "steps_lost": 0}
     tracks_seen: set[str] = set()  # workers this assembler has had a track for
@@ -146,10 +152,8 @@ def run(cfg: Config) -> int:
         nonlocal next_seq
         traj = dataclasses.replace(traj, assembler=incarnation, seq=next_seq)
         next_seq += 1
-        if held or not node.send(outlet, traj, block=False):
-            held.append(traj)
-        else:
-            unreceipted[traj.seq] = traj
+        held.append(traj)
+        flush_held()
 
     def close(name: str, why: str) -> None:
         track = tracks.pop(name)
@@ -233,43 +237,62 @@ def run(cfg: Config) -> int:
     def flush_held() -> None:
         while held and node.send(outlet, held[0], block=False):
             traj = held.popleft()
-            unreceipted[traj.seq] = traj
+            unlearned[traj.seq] = traj
+            untaken.add(traj.seq)
+
+    def send_unlearned_again() -> None:
+        """A learner that disconnected took with it what was queued toward it and what it had
+        not learned from. Sent again when a learner connects: by then libzmq has surely
+        dropped the dead connection (sending at the disconnect itself can still land in it)."""
+        if not unlearned:
+            return
+        counts["resent"] += len(unlearned)
+        log.info("a learner connected: sending %d trajectories not yet learned from (again)",
+                 len(unlearned))
+        held.extendleft(reversed(unlearned.values()))
+        unlearned.clear()
+        untaken.clear()
+        flush_held()
+
+    def on_outlet_event() -> None:
+        nonlocal connected
+        event = monitor.recv_monitor_message(outlet_events, zmq.NOBLOCK)["event"]
+        if event == zmq.EVENT_ACCEPTED:
+            connected += 1
+            if connected == 2:
+                log.warning("two learners connected to %s: each trajectory goes to one of "
+                            "them; run one learner per trajectories endpoint", cfg.trajectories)
+            send_unlearned_again()
+        elif event == zmq.EVENT_DISCONNECTED:
+            connected = max(0, connected - 1)
 
     def on_receipt(m: p.Receipt) -> None:
         nonlocal last_swap_gap_s
-        if (m.assembler != incarnation or m.seqs.dtype.kind not in "iu" or m.seqs.ndim != 1
-                or not m.seqs.size):
-            return  # meant for the assembler this one replaced, or empty: nothing to free
+        if m.assembler != incarnation:
+            return  # meant for the assembler this one replaced
+        for arr in (m.taken, m.learned):
+            if arr.dtype.kind not in "iu" or arr.ndim != 1:
+                rejects.refuse(m.trainer,
+                               p.ProtocolError("bad receipt", f"{arr.dtype} {arr.shape}"))
+                return
         now = time.monotonic()
-        if m.incarnation not in trainers:
-            if len(trainers) > 1000:
-                trainers.clear()  # only the current trainer's first seq matters
-            trainers[m.incarnation] = int(m.seqs.min())
-            if swap["trainer"]:
+        if m.incarnation not in learners:
+            if len(learners) > 1000:
+                learners.clear()
+            if swap["learner"]:
                 counts["trainer_swaps"] += 1
                 last_swap_gap_s = round(now - swap["last_receipt"], 3)
-                log.info("trainer %s (incarnation %s) took over; %.2fs without a trainer "
-                         "taking trajectories", m.trainer, m.incarnation, last_swap_gap_s)
+                log.info("learner %s (incarnation %s) took over; %.2fs without a learner taking "
+                         "trajectories", m.trainer, m.incarnation, last_swap_gap_s)
             else:
-                log.info("trainer %s (incarnation %s) taking trajectories", m.trainer,
+                log.info("learner %s (incarnation %s) taking trajectories", m.trainer,
                          m.incarnation)
-            swap["trainer"] = m.incarnation
-        swap["last_receipt"] = now
-        for seq in m.seqs.tolist():
-            unreceipted.pop(seq, None)
-        # Sent before this trainer's first one and never receipted: lost with an earlier trainer.
-        first = trainers[m.incarnation]
-        lost = []
-        while unreceipted:
-            seq = next(iter(unreceipted))
-            if seq >= first:
-                break
-            lost.append(unreceipted.pop(seq))
-        if lost:
-            counts["resent"] += len(lost)
-            log.info("resending %d trajectories a previous trainer never receipted", len(lost))
-            for traj in lost:
-                send(traj)
+        learners[m.incarnation] = now
+        swap["learner"], swap["last_receipt"] = m.incarnation, now
+        untaken.difference_update(m.taken.tolist())
+        for seq in m.learned.tolist():
+            unlearned.pop(seq, None)
+            untaken.discard(seq)
 
     def take_receipts() -> None:
         _, msg = node.recv(receipts, rejects)
@@ -278,46 +301,52 @@ def run(cfg: Config) -> int:
         elif msg is not None:
             rejects.refuse("trainer", p.ProtocolError("unexpected kind", msg.KIND.name))
 
-    def kept() -> int:
-        return len(held) + len(unreceipted)
+    def waiting() -> int:
+        """Trajectories no learner has taken in yet: what the bound applies to."""
+        return len(held) + len(untaken)
 
     def figures() -> dict:
-        return {**counts, "held": len(held), "unreceipted": len(unreceipted),
+        return {**counts, "held": len(held), "untaken": len(untaken), "unlearned": len(unlearned),
                 "last_swap_gap_s": last_swap_gap_s, **rejects.figures(),
                 "open_agents": sum(len(t.agents) for t in tracks.values())}
 
     poller = zmq.Poller()
-    for sock in (*link.sockets(), receipts):
+    for sock in (*link.sockets(), receipts, outlet_events):
         poller.register(sock, zmq.POLLIN)
     try:
         while not stop and not link.shutdown_reason:
             now = time.monotonic()
             next_beat = link.beat(now, figures)
-            # Backpressure: while too much is kept, stop taking experience in.
-            poller.register(intake, zmq.POLLIN if kept() < cfg.max_buffered else 0)
+            # Backpressure: while too much waits for a learner, stop taking experience in.
+            room = cfg.max_buffered - waiting()
+            poller.register(intake, zmq.POLLIN if room > 0 else 0)
             poller.register(outlet, zmq.POLLOUT if held else 0)
             events = dict(poller.poll(max(0, min((next_beat - now) * 1000, node.MAX_POLL_MS))))
             link.poll(events)
+            if outlet_events in events:
+                node.drain(outlet_events, on_outlet_event)
             if receipts in events:
                 node.drain(receipts, take_receipts)
             if outlet in events:
                 flush_held()
             if intake in events:
-                node.drain(intake, take_one)
+                node.drain(intake, take_one, limit=min(1000, max(1, room)))
         node.drain(intake, take_one)  # what the broker already sent is not lost
         for name in list(tracks):
             close(name, "shutdown")
-        # The trainer keeps taking trajectories for a moment after the shutdown broadcast.
+        # The learner keeps taking trajectories in for a moment after the shutdown broadcast.
         deadline = time.monotonic() + SHUTDOWN_FLUSH_S
-        while kept() and time.monotonic() < deadline:
+        while waiting() and time.monotonic() < deadline:
             flush_held()
             if receipts.poll(50, zmq.POLLIN):
                 node.drain(receipts, take_receipts)
         log.info("assembler stopping (%s): %d trajectories, %d episodes, %d resent, %d never "
-                 "receipted by a trainer, %d messages refused",
-                 link.shutdown_reason or stop.reason, counts["trajectories"], counts["episodes"],
-                 counts["resent"], kept(), rejects.total)
+                 "taken in by a learner, %d taken in but not learned from (a learner's last "
+                 "partial batch), %d messages refused", link.shutdown_reason or stop.reason,
+                 counts["trajectories"], counts["episodes"], counts["resent"], waiting(),
+                 len(unlearned) - len(untaken), rejects.total)
         return 0
     finally:
+        outlet.disable_monitor()
         link.close()
         ctx.destroy(linger=wiring.LINGER_MS)

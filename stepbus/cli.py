@@ -47,7 +47,7 @@ PROCESSES: dict[str, tuple[type, Callable[[Any], int], str]] = {
 STATUS_REPLY_MAX_BYTES = 64 << 20
 SWAP_HELP = ("replace the learner in the running trainer slot: the current learner "
              "checkpoints and exits, a new one resumes the checkpoint with the slot's flags "
-             "plus these (any `stepbus learner` flag, e.g. --ppo-lr 3e-4 or --algo "
+             "plus these (any `stepbus learner` flag, e.g. --lr 3e-4 or --algo "
              "module:Class); a new learner that exits within 3 s is replaced by one with the "
              "previous flags")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 import sys
 
-PROCESS_COMMANDS = ("controller", "broker", "worker", "assembler", "trainer")
+PROCESS_COMMANDS = ("controller", "broker", "worker", "assembler", "trainer", "learner")
 EARLY_SIGNALS: list[int] = []  # read by the process's stop flag once its loop starts
 
 

@@ -192,7 +192,9 @@ def test_a_restarted_broker_resets_workers_into_the_runs_epoch_with_its_options(
         wait_for(lambda: len(cluster.metrics()) >= records + 2, 30, "training after the restart")
         resets = [json.loads(line) for line in reset_log.read_text().splitlines()[logged:]]
         assert resets and all(r == {"level": 3} for r in resets), resets
-        assert status.known("broker", "epoch", pid=broker.pid) == 1
+        # Its first heartbeat may predate the controller's answer: wait for the epoch it took.
+        wait_for(lambda: status.figure("broker", "epoch", pid=broker.pid) == 1, 10,
+                 "the new broker to report the run's epoch")
         assert "Traceback" not in broker.output()
     finally:
         status.close()

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import signal
 import socket as pysocket
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,9 +32,10 @@ from stepbus.trainer import checkpoint, ppo, spaces
 
 from stepbus import imports
 
-SLOT_PID_ENV = "STEPBUS_SLOT_PID"  # set by the trainer slot that started this learner
-SHUTDOWN_DRAIN_QUIET_S = 0.3  # at shutdown, take trajectories until none came for this long
-SHUTDOWN_DRAIN_MAX_S = 1.5
+SLOT_BEAT_FD_ENV = "STEPBUS_SLOT_BEAT_FD"  # the pipe a trainer slot watches (see SlotBeat)
+RECEIPTS_WARN_S = 5.0  # receipts undelivered this long: say so (a wrong --receipts?)
+SEEN_LIMIT = 200_000  # trajectory numbers remembered, to ignore ones sent again
+SHUTDOWN_DRAIN_MAX_S = 1.5  # at shutdown, take the assembler's flush for at most this long
 
 
 @dataclass
@@ -72,71 +75,180 @@ class Progress:
     recent_returns: list[float] = field(default_factory=list)
 
 
+class Receipts:
+    """Trajectory numbers taken in and learned from since the last RECEIPT, and the numbers
+    seen from the current assembler, so one sent again after a disconnect is not taken twice."""
+
+    def __init__(self) -> None:
+        self._start("")
+
+    def _start(self, assembler: str) -> None:
+        self.assembler = assembler
+        self.taken: list[int] = []
+        self.learned: list[int] = []
+        self.seen: set[int] = set()
+        self.seen_order: collections.deque[int] = collections.deque()
+        self.pending_since: float | None = None
+        self.warned = False
+
+    def take(self, assembler: str, seq: int) -> bool:
+        """Note a trajectory taken in; False if it was taken in already."""
+        if not assembler:
+            return True  # not numbered by an assembler: nothing to receipt
+        if assembler != self.assembler:
+            self._start(assembler)  # a new assembler numbers afresh
+        if seq in self.seen:
+            return False
+        self.seen.add(seq)
+        self.seen_order.append(seq)
+        if len(self.seen_order) > SEEN_LIMIT:
+            self.seen.discard(self.seen_order.popleft())
+        self.taken.append(seq)
+        return True
+
+    def learn(self, ids: Iterable[tuple[str, int]]) -> None:
+        self.learned.extend(seq for assembler, seq in ids
+                            if assembler and assembler == self.assembler)
+
+    def message(self, trainer: str, incarnation: str, now: float) -> p.Receipt | None:
+        if not (self.taken or self.learned):
+            return None
+        if self.pending_since is None:
+            self.pending_since = now
+        return p.Receipt(trainer=trainer, incarnation=incarnation, assembler=self.assembler,
+                         taken=np.asarray(self.taken, np.int64),
+                         learned=np.asarray(self.learned, np.int64))
+
+    def delivered(self) -> None:
+        self.taken.clear()
+        self.learned.clear()
+        self.pending_since, self.warned = None, False
+
+
+class SlotBeat:
+    """The learner's side of its trainer slot: a byte on a pipe every heartbeat interval, so
+    the slot can kill a learner that froze, and a broken pipe when the slot is gone, so a
+    killed slot's learner leaves instead of lingering next to its replacement."""
+
+    def __init__(self) -> None:
+        fd = os.environ.get(SLOT_BEAT_FD_ENV)
+        self.fd = int(fd) if fd and fd.isdigit() else None
+        self.gone = False
+        self._next = 0.0
+        if self.fd is not None:
+            try:
+                os.set_blocking(self.fd, False)
+            except OSError:
+                self.fd = None  # not started by a slot after all
+
+    def beat(self, now: float) -> None:
+        if self.fd is None or now < self._next:
+            return
+        self._next = now + node.HEARTBEAT_INTERVAL_S
+        try:
+            os.write(self.fd, b".")
+        except BlockingIOError:
+            pass  # the slot has not read the last ones yet: it is alive
+        except OSError:
+            self.gone = True
+
+
+@dataclass
+class Links:
+    """Everything the learner talks through, so its loops take one argument."""
+
+    log: logging.Logger
+    stop: node.StopFlag
+    link: node.ControllerLink
+    broker: zmq.Socket
+    intake: zmq.Socket
+    assembler_events: zmq.Socket  # the intake's disconnects: the assembler has finished
+    receipts: zmq.Socket
+    rejects: node.RejectLog
+    slot: SlotBeat
+    name: str
+    incarnation: str
+
+    def beat(self, now: float, figures: Callable[[], dict] | None = None) -> None:
+        """Heartbeats to the controller and to the slot; run often (also inside updates)."""
+        self.link.beat(now, figures)
+        self.slot.beat(now)
+        if self.slot.gone and not self.stop:
+            self.stop.reason = "its trainer slot is gone"
+
+    def running(self) -> bool:
+        return not self.stop and not self.link.shutdown_reason
+
+
 def run(cfg: Config) -> int:
     log = node.setup_logging("trainer")
     # SIGUSR1 is the trainer slot's "hand over": checkpoint and leave at once (what this
-    # learner has not receipted, the assembler resends to the next one).
+    # learner has not learned from, the assembler sends to the next one).
     stop = node.StopFlag((signal.SIGINT, signal.SIGTERM, signal.SIGUSR1))
     ctx = zmq.Context()
     name = os.environ.get("HONCHO_PROCESS_NAME") or f"trainer-{pysocket.gethostname()}"
-    incarnation = uuid.uuid4().hex[:8]
     link = node.ControllerLink(ctx, role="trainer", name=name, controller=cfg.controller,
                                broadcast=cfg.broadcast, log=log)
-    broker = wiring.socket(ctx, zmq.DEALER, connect=cfg.policy)
-    broker.setsockopt(zmq.SNDHWM, 4)  # weights are only worth sending fresh
-    intake = wiring.socket(ctx, zmq.PULL, connect=cfg.trajectories)
-    intake.setsockopt(zmq.RCVHWM, 64)  # what a killed learner had queued is resent anyway
+    # Weights are only worth sending fresh; what a killed learner had queued is sent again.
+    broker = wiring.socket(ctx, zmq.DEALER, connect=cfg.policy, sndhwm=4)
+    intake = wiring.socket(ctx, zmq.PULL, connect=cfg.trajectories, rcvhwm=64)
+    assembler_events = intake.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     receipts = wiring.socket(ctx, zmq.PUSH, connect=cfg.receipts, immediate=True)
-    rejects = node.RejectLog(log)
-    poller = zmq.Poller()
-    for sock in (broker, intake, *link.sockets()):
-        poller.register(sock, zmq.POLLIN)
+    links = Links(log, stop, link, broker, intake, assembler_events, receipts,
+                  node.RejectLog(log), SlotBeat(), name, uuid.uuid4().hex[:8])
     try:
-        return _learn(cfg, log, stop, link, broker, intake, receipts, rejects, poller, name,
-                      incarnation)
+        return _learn(cfg, links)
     finally:
+        intake.disable_monitor()
         link.close()
         ctx.destroy(linger=wiring.LINGER_MS)
 
 
-def _wait_for_setup(cfg: Config, log, stop, link, broker, rejects, poller,
-                    name: str) -> tuple[Path, p.EnvSpec] | None:
-    """Block (with a log line) until the controller gave the run id and the broker the spec."""
+def _wait_for_setup(cfg: Config, io: Links) -> tuple[Path, p.EnvSpec] | None:
+    """Block (with a log line) until the controller gave the run id and the broker the spec.
+    Trajectories are not read yet: they wait in their queue."""
+    poller = zmq.Poller()
+    for sock in (io.broker, *io.link.sockets()):
+        poller.register(sock, zmq.POLLIN)
     env_spec: p.EnvSpec | None = None
     started, warned = time.monotonic(), False
     next_hello = 0.0
-    while not stop and not link.shutdown_reason and not _slot_gone(stop):
+    while io.running():
         now = time.monotonic()
-        link.beat(now, lambda: {"state": "starting"})
+        io.beat(now, lambda: {"state": "starting"})
         if now >= next_hello:
-            node.send(broker, p.TrainerHello(trainer=name, policy="default"), block=False)
+            node.send(io.broker, p.TrainerHello(trainer=io.name, policy="default"), block=False)
             next_hello = now + node.HEARTBEAT_INTERVAL_S
         events = dict(poller.poll(node.MAX_POLL_MS))
-        link.poll(events)
-        if broker in events:
-            _, msg = node.recv(broker, rejects)
+        io.link.poll(events)
+        if io.broker in events:
+            _, msg = node.recv(io.broker, io.rejects)
             if isinstance(msg, p.EnvSpec):
                 env_spec = msg
-        have_run = cfg.run_dir or link.state is not None
+        state = io.link.state
+        have_run = cfg.run_dir or state is not None
         if have_run and env_spec is not None:
-            run_dir = Path(cfg.run_dir) if cfg.run_dir else Path(cfg.runs_dir) / link.state.run_id
+            run_dir = Path(cfg.run_dir) if cfg.run_dir or state is None else (
+                Path(cfg.runs_dir) / state.run_id)
             return run_dir, env_spec
         if not warned and now - started > 3.0:
             warned = True
-            log.info("waiting for %s", " and ".join(
+            io.log.info("waiting for %s", " and ".join(
                 w for w, ok in ((f"controller at {cfg.controller}", have_run),
                                 (f"broker (and a worker) at {cfg.policy}", env_spec)) if not ok))
     return None
 
 
-def _learn(cfg: Config, log, stop, link, broker, intake, receipts, rejects, poller, name: str,
-           incarnation: str) -> int:
+def _learn(cfg: Config, io: Links) -> int:
+    log, stop, link, rejects = io.log, io.stop, io.link, io.rejects
+    broker, intake, receipts = io.broker, io.intake, io.receipts
+    name, incarnation = io.name, io.incarnation
     try:
         algo_class = imports.load_object(cfg.algo)
     except (ImportError, AttributeError, ValueError) as exc:
         log.error("cannot load --algo %s: %s: %s", cfg.algo, type(exc).__name__, exc)
         return 2
-    setup = _wait_for_setup(cfg, log, stop, link, broker, rejects, poller, name)
+    setup = _wait_for_setup(cfg, io)
     if setup is None:
         return 0
     run_dir, env_spec = setup
@@ -177,8 +289,9 @@ def _learn(cfg: Config, log, stop, link, broker, intake, receipts, rejects, poll
 
     batch: list[ppo.Trajectory] = []
     batch_steps = received = 0  # received: env steps this incarnation took in (the credit)
-    counts = {"stale_dropped": 0, "updates": 0, "trajectories": 0}
-    unreceipted: dict[str, list[int]] = {}  # assembler incarnation -> trajectory numbers
+    batch_ids: list[tuple[str, int]] = []  # (assembler, seq) of what is in `batch`
+    counts = {"stale_dropped": 0, "updates": 0, "trajectories": 0, "duplicates": 0}
+    receipt = Receipts()
     t_start = last_record_t = time.monotonic()
     last_record_steps = progress.env_steps
     last_data = last_publish = last_ckpt = t_start
@@ -204,11 +317,17 @@ def _learn(cfg: Config, log, stop, link, broker, intake, receipts, rejects, poll
         checkpoint.save(ckpt_path, params, algo.optimizer_state(), progress.__dict__)
 
     def send_receipts() -> None:
-        for assembler, seqs in list(unreceipted.items()):
-            receipt = p.Receipt(trainer=name, incarnation=incarnation, assembler=assembler,
-                                seqs=np.asarray(seqs, np.int64))
-            if node.send(receipts, receipt, block=False):
-                del unreceipted[assembler]  # else kept, and tried again on the next intake
+        now = time.monotonic()
+        msg = receipt.message(name, incarnation, now)
+        if msg is None:
+            return
+        if node.send(receipts, msg, block=False):
+            receipt.delivered()
+        elif not receipt.warned and now - (receipt.pending_since or now) > RECEIPTS_WARN_S:
+            receipt.warned = True
+            log.warning("receipts to the assembler at %s undelivered for %.0fs: is --receipts "
+                        "right? The assembler keeps what it sent until they arrive, and pauses "
+                        "the pipeline at its bound", cfg.receipts, RECEIPTS_WARN_S)
 
     def record(stats: dict[str, float]) -> None:
         nonlocal last_record_t, last_record_steps
@@ -229,11 +348,9 @@ def _learn(cfg: Config, log, stop, link, broker, intake, receipts, rejects, poll
         if problem:
             rejects.refuse("assembler", p.ProtocolError("bad trajectory", problem))
             return
-        if t.assembler:
-            if t.assembler not in unreceipted:
-                unreceipted.clear()  # receipts for a replaced assembler would free nothing
-                unreceipted[t.assembler] = []
-            unreceipted[t.assembler].append(t.seq)
+        if not receipt.take(t.assembler, t.seq):
+            counts["duplicates"] += 1  # sent again after a disconnect; we have it already
+            return
         n = t.rewards.shape[0]
         received += n
         counts["trajectories"] += 1
@@ -242,10 +359,13 @@ def _learn(cfg: Config, log, stop, link, broker, intake, receipts, rejects, poll
             progress.episodes += 1
             returns.append(t.episode_return)
         if solved:
-            return  # counted and receipted, no longer learned from
+            receipt.learn([(t.assembler, t.seq)])  # counted, no longer learned from
+            return
         if int(t.policy_versions.min()) < progress.version - cfg.max_policy_lag:
             counts["stale_dropped"] += 1
+            receipt.learn([(t.assembler, t.seq)])
             return
+        batch_ids.append((t.assembler, t.seq))
         batch.append(ppo.Trajectory(obs=t.obs, actions=t.actions, logp=t.logp, values=t.values,
                                     rewards=t.rewards, terminated=t.terminated,
                                     truncated=t.truncated, bootstrap_obs=t.bootstrap_obs))
@@ -268,9 +388,12 @@ def _learn(cfg: Config, log, stop, link, broker, intake, receipts, rejects, poll
 
     save()  # at once, so the next learner's generation is above this one's even if it dies now
     publish()
-    while not stop and not link.shutdown_reason and not _slot_gone(stop):
+    poller = zmq.Poller()
+    for sock in (broker, intake, *link.sockets()):
+        poller.register(sock, zmq.POLLIN)
+    while io.running():
         now = time.monotonic()
-        link.beat(now, figures)
+        io.beat(now, figures)
         events = dict(poller.poll(node.MAX_POLL_MS))
         link.poll(events)
         if broker in events:
@@ -278,11 +401,10 @@ def _learn(cfg: Config, log, stop, link, broker, intake, receipts, rejects, poll
         if intake in events:
             node.drain(intake, take_one)
             last_data = time.monotonic()
-        if unreceipted:
-            send_receipts()
         if batch_steps >= cfg.ppo.batch_steps and not solved:
-            stats = algo.update(batch, tick=lambda: link.beat(time.monotonic()))
-            batch, batch_steps = [], 0
+            stats = algo.update(batch, tick=lambda: io.beat(time.monotonic()))
+            receipt.learn(batch_ids)  # only now may the assembler forget them
+            batch, batch_ids, batch_steps = [], [], 0
             progress.version += 1
             counts["updates"] += 1
             publish()
@@ -295,6 +417,7 @@ def _learn(cfg: Config, log, stop, link, broker, intake, receipts, rejects, poll
                 log.info("solved: mean return %.1f over the last %d episodes at %d env steps "
                          "(%.1fs); asking the controller to shut the pipeline down", mean,
                          len(returns), progress.env_steps, time.monotonic() - t_start)
+        send_receipts()
         now = time.monotonic()
         if solved and now - last_shutdown_request > 1.0:  # until the controller broadcasts it
             last_shutdown_request = now
@@ -310,30 +433,36 @@ def _learn(cfg: Config, log, stop, link, broker, intake, receipts, rejects, poll
             last_log = now
             mean = mean_return()
             log.info("env steps %d, %.0f steps/s, mean return %s, policy version %d",
-                     progress.env_steps, progress.env_steps / max(now - t_start, 1e-9),
+                     progress.env_steps, received / max(now - t_start, 1e-9),
                      f"{mean:.1f}" if mean is not None else "-", progress.version)
-    # The assembler flushes open trajectories as truncated on the same shutdown: take them in
-    # (and receipt them) so that the checkpoint's counts include them.
-    deadline = time.monotonic() + (0 if stop.reason == "SIGUSR1" else SHUTDOWN_DRAIN_MAX_S)
-    while time.monotonic() < deadline and intake.poll(SHUTDOWN_DRAIN_QUIET_S * 1000):
+    # On a pipeline shutdown the assembler flushes open trajectories as truncated: take them in
+    # (and say so) so that the checkpoint's counts include them. Not on a hand-over (SIGUSR1)
+    # or when the slot is gone: what is not learned from goes to the next learner instead.
+    # It disconnects once it has flushed and heard our receipts (or given up on them).
+    draining = link.shutdown_reason or stop.reason in ("SIGINT", "SIGTERM")
+    deadline = time.monotonic() + (SHUTDOWN_DRAIN_MAX_S if draining else 0)
+    drainer = zmq.Poller()
+    drainer.register(intake, zmq.POLLIN)
+    drainer.register(io.assembler_events, zmq.POLLIN)
+    node.drain(io.assembler_events, io.assembler_events.recv_multipart)  # old news
+    before, drain_end = counts["trajectories"], "nothing to wait for"
+    while (left := deadline - time.monotonic()) > 0:
+        drain_end = "the assembler did not finish"
+        events = dict(drainer.poll(left * 1000))
         node.drain(intake, take_one)
         send_receipts()
+        if io.assembler_events in events:
+            drain_end = "the assembler finished"
+            break
+    if draining:
+        log.info("took in %d trajectories after the shutdown began (%s)",
+                 counts["trajectories"] - before, drain_end)
     save()
     metrics.close()
     log.info("learner stopping (%s); checkpoint at %s; %d trajectories taken in, %d messages "
              "refused", link.shutdown_reason or stop.reason, ckpt_path, counts["trajectories"],
              rejects.total)
     return 0
-
-
-def _slot_gone(stop: node.StopFlag) -> bool:
-    """A learner whose trainer slot was killed leaves (as on a stop signal) instead of lingering
-    next to the learner of the slot that replaces it."""
-    slot_pid = os.environ.get(SLOT_PID_ENV)
-    if slot_pid and str(os.getppid()) != slot_pid:
-        stop.reason = stop.reason or "its trainer slot is gone"
-        return True
-    return False
 
 
 def _link_latest(run_dir: Path) -> None:

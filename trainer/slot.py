@@ -1,11 +1,13 @@
 """The trainer slot: what honcho's `trainer:` line runs. It keeps one learner process
-(`stepbus learner`) alive, restarts it when it dies, replaces it on `stepbus trainer swap`, and
-stops it on shutdown.
+(`stepbus learner`) alive, restarts it when it dies or freezes, replaces it on
+`stepbus trainer swap`, and stops it on shutdown.
 
 honcho tears every process down as soon as any one exits, so a learner that is killed or swapped
 must not be a Procfile process itself: the slot is, and it outlives its learners. Each new
 learner resumes the run's checkpoint with the next generation and a higher policy version; the
-assembler keeps every trajectory until a learner receipts it, so nothing is lost in between.
+assembler keeps every trajectory until a learner has learned from it, so nothing is lost between.
+The learner writes a byte to a pipe every heartbeat interval: a learner silent for
+`LEARNER_SILENT_S` is frozen and is killed, and a learner whose pipe breaks knows its slot died.
 """
 
 from __future__ import annotations
@@ -29,23 +31,34 @@ PROBATION_S = 3.0  # a swapped-in learner that exits this early refused its sett
 STOP_GRACE_S = 4.0  # then SIGKILL; honcho's own SIGKILL comes 5 s after its SIGTERM
 BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # restart delays after quick deaths
 STEADY_S = 30.0  # a learner that ran this long before dying is restarted at once
+STARTUP_GRACE_S = 30.0  # before its first beat (imports, a slow disk), a learner is not frozen
+LEARNER_SILENT_S = 3.0  # after it: this long without a beat, and the learner is frozen
 
 
 @dataclass
 class Learner:
-    """The running learner process and why we are waiting on it."""
+    """The running learner process, its beat pipe, and why we are waiting on it."""
 
     popen: subprocess.Popen
-    args: list[str]
     started: float
+    beats: int  # read end of the pipe the learner writes a byte to every heartbeat interval
+    last_beat: float | None = None
     asked_to_stop: bool = False
     kill_at: float = 0.0
+    killed_frozen: bool = False
     pidfd: int | None = None  # readable when the process exits (Linux), so no polling
 
     def close(self) -> None:
-        if self.pidfd is not None:
-            os.close(self.pidfd)
-            self.pidfd = None
+        for fd in (self.pidfd, self.beats):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def silent_for(self, now: float) -> float:
+        """Seconds past the allowance since the last sign of life (> 0: frozen)."""
+        if self.last_beat is None:
+            return now - self.started - STARTUP_GRACE_S
+        return now - self.last_beat - LEARNER_SILENT_S
 
 
 @dataclass
@@ -60,6 +73,7 @@ class Swap:
 class Figures:
     learner_starts: int = 0
     learner_deaths: int = 0
+    learners_frozen: int = 0
     swaps: int = 0
     swaps_reverted: int = 0
     last_death: str = ""
@@ -76,7 +90,8 @@ def run(cfg: learner.Config, learner_args: list[str],
     log = node.setup_logging("slot")
     stop = node.StopFlag()
     ctx = zmq.Context()
-    name = os.environ.get("HONCHO_PROCESS_NAME") or f"trainer-{pysocket.gethostname()}"
+    name = (os.environ.get("HONCHO_PROCESS_NAME")
+            or f"trainer-{pysocket.gethostname()}-{os.getpid()}")
     link = node.ControllerLink(ctx, role="slot", name=name, controller=cfg.controller,
                                broadcast=cfg.broadcast, log=log)
     args = list(learner_args)
@@ -86,8 +101,12 @@ def run(cfg: learner.Config, learner_args: list[str],
     figures = Figures()
 
     def start(now: float) -> Learner:
+        beats, beat_end = os.pipe()
         popen = subprocess.Popen([sys.executable, "-m", "stepbus", "learner", *args],
-                                 env={**os.environ, learner.SLOT_PID_ENV: str(os.getpid())})
+                                 env={**os.environ, learner.SLOT_BEAT_FD_ENV: str(beat_end)},
+                                 pass_fds=(beat_end,))
+        os.close(beat_end)
+        os.set_blocking(beats, False)
         figures.learner_starts += 1
         log.info("learner started (pid %d)%s", popen.pid,
                  f" with {' '.join(args)}" if args else "")
@@ -95,7 +114,7 @@ def run(cfg: learner.Config, learner_args: list[str],
         if hasattr(os, "pidfd_open"):
             with contextlib.suppress(OSError):
                 pidfd = os.pidfd_open(popen.pid)
-        return Learner(popen, list(args), now, pidfd=pidfd)
+        return Learner(popen, now, beats, pidfd=pidfd)
 
     def ask_to_stop(lrn: Learner, sig: signal.Signals, now: float) -> None:
         if not lrn.asked_to_stop:
@@ -107,7 +126,7 @@ def run(cfg: learner.Config, learner_args: list[str],
         link.send(p.Reply(ok=ok, detail=detail))
 
     def on_swap(msg: p.TrainerSwap, now: float) -> None:
-        nonlocal swap, args
+        nonlocal swap, args, restart_at
         if swap is not None:
             link.send(p.Reply(ok=False, detail="a swap is already under way"))
             return
@@ -120,11 +139,37 @@ def run(cfg: learner.Config, learner_args: list[str],
         log.info("swap requested: %s", " ".join(msg.args) or "(same settings)")
         if current is not None:
             ask_to_stop(current, signal.SIGUSR1, now)  # checkpoint and leave at once
+        else:
+            restart_at = now  # in a restart backoff: the new settings deserve a fresh try
+
+    def on_exit(ended: Learner, code: int, now: float) -> None:
+        nonlocal args, swap, restart_at, quick_deaths
+        ran = now - ended.started
+        if ended.asked_to_stop:
+            restart_at = now  # the swap's new learner starts right away
+        elif swap is not None and swap.started:
+            figures.swaps_reverted += 1
+            args, swap = swap.previous_args, None
+            reply(False, f"the new learner {describe_exit(code)} after {ran:.1f}s (its log is "
+                         "above); back to the previous settings")
+            restart_at = now
+        else:
+            figures.learner_deaths += 1
+            figures.last_death = "frozen, killed" if ended.killed_frozen else describe_exit(code)
+            quick_deaths = 0 if ran >= STEADY_S else quick_deaths + 1
+            delay = BACKOFF_S[min(quick_deaths, len(BACKOFF_S) - 1)]
+            if code == 0:
+                delay = max(delay, 1.0)  # it left on its own: a shutdown may be coming
+            restart_at = now + delay
+            log.warning("learner (pid %d) %s after %.1fs; starting a new one from the "
+                        "checkpoint%s", ended.popen.pid, figures.last_death, ran,
+                        f" in {delay:g}s" if delay else "")
 
     def status() -> dict:
         return {"learner_pid": current.popen.pid if current else None,
                 "learner_starts": figures.learner_starts,
-                "learner_deaths": figures.learner_deaths, "swaps": figures.swaps,
+                "learner_deaths": figures.learner_deaths,
+                "learners_frozen": figures.learners_frozen, "swaps": figures.swaps,
                 "swaps_reverted": figures.swaps_reverted, "last_death": figures.last_death,
                 "state": ("stopping" if stop or link.shutdown_reason else
                           "swapping" if swap else "running" if current else "restarting")}
@@ -134,46 +179,39 @@ def run(cfg: learner.Config, learner_args: list[str],
         while True:
             now = time.monotonic()
             link.beat(now, status)
-            leaving = bool(stop or link.shutdown_reason)
-            if leaving and current is not None:
-                ask_to_stop(current, signal.SIGTERM, now)  # it drains and checkpoints
-            events = dict(_poll(link, current, now, restart_at, swap))
+            events = dict(_poll(link, current))
+            now = time.monotonic()
             for msg in link.poll(events):
-                if isinstance(msg, p.TrainerSwap) and not leaving:
+                if isinstance(msg, p.TrainerSwap) and not (stop or link.shutdown_reason):
                     on_swap(msg, now)
+            if current is not None and current.beats in events:
+                with contextlib.suppress(BlockingIOError):
+                    if os.read(current.beats, 4096):
+                        current.last_beat = now
+            # Looked at after the poll: a Ctrl-C that reached the learner too is no death.
+            leaving = bool(stop or link.shutdown_reason)
             if current is not None and (code := current.popen.poll()) is not None:
                 ended, current = current, None
                 ended.close()
-                ran = now - ended.started
                 if leaving:
                     log.info("learner stopped (%s)", describe_exit(code))
-                elif ended.asked_to_stop:
-                    restart_at = now  # the swap's new learner starts right away
-                elif swap is not None and swap.started:
-                    figures.swaps_reverted += 1
-                    args, swap = swap.previous_args, None
-                    reply(False, f"the new learner {describe_exit(code)} after {ran:.1f}s (its "
-                                 "log is above); back to the previous settings")
-                    restart_at = now
                 else:
-                    figures.learner_deaths += 1
-                    figures.last_death = describe_exit(code)
-                    quick_deaths = 0 if ran >= STEADY_S else quick_deaths + 1
-                    delay = BACKOFF_S[min(quick_deaths, len(BACKOFF_S) - 1)]
-                    if code == 0:
-                        delay = max(delay, 1.0)  # it left on its own: shutdown may be coming
-                    restart_at = now + delay
-                    log.warning("learner (pid %d) %s after %.1fs; starting a new one from the "
-                                "checkpoint%s", ended.popen.pid, figures.last_death, ran,
-                                f" in {delay:g}s" if delay else "")
+                    on_exit(ended, code, now)
             if leaving:
                 if current is None:
                     break
+                ask_to_stop(current, signal.SIGTERM, now)  # it drains and checkpoints
                 if now >= current.kill_at:
                     log.warning("learner did not stop within %gs; killing it", STOP_GRACE_S)
                     current.popen.kill()
                     current.kill_at = now + 60
                 continue
+            if current is not None and not current.killed_frozen and current.silent_for(now) > 0:
+                figures.learners_frozen += 1
+                current.killed_frozen = True
+                log.warning("learner (pid %d) sent no heartbeat for %.1fs (frozen?); killing it",
+                            current.popen.pid, now - (current.last_beat or current.started))
+                current.popen.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
             if current is not None and current.asked_to_stop and now >= current.kill_at:
                 current.popen.kill()
                 current.kill_at = now + 60
@@ -189,27 +227,26 @@ def run(cfg: learner.Config, learner_args: list[str],
         log.info("trainer slot stopping (%s)", link.shutdown_reason or stop.reason)
         return 0
     finally:
-        if current is not None and current.popen.poll() is None:
-            current.popen.kill()
-            current.popen.wait(5)
+        if current is not None:
+            if current.popen.poll() is None:
+                current.popen.kill()
+                current.popen.wait(5)
+            current.close()
         link.close()
         ctx.destroy(linger=wiring.LINGER_MS)
 
 
-def _poll(link: node.ControllerLink, current: Learner | None, now: float, restart_at: float,
-          swap: Swap | None) -> list:
-    """Wait for the controller, the learner's exit (a pidfd is readable once it has exited),
-    or the next thing due."""
+def _poll(link: node.ControllerLink, current: Learner | None) -> list:
+    """Wait for the controller, the learner's beats or exit (a pidfd is readable once it has
+    exited), at most MAX_POLL_MS: restarts, probation and liveness are checked after it."""
     poller = zmq.Poller()
     for sock in link.sockets():
         poller.register(sock, zmq.POLLIN)
     timeout = node.MAX_POLL_MS
-    if current is not None and current.pidfd is not None:
-        poller.register(current.pidfd, zmq.POLLIN)
-    elif current is not None:
-        timeout = 50  # no pidfd on this platform: look at the child often
-    else:
-        timeout = min(timeout, max(0, (restart_at - now) * 1000))
-    if swap is not None and swap.started:
-        timeout = min(timeout, max(0, (swap.started + PROBATION_S - now) * 1000))
+    if current is not None:
+        poller.register(current.beats, zmq.POLLIN)
+        if current.pidfd is not None:
+            poller.register(current.pidfd, zmq.POLLIN)
+        else:
+            timeout = 50  # no pidfd on this platform: look at the child often
     return poller.poll(timeout)

@@ -275,6 +275,9 @@ def run(cfg: Config) -> int:
                 envs.in_env = True
 
     signal.signal(signal.SIGALRM, on_alarm)
+    # Blocking C calls inside an env (a simulator's read, usleep) restart instead of failing
+    # with EINTR; Python-level sleeps still run the handler (PEP 475).
+    signal.siginterrupt(signal.SIGALRM, False)
     incarnation = uuid.uuid4().hex[:8]
     hello = p.WorkerHello(worker=cfg.name, incarnation=incarnation, env_id=cfg.env,
                           num_envs=cfg.envs_per_worker, seed=cfg.seed,
