@@ -66,8 +66,9 @@ class Worker:
     ident: bytes
     name: str
     incarnation: str
-    num_envs: int
+    num_envs: int  # rows: envs, or envs x agents for multi-agent envs
     last_seen: float
+    agents: list[str]  # a multi-agent env's possible agents ([] for Gymnasium envs)
     seq: int = 0  # the seq of the reply we expect next
     in_flight: bool = True  # a RESET or STEP was sent and its reply has not arrived
     result: p.StepResult | None = None  # a reply waiting for inference
@@ -149,7 +150,8 @@ def run(cfg: Config) -> int:
         msg = p.Experience(worker=w.name, incarnation=w.incarnation, epoch=r.epoch, seq=r.seq,
                            first=r.first, policy_version=version if outputs else -1, obs=r.obs,
                            reward=r.reward, terminated=r.terminated, truncated=r.truncated,
-                           final_obs=r.final_obs, action=action, logp=logp, value=value)
+                           final_obs=r.final_obs, action=action, logp=logp, value=value,
+                           alive=r.alive, agents=w.agents if r.first else [])
         if not node.send(experience, msg, block=False):
             counts["experience_dropped"] += 1
             rejects.refuse("assembler", p.ProtocolError(
@@ -181,6 +183,10 @@ def run(cfg: Config) -> int:
         if not 1 <= msg.num_envs <= checks.MAX_ENVS_PER_WORKER:
             rejects.refuse(msg.worker, p.ProtocolError("bad hello", f"num_envs {msg.num_envs}"))
             return
+        problem = checks.agents_problem(msg.agents, msg.num_envs)
+        if problem:
+            rejects.refuse(msg.worker, p.ProtocolError("bad hello", problem))
+            return
         if spec is None:
             problem = checks.spec_problem(msg.spec)
             if problem:
@@ -202,7 +208,8 @@ def run(cfg: Config) -> int:
             log.info("worker %s joined: %d x %s", msg.worker, msg.num_envs, msg.env_id)
         # Number above anything either side used, so no old message can pass for a new one.
         first_seq = max(msg.seq, highest_seq.pop(msg.worker, 0)) if 0 <= msg.seq < 2**62 else 0
-        w = workers[ident] = Worker(ident, msg.worker, msg.incarnation, msg.num_envs, now,
+        rows = msg.num_envs * max(1, len(msg.agents))
+        w = workers[ident] = Worker(ident, msg.worker, msg.incarnation, rows, now, msg.agents,
                                     seq=first_seq, ready_since=now)
         reset_worker(w)
 

@@ -15,8 +15,24 @@ MAX_ENVS_PER_WORKER = 65_536
 MAX_BATCH_STEPS = 10_000_000
 
 
+def alive_problem(alive: np.ndarray | None, rows: int) -> str:
+    if alive is not None and (alive.shape != (rows,) or alive.dtype != bool):
+        return f"alive must be one bool per row, got {alive.dtype} {alive.shape}"
+    return ""
+
+
+def agents_problem(agents: list[str], num_envs: int) -> str:
+    """Why a hello's agent list cannot be used (empty if it can)."""
+    if len(set(agents)) != len(agents) or any(not a or len(a) > 128 for a in agents):
+        return "agents must be distinct names of 1-128 characters"
+    if num_envs * max(1, len(agents)) > MAX_ENVS_PER_WORKER:
+        return f"{num_envs} envs x {len(agents)} agents is over {MAX_ENVS_PER_WORKER} rows"
+    return ""
+
+
 def result_problem(r: p.StepResult, num_envs: int, spec: dict | None) -> str:
-    """Why a worker's result cannot be used (empty if it can): shapes must match its hello."""
+    """Why a worker's result cannot be used (empty if it can): shapes must match its hello.
+    `num_envs` counts rows: envs x agents for multi-agent envs."""
     k = num_envs
     if spec is None or r.obs.shape != (k, *spec["obs_shape"]):
         return f"obs shape {r.obs.shape}, expected ({k}, *{spec and spec['obs_shape']})"
@@ -27,7 +43,7 @@ def result_problem(r: p.StepResult, num_envs: int, spec: dict | None) -> str:
     ended = int((r.terminated | r.truncated).sum())
     if r.final_obs.shape != (ended, *spec["obs_shape"]):
         return f"final_obs shape {r.final_obs.shape}, expected one row per ended episode"
-    return ""
+    return alive_problem(r.alive, k)
 
 
 def weights_problem(params: dict[str, np.ndarray], spec: dict | None,
@@ -92,7 +108,7 @@ def experience_problem(m: p.Experience) -> str:
     if m.action is not None and (m.action.ndim < 1 or m.action.shape[0] != k or any(
             o.shape != (k,) for o in (m.logp, m.value))):
         return "policy outputs need one row per env"
-    return ""
+    return alive_problem(m.alive, k)
 
 
 def trajectory_problem(t: p.Trajectory, spec: dict, action: model.ActionSpace) -> str:

@@ -148,6 +148,8 @@ class WorkerHello(Message):
     seed: int
     spec: dict[str, Json]  # SpaceSpec as a map
     seq: int  # the last sequence number it answered; a new broker continues above it
+    # Multi-agent envs: each env's possible agents, in row order (rows = num_envs x agents).
+    agents: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -174,9 +176,13 @@ class Step(Message):
 class StepResult(Message):
     """One reply per action batch. `first` marks observations straight after a reset (no reward).
 
-    Autoreset is explicit: env i ended its episode on this step iff terminated[i] or truncated[i];
-    then obs[i] is the first observation of the next episode and the observation the episode ended
-    on is the matching row of `final_obs` (rows in order of the ended envs).
+    One row per env, or per (env, agent) for multi-agent envs (env-major, agents in the order
+    the hello named them). Autoreset is explicit: row i ended its episode on this step iff
+    terminated[i] or truncated[i]; then obs[i] is the first observation of the next episode (if
+    it has one) and the observation the episode ended on is the matching row of `final_obs`
+    (rows in order of the ended rows). `alive` (multi-agent only; None means all) says which
+    rows act next: an agent that finished while others go on, or has not appeared yet, is not
+    alive; one alive before that is neither alive nor done now has vanished.
     """
 
     KIND: ClassVar[Kind] = Kind.STEP_RESULT
@@ -189,6 +195,7 @@ class StepResult(Message):
     terminated: np.ndarray
     truncated: np.ndarray
     final_obs: np.ndarray
+    alive: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -214,6 +221,8 @@ class Experience(Message):
     action: np.ndarray | None = None
     logp: np.ndarray | None = None
     value: np.ndarray | None = None
+    alive: np.ndarray | None = None  # as in STEP_RESULT
+    agents: list[str] = field(default_factory=list)  # the hello's agents, on `first` messages
 
 
 @dataclass(frozen=True)

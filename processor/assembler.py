@@ -101,6 +101,14 @@ class AgentBuffer:
         return traj
 
 
+def agent_ids(worker: str, agents: list[str], rows: int) -> list[str]:
+    """Global agent ids, one per row: `worker/env` for single-agent envs and
+    `worker/env/agent` for multi-agent ones (rows are env-major)."""
+    if not agents or rows % len(agents):
+        return [f"{worker}/{i}" for i in range(rows)]
+    return [f"{worker}/{i // len(agents)}/{agents[i % len(agents)]}" for i in range(rows)]
+
+
 @dataclass
 class WorkerTrack:
     incarnation: str
@@ -134,7 +142,9 @@ def run(cfg: Config) -> int:
     learners: dict[str, float] = {}  # learner incarnation -> when it last sent a receipt
     swap = {"learner": "", "last_receipt": 0.0}
     counts = {"steps": 0, "trajectories": 0, "episodes": 0, "closed_truncated": 0, "gaps": 0,
-              "resent": 0, "trainer_swaps": 0, "joined_mid_episode": 0, "steps_lost": 0}
+              "resent": 0, "trainer_swaps": 0, "joined_mid_episode": 0, "steps_lost": 0,
+              "agents_vanished": 0}
+    worker_agents: dict[str, list[str]] = {}  # a multi-agent worker's agents, from its resets
     tracks_seen: set[str] = set()  # workers this assembler has had a track for
     last_swap_gap_s: float | None = None
     next_seq = 0
@@ -191,7 +201,10 @@ def run(cfg: Config) -> int:
                 # Steps before this one went to an assembler that is gone (this one restarted).
                 counts["joined_mid_episode"] += k
             tracks_seen.add(m.worker)
-            agents = [AgentBuffer(f"{m.worker}/{i}", cfg.horizon) for i in range(k)]
+            if m.agents and (len(worker_agents) < 10_000 or m.worker in worker_agents):
+                worker_agents[m.worker] = m.agents
+            agents = [AgentBuffer(name, cfg.horizon)
+                      for name in agent_ids(m.worker, worker_agents.get(m.worker, []), k)]
             for agent in agents:
                 agent.stats_valid = m.first
             track = tracks[m.worker] = WorkerTrack(m.incarnation, m.epoch, agents, m.obs)
@@ -207,6 +220,11 @@ def run(cfg: Config) -> int:
                     term = bool(m.terminated[i])
                     emit(agent.take(m.epoch, m.final_obs[final_rows[i]], terminated=term,
                                     truncated=not term, episode_end=True))
+                elif m.alive is not None and not m.alive[i]:
+                    # Vanished: neither done nor acting next. Closed, not dropped, and
+                    # bootstrapped from the last observation we have of it.
+                    counts["agents_vanished"] += 1
+                    emit(agent.take(m.epoch, track.last_obs[i], truncated=True))
                 elif agent.n >= cfg.horizon:
                     emit(agent.take(m.epoch, m.obs[i]))
         track.last_obs, track.epoch, track.seq = m.obs, m.epoch, m.seq
@@ -218,7 +236,11 @@ def run(cfg: Config) -> int:
                 close(m.worker, "actions changed shape")
                 return
             for i, agent in enumerate(track.agents):
-                agent.choose(m.obs[i], m.action[i], m.logp[i], m.value[i], m.policy_version)
+                if m.alive is None or m.alive[i]:  # an agent that appears starts here
+                    agent.choose(m.obs[i], m.action[i], m.logp[i], m.value[i],
+                                 m.policy_version)
+                else:
+                    agent.pending = False  # finished, vanished or not there yet
         else:
             for agent in track.agents:
                 agent.pending = False

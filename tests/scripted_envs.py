@@ -7,6 +7,7 @@ import os
 import time
 
 import gymnasium as gym
+import numpy as np
 
 
 class ResetRecorder(gym.Wrapper):
@@ -113,3 +114,54 @@ class Picky(gym.Wrapper):
 
 def picky_cartpole() -> gym.Env:
     return Picky(gym.make("CartPole-v1"))
+
+
+class RelayTeam:
+    """A PettingZoo-style parallel env (duck-typed, no pettingzoo import) whose agents do every
+    thing the assembler must handle, on a fixed 5-step script per episode:
+    `a` acts throughout and is truncated after step 5; `b` terminates after step 2 while the
+    others go on; `c` appears after step 1; `d` vanishes after step 3 (leaves without a done
+    flag). Observations are [agent index, t]; every acting agent gets reward 1 per step."""
+
+    possible_agents = ["a", "b", "c", "d"]
+
+    def __init__(self) -> None:
+        self.t = 0
+        self.agents: list[str] = []
+
+    def observation_space(self, agent: str) -> gym.spaces.Box:
+        return gym.spaces.Box(-1e6, 1e6, (2,), np.float32)
+
+    def action_space(self, agent: str) -> gym.spaces.Discrete:
+        return gym.spaces.Discrete(2)
+
+    def _obs(self) -> dict:
+        return {a: np.array([self.possible_agents.index(a), self.t], np.float32)
+                for a in self.agents}
+
+    def reset(self, seed=None, options=None):
+        self.t, self.agents = 0, ["a", "b", "d"]
+        return self._obs(), {a: {} for a in self.agents}
+
+    def step(self, actions: dict):
+        assert set(actions) == set(self.agents), (sorted(actions), self.agents)
+        self.t += 1
+        acting = list(self.agents)
+        terminated = {a: a == "b" and self.t == 2 for a in acting}
+        truncated = {a: self.t == 5 for a in acting}
+        rewards = dict.fromkeys(acting, 1.0)
+        obs = {a: np.array([self.possible_agents.index(a), self.t], np.float32) for a in acting}
+        self.agents = [a for a in acting if not (terminated[a] or truncated[a])]
+        if self.t == 1:
+            self.agents.append("c")
+        if self.t == 3:
+            self.agents.remove("d")
+        obs.update(self._obs())
+        return obs, rewards, terminated, truncated, {a: {} for a in acting}
+
+    def close(self) -> None:
+        pass
+
+
+def relay_team() -> RelayTeam:
+    return RelayTeam()

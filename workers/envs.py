@@ -1,31 +1,53 @@
-"""Making environments from a user's string, describing their spaces, and deriving seeds."""
+"""Making environments from a user's string, describing their spaces, and deriving seeds.
+
+An environment is a Gymnasium env (one agent, one row) or a PettingZoo `ParallelEnv` (one row
+per possible agent). PettingZoo is not imported: a parallel env is recognised by its
+`possible_agents`, so the base install stays light.
+"""
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 from stepbus.bus import protocol as p
 
+from stepbus import imports
 
-def make_env(env: str) -> gym.Env:
-    """A Gymnasium id (`CartPole-v1`, `module:Env-v0`) or a `module:factory` callable."""
-    module, colon, attr = env.partition(":")
+
+def make_env(env: str) -> Any:
+    """A Gymnasium id (`CartPole-v1`, `module:Env-v0`) or a `module:factory` callable returning
+    a Gymnasium env or a PettingZoo ParallelEnv."""
+    _, colon, attr = env.partition(":")
     if colon and all(part.isidentifier() for part in attr.split(".")):
-        obj: Any = importlib.import_module(module)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-        made = obj()
+        made = imports.load_object(env)()
         if not hasattr(made, "step") or not hasattr(made, "reset"):
             raise TypeError(f"{env} returned {type(made).__name__}, not an environment")
         return made
     return gym.make(env)
 
 
-def space_spec(env: gym.Env) -> p.SpaceSpec:
-    obs, act = env.observation_space, env.action_space
+def agents_of(env: Any) -> list[str]:
+    """A parallel env's possible agents (its rows); [] for a single-agent env."""
+    if not hasattr(env, "possible_agents"):
+        return []
+    agents = [str(a) for a in env.possible_agents]
+    if not agents or len(set(agents)) != len(agents):
+        raise TypeError(f"possible_agents must be distinct and non-empty, got {agents}")
+    return agents
+
+
+def space_spec(env: Any) -> p.SpaceSpec:
+    agents = agents_of(env)
+    if agents:  # parameter sharing: one policy for every agent, so one set of spaces
+        obs, act = env.observation_space(agents[0]), env.action_space(agents[0])
+        for agent in agents[1:]:
+            if env.observation_space(agent) != obs or env.action_space(agent) != act:
+                raise TypeError(f"agent {agent} has other spaces than {agents[0]}; agents "
+                                "sharing a policy need the same spaces (pad or wrap them)")
+    else:
+        obs, act = env.observation_space, env.action_space
     if not isinstance(obs, gym.spaces.Box):
         raise TypeError(f"observation space {obs} is not a Box; wrap the env to flatten it")
     if isinstance(act, gym.spaces.Discrete):

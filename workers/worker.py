@@ -31,7 +31,7 @@ import numpy as np
 import zmq
 from stepbus.bus import node, wiring
 from stepbus.bus import protocol as p
-from stepbus.workers.envs import env_seed, make_env, space_spec
+from stepbus.workers.envs import agents_of, env_seed, make_env, space_spec
 
 T = TypeVar("T")
 
@@ -91,9 +91,14 @@ class EnvSet:
         self.restarts: collections.deque[float] = collections.deque()  # recent recreations
         self.envs = [self._env_call(make_env, cfg.env) for _ in range(cfg.envs_per_worker)]
         self.spec = space_spec(self.envs[0])
+        self.agents = agents_of(self.envs[0])  # [] for Gymnasium envs
+        self.agent_row = {agent: j for j, agent in enumerate(self.agents)}
+        self.width = max(1, len(self.agents))  # rows per env
+        self.rows = len(self.envs) * self.width
+        self.alive = np.ones(self.rows, bool)  # which rows act next (multi-agent envs)
         self.obs_dtype = np.dtype(self.spec.obs_dtype)
         self.seeds = [env_seed(cfg.seed, cfg.worker_index, i) for i in range(len(self.envs))]
-        self.last_obs = np.zeros((len(self.envs), *self.spec.obs_shape), self.obs_dtype)
+        self.last_obs = np.zeros((self.rows, *self.spec.obs_shape), self.obs_dtype)
         self.seeded = False
         self.errors = 0
         self.without_options: set[int] = set()  # envs that rejected the current reset options
@@ -101,6 +106,8 @@ class EnvSet:
         self.action_bounds = (np.asarray(low), np.asarray(high)) if low else None
 
     def reset(self, options: dict) -> np.ndarray:
+        if self.agents:
+            return self._reset_parallel(options)
         obs = np.empty_like(self.last_obs)
         self.without_options.clear()
         for i, env in enumerate(self.envs):
@@ -120,6 +127,8 @@ class EnvSet:
         return obs
 
     def step(self, actions: np.ndarray, options: dict) -> p.StepResult:
+        if self.agents:
+            return self._step_parallel(actions, options)
         k = len(self.envs)
         obs = np.empty_like(self.last_obs)
         reward = np.zeros(k, np.float32)
@@ -153,6 +162,81 @@ class EnvSet:
         return p.StepResult(incarnation="", epoch=0, seq=0, first=False, obs=obs, reward=reward,
                             terminated=terminated, truncated=truncated, final_obs=final_obs)
 
+    # PettingZoo parallel envs: row base + j is agent j of env u (base = u * width). Only alive
+    # rows act; an env whose agents are all done resets within the same step, as above.
+
+    def _reset_parallel(self, options: dict) -> np.ndarray:
+        obs, alive = np.zeros_like(self.last_obs), np.zeros(self.rows, bool)
+        self.without_options.clear()
+        for u, env in enumerate(self.envs):
+            seed = self.seeds[u] if not self.seeded else None
+            try:
+                first = self._env_call(env.reset, seed=seed, options=options or None)[0]
+            except Exception as exc:
+                first = self._recreate(u, exc, {}, counted=not options)
+                self.without_options.add(u)
+            self._place(u, first, obs, alive)
+            self.tick()
+        self.seeded = True
+        self.last_obs, self.alive = obs, alive
+        return obs
+
+    def _step_parallel(self, actions: np.ndarray, options: dict) -> p.StepResult:
+        obs, alive = np.zeros_like(self.last_obs), np.zeros(self.rows, bool)
+        reward = np.zeros(self.rows, np.float32)
+        terminated, truncated = np.zeros(self.rows, bool), np.zeros(self.rows, bool)
+        finals: list[np.ndarray] = []  # in row order, as the ended rows
+        if self.action_bounds is not None:
+            shape = (self.rows, *self.spec.action_shape)
+            actions = np.clip(actions.reshape(self.rows, -1), *self.action_bounds).reshape(shape)
+        for u, env in enumerate(self.envs):
+            base = u * self.width
+            acting = [a for a in self.agents if self.alive[base + self.agent_row[a]]]
+            try:
+                nxt, rew, term, trunc, _ = self._env_call(
+                    env.step, {a: actions[base + self.agent_row[a]] for a in acting})
+            except Exception as exc:  # the env's fault: cut every acting agent's episode
+                for a in acting:
+                    i = base + self.agent_row[a]
+                    truncated[i] = True
+                    finals.append(self.last_obs[i].copy())
+                self._place(u, self._recreate(u, exc, options), obs, alive)
+                continue
+            finally:
+                self.tick()
+            for a in acting:
+                i = base + self.agent_row[a]
+                reward[i] = rew.get(a, 0.0)
+                terminated[i], truncated[i] = bool(term.get(a, False)), bool(trunc.get(a, False))
+                if terminated[i] or truncated[i]:
+                    finals.append(np.array(nxt.get(a, self.last_obs[i]), self.obs_dtype))
+            if not env.agents:  # all done: the next episode starts within this step
+                try:
+                    opts = None if u in self.without_options else options or None
+                    nxt = self._env_call(env.reset, options=opts)[0]
+                except Exception as exc:
+                    nxt = self._recreate(u, exc, {})
+            self._place(u, nxt, obs, alive)
+        self.last_obs, self.alive = obs, alive
+        final_obs = (np.stack(finals) if finals
+                     else np.zeros((0, *self.spec.obs_shape), self.obs_dtype))
+        return p.StepResult(incarnation="", epoch=0, seq=0, first=False, obs=obs, reward=reward,
+                            terminated=terminated, truncated=truncated, final_obs=final_obs,
+                            alive=alive)
+
+    def _place(self, u: int, observations: dict, obs: np.ndarray, alive: np.ndarray) -> None:
+        """Env u's live agents' observations into their rows; those rows are alive."""
+        base = u * self.width
+        for agent in self.envs[u].agents:
+            j = self.agent_row.get(str(agent))
+            if j is not None and agent in observations:
+                obs[base + j] = observations[agent]
+                alive[base + j] = True
+
+    def alive_rows(self) -> np.ndarray | None:
+        """The alive mask to send (None for single-agent envs: every row is alive)."""
+        return self.alive.copy() if self.agents else None
+
     def _env_call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run env code with `in_env` set: only then may the timer signal send heartbeats,
         because only then is this thread surely not inside a ZeroMQ call of its own."""
@@ -162,9 +246,9 @@ class EnvSet:
         finally:
             self.in_env = False
 
-    def _recreate(self, i: int, exc: Exception, options: dict, *,
-                  counted: bool = True) -> np.ndarray:
-        """Report the error, replace env i, and return its first observation; past the restart
+    def _recreate(self, i: int, exc: Exception, options: dict, *, counted: bool = True) -> Any:
+        """Report the error, replace env i, and return its first observation (a map by agent
+        for a parallel env); past the restart
         bound, raise EnvFailure instead (one line for the operator, not endless tracebacks)."""
         self.errors += 1
         tb = traceback.format_exc()
@@ -191,15 +275,14 @@ class EnvSet:
         seed = self.seeds[i] + self.errors
         try:
             self.envs[i] = self._env_call(make_env, self.cfg.env)
-            return np.asarray(self._env_call(self.envs[i].reset, seed=seed,
-                                             options=options or None)[0])
+            return self._env_call(self.envs[i].reset, seed=seed, options=options or None)[0]
         except Exception as again:
             raise EnvFailure(f"env {i} ({self.cfg.env}) raised again while being recreated: "
                              f"{type(again).__name__}: {again}") from again
 
     def actions_problem(self, actions: np.ndarray) -> str:
         """Why an action batch cannot be stepped (empty if it can)."""
-        k, spec = len(self.envs), self.spec
+        k, spec = self.rows, self.spec
         if spec.action_kind == "discrete":
             if actions.shape != (k,) or actions.dtype.kind not in "iu":
                 return f"expected {k} integer actions, got {actions.dtype} {actions.shape}"
@@ -281,10 +364,11 @@ def run(cfg: Config) -> int:
     incarnation = uuid.uuid4().hex[:8]
     hello = p.WorkerHello(worker=cfg.name, incarnation=incarnation, env_id=cfg.env,
                           num_envs=cfg.envs_per_worker, seed=cfg.seed,
-                          spec=dataclasses.asdict(envs.spec), seq=0)
+                          spec=dataclasses.asdict(envs.spec), seq=0, agents=envs.agents)
     epoch, options, seq = -1, {}, 0
     steps_done = 0
-    log.info("%s: %d x %s, connecting to %s", cfg.name, cfg.envs_per_worker, cfg.env, cfg.steps)
+    log.info("%s: %d x %s%s, connecting to %s", cfg.name, cfg.envs_per_worker, cfg.env,
+             f" ({len(envs.agents)} agents each)" if envs.agents else "", cfg.steps)
 
     def reply(result: p.StepResult) -> None:
         node.send(dealer, dataclasses.replace(result, incarnation=incarnation, epoch=epoch,
@@ -322,20 +406,22 @@ def run(cfg: Config) -> int:
                         rejects.refuse("broker", p.ProtocolError("bad actions", problem))
                         continue
                     seq = msg.seq
+                    acting = int(envs.alive.sum())  # agent steps this batch takes
                     with BUSY_BEATS:
                         result = envs.step(msg.actions, options)
                     reply(result)
-                    steps_done += cfg.envs_per_worker
+                    steps_done += acting
                     last_heard = time.monotonic()
                 elif isinstance(msg, p.Reset):
                     epoch, options, seq = msg.epoch, msg.options, msg.seq
                     with BUSY_BEATS:
                         obs = envs.reset(options)
-                    k = cfg.envs_per_worker
+                    k = envs.rows
                     reply(p.StepResult(
                         incarnation="", epoch=0, seq=0, first=True, obs=obs,
                         reward=np.zeros(k, np.float32), terminated=np.zeros(k, bool),
-                        truncated=np.zeros(k, bool), final_obs=obs[:0]))
+                        truncated=np.zeros(k, bool), final_obs=obs[:0],
+                        alive=envs.alive_rows()))
         log.info("%s stopping (%s) after %d env steps", cfg.name,
                  link.shutdown_reason or stop.reason, steps_done)
         return 0

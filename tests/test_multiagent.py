@@ -1,0 +1,116 @@
+"""Multi-agent environments: PettingZoo parallel envs in workers, one row per agent, agents that
+appear, finish and vanish, and learning on a real PettingZoo task."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import zmq
+from conftest import Cluster, recv_message, send_message, wait_for
+from stepbus.bus import protocol as p
+from stepbus.trainer import model
+from stepbus.workers.worker import Config, EnvSet
+
+
+def test_a_parallel_env_steps_one_row_per_agent_with_alive_and_done_per_agent():
+    envs = EnvSet(Config(env="scripted_envs:relay_team", envs_per_worker=2, name="w"),
+                  report=lambda error: None, log=logging.getLogger("test"))
+    assert envs.agents == ["a", "b", "c", "d"] and envs.rows == 8
+    envs.reset({})
+    assert envs.alive.tolist() == [True, True, False, True] * 2, "c has not appeared yet"
+    acts = np.zeros(8, np.int64)
+
+    r1 = envs.step(acts, {})  # c appears
+    assert r1.alive.tolist() == [True] * 8
+    assert r1.reward.tolist() == [1, 1, 0, 1] * 2, "only agents that acted are rewarded"
+    assert r1.obs[2].tolist() == [2, 1], "c's first observation"
+
+    r2 = envs.step(acts, {})  # b terminates, the others go on
+    assert r2.terminated.tolist() == [False, True, False, False] * 2
+    assert r2.alive.tolist() == [True, False, True, True] * 2
+    assert r2.final_obs.tolist() == [[1, 2], [1, 2]], "one final row per ended agent, in order"
+
+    r3 = envs.step(acts, {})  # d vanishes: neither alive nor done
+    assert r3.alive.tolist() == [True, False, True, False] * 2
+    assert not (r3.terminated | r3.truncated).any()
+
+    envs.step(acts, {})
+    r5 = envs.step(acts, {})  # a and c reach the time limit: the env resets in the same step
+    assert r5.truncated.tolist() == [True, False, True, False] * 2
+    assert r5.final_obs.tolist() == [[0, 5], [2, 5]] * 2
+    assert r5.alive.tolist() == [True, True, False, True] * 2, "the next episode's agents"
+    assert r5.obs[0].tolist() == [0, 0]
+
+
+@pytest.fixture
+def relay(cluster: Cluster):
+    """Controller, broker, assembler and one worker on RelayTeam; the test is the trainer (it
+    publishes weights) and the trajectory consumer."""
+    for role in ("controller", "broker", "assembler"):
+        cluster.start(role)
+    cluster.start("worker", "--env", "scripted_envs:relay_team", "--envs-per-worker", "1",
+                  "--name", "w")
+    trainer = cluster.socket(zmq.DEALER, cluster.endpoints["policy"])
+    params = model.init_params(2, model.ActionSpace("discrete", n=2), (8,),
+                               np.random.default_rng(0))
+    send_message(trainer, p.Weights(trainer="t", incarnation="t1", policy="default", version=1,
+                                    consumed_steps=0, batch_steps=256, starving=False,
+                                    params=params))
+    pull = cluster.socket(zmq.PULL, cluster.endpoints["trajectories"])
+    yield pull
+    trainer.close()
+    pull.close()
+
+
+def test_agents_that_appear_finish_and_vanish_get_their_own_trajectories(relay):
+    first: dict[str, p.Trajectory] = {}
+    while len(first) < 4:
+        traj = recv_message(relay, timeout=30)
+        assert isinstance(traj, p.Trajectory)
+        first.setdefault(traj.agent, traj)
+    a, b, c, d = (first[f"w/0/{name}"] for name in "abcd")
+    # a: the whole episode, cut by the time limit; its return is the episode's.
+    assert (len(a.rewards), a.truncated, a.terminated, a.episode_return) == (5, True, False, 5)
+    assert a.bootstrap_obs.tolist() == [0, 5]
+    # b: finished while the others went on.
+    assert (len(b.rewards), b.terminated, b.episode_return) == (2, True, 2)
+    # c: appeared after step 1, so its trajectory starts at t = 1.
+    assert c.obs[:, 1].tolist() == [1, 2, 3, 4] and c.truncated
+    # d: vanished after step 3: closed as truncated, bootstrapped from its last observation.
+    assert (len(d.rewards), d.truncated, d.terminated) == (3, True, False)
+    assert d.bootstrap_obs.tolist() == [3, 2] and d.episode_return is None
+
+
+def random_return(episodes: int = 100) -> float:
+    """Mean per-agent episode return of uniformly random actions on simple_spread."""
+    spread = pytest.importorskip("mpe2.simple_spread_v3")
+    env = spread.parallel_env()
+    returns = []
+    for episode in range(episodes):
+        env.reset(seed=episode)
+        total = dict.fromkeys(env.agents, 0.0)
+        while env.agents:
+            _, rewards, *_ = env.step({a: env.action_space(a).sample() for a in env.agents})
+            for agent, reward in rewards.items():
+                total[agent] += reward
+        returns += total.values()
+    return float(np.mean(returns))
+
+
+def test_ppo_with_parameter_sharing_learns_mpe_simple_spread(cluster: Cluster):
+    baseline = random_return()
+    procs = cluster.start_all(
+        trainer_args=("--target-return", "0", "--target-episodes", "100"),
+        worker_args=("--env", "mpe2.simple_spread_v3:parallel_env", "--envs-per-worker", "4"))
+    # 3 agents x 4 envs = 12 rows per step, one shared policy; random play scores about -26.
+    target = baseline + 4.0
+    reached = wait_for(lambda: next((r for r in cluster.metrics()[::-1]
+                                     if r["episodes"] >= 300 and r["mean_return"] >= target),
+                                    None), 90, f"a 100-episode mean return of {target:.1f}")
+    print(f"random {baseline:.1f}; reached {reached['mean_return']:.1f} after "
+          f"{reached['env_steps']} agent steps, {reached['wall_s']} s")
+    assert cluster.cli("shutdown").returncode == 0
+    codes = {name: proc.wait(30) for name, proc in procs.items()}
+    assert codes == dict.fromkeys(procs, 0), cluster.dump()
