@@ -15,9 +15,13 @@ MAX_ENVS_PER_WORKER = 65_536
 MAX_BATCH_STEPS = 10_000_000
 
 
-def alive_problem(alive: np.ndarray | None, rows: int) -> str:
-    if alive is not None and (alive.shape != (rows,) or alive.dtype != bool):
-        return f"alive must be one bool per row, got {alive.dtype} {alive.shape}"
+def rows_problem(m: p.StepResult | p.Experience, rows: int) -> str:
+    """The optional per-row arrays: `alive` (bool), `episode` and `episode_seed` (integers)."""
+    if m.alive is not None and (m.alive.shape != (rows,) or m.alive.dtype != bool):
+        return f"alive must be one bool per row, got {m.alive.dtype} {m.alive.shape}"
+    for a in (m.episode, m.episode_seed):
+        if a is not None and (a.shape != (rows,) or a.dtype.kind not in "iu"):
+            return f"episode arrays need one integer per row, got {a.dtype} {a.shape}"
     return ""
 
 
@@ -43,7 +47,7 @@ def result_problem(r: p.StepResult, num_envs: int, spec: dict | None) -> str:
     ended = int((r.terminated | r.truncated).sum())
     if r.final_obs.shape != (ended, *spec["obs_shape"]):
         return f"final_obs shape {r.final_obs.shape}, expected one row per ended episode"
-    return alive_problem(r.alive, k)
+    return rows_problem(r, k)
 
 
 def weights_problem(params: dict[str, np.ndarray], spec: dict | None,
@@ -108,7 +112,7 @@ def experience_problem(m: p.Experience) -> str:
     if m.action is not None and (m.action.ndim < 1 or m.action.shape[0] != k or any(
             o.shape != (k,) for o in (m.logp, m.value))):
         return "policy outputs need one row per env"
-    return alive_problem(m.alive, k)
+    return rows_problem(m, k)
 
 
 def trajectory_problem(t: p.Trajectory, spec: dict, action: model.ActionSpace) -> str:

@@ -196,6 +196,10 @@ class StepResult(Message):
     truncated: np.ndarray
     final_obs: np.ndarray
     alive: np.ndarray | None = None
+    # Per row: the episode obs[i] belongs to (counted per env from 0) and the seed its env was
+    # reset with, so any episode can be replayed alone from its seed and actions.
+    episode: np.ndarray | None = None
+    episode_seed: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -223,6 +227,8 @@ class Experience(Message):
     value: np.ndarray | None = None
     alive: np.ndarray | None = None  # as in STEP_RESULT
     agents: list[str] = field(default_factory=list)  # the hello's agents, on `first` messages
+    episode: np.ndarray | None = None  # as in STEP_RESULT
+    episode_seed: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -252,6 +258,11 @@ class Trajectory(Message):
     bootstrap_obs: np.ndarray
     assembler: str  # the assembler incarnation that numbered it
     seq: int  # its number there; a trainer's RECEIPT names it back
+    # What produced it: the env's episode index and reset seed, and the index of its first step
+    # within that agent's episode (-1: unknown, e.g. joined mid-episode after a restart).
+    episode: int = -1
+    episode_seed: int = -1
+    episode_step: int = -1
 
 
 @dataclass(frozen=True)

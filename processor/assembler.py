@@ -56,9 +56,12 @@ class AgentBuffer:
         self.arrays: dict[str, np.ndarray] = {}
         self.episode_return, self.episode_length = 0.0, 0
         self.stats_valid = True  # False when we joined mid-episode (assembler restart)
+        self.origin = (-1, -1, -1)  # the trajectory's episode, episode seed, first episode step
 
     def choose(self, obs: np.ndarray, action: np.ndarray, logp: float, value: float,
-               version: int) -> None:
+               version: int, episode: int = -1, seed: int = -1) -> None:
+        if self.n == 0:
+            self.origin = (episode, seed, self.episode_length if self.stats_valid else -1)
         if not self.arrays:
             h = self.horizon
             self.arrays = {
@@ -93,7 +96,8 @@ class AgentBuffer:
                 obs=a["obs"][:n], actions=a["actions"][:n], logp=a["logp"][:n],
                 values=a["values"][:n], rewards=a["rewards"][:n],
                 policy_versions=a["policy_versions"][:n], bootstrap_obs=bootstrap,
-                assembler="", seq=-1)  # numbered when sent
+                assembler="", seq=-1,  # numbered when sent
+                episode=self.origin[0], episode_seed=self.origin[1], episode_step=self.origin[2])
             self.arrays = {}
         self.n, self.pending = 0, False
         if episode_end or truncated:
@@ -235,10 +239,12 @@ def run(cfg: Config) -> int:
                 rejects.refuse(m.worker, p.ProtocolError("bad experience", "actions changed shape"))
                 close(m.worker, "actions changed shape")
                 return
+            episodes = (m.episode.tolist() if m.episode is not None else [-1] * k)
+            seeds = (m.episode_seed.tolist() if m.episode_seed is not None else [-1] * k)
             for i, agent in enumerate(track.agents):
                 if m.alive is None or m.alive[i]:  # an agent that appears starts here
                     agent.choose(m.obs[i], m.action[i], m.logp[i], m.value[i],
-                                 m.policy_version)
+                                 m.policy_version, episodes[i], seeds[i])
                 else:
                     agent.pending = False  # finished, vanished or not there yet
         else:

@@ -271,7 +271,8 @@ STEP_FIELDS = {"epoch": 1, "seq": 2, "policy_version": 3}
 WEIGHT_FIELDS = {"trainer": "t", "incarnation": "i", "policy": "p", "version": 1,
                  "consumed_steps": 0, "batch_steps": 1, "starving": False}
 TRAJ_FIELDS = {"agent": "a", "epoch": 0, "terminated": False, "truncated": False,
-               "episode_return": None, "episode_length": None, "assembler": "", "seq": 0}
+               "episode_return": None, "episode_length": None, "assembler": "", "seq": 0,
+               "episode": -1, "episode_seed": -1, "episode_step": -1}
 TRAJ_ARRAYS = ["obs", "actions", "logp", "values", "rewards", "policy_versions", "bootstrap_obs"]
 
 
@@ -820,13 +821,22 @@ def edit(value: Any, path: tuple[Any, ...], op: str, new: Any) -> Any:
 
 
 def mutate_structure(frames: list[bytes], rnd: random.Random) -> list[bytes]:
-    """1-3 header edits, then maybe a change to the array frames or their count."""
+    """Maybe an array left out (then 0-3 header edits, else 1-3), then maybe a change to the
+    array frames or their count."""
     header = msgpack.unpackb(frames[0], raw=False)
+    required = [i for i, desc in enumerate(header[3]) if desc[0].split(".")[0] in {
+        f.name for f in dataclasses.fields(p.MESSAGE_TYPES[p.Kind(header[1])])
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}]
     if header[3] and rnd.random() < 0.1:  # an array left out altogether: descriptor and frame
-        i = rnd.randrange(len(header[3]))
+        # Mostly a required one: leaving out an optional array is a valid message.
+        i = rnd.choice(required) if required and rnd.random() < 0.7 else rnd.randrange(
+            len(header[3]))
         del header[3][i]
         frames = [*frames[: i + 1], *frames[i + 2:]]
-    for _ in range(rnd.randint(1, 3)):
+        edits = rnd.randint(0, 3)  # alone, so that the check for it is reached
+    else:
+        edits = rnd.randint(1, 3)
+    for _ in range(edits):
         spots = positions(header)
         deep = [path for path in spots if len(path) >= 2]  # mostly inside fields and arrays
         path = rnd.choice(deep if deep and rnd.random() < 0.8 else spots)

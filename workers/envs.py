@@ -59,6 +59,13 @@ def space_spec(env: Any) -> p.SpaceSpec:
     raise TypeError(f"action space {act} is neither Discrete nor Box")
 
 
+def episode_seed(seed: int, worker_index: int, env_index: int, episode: int) -> int:
+    """The seed episode `episode` of env i of worker w is reset with: any episode can be
+    replayed alone (`stepbus.workers.replay`), whatever came before it."""
+    sequence = np.random.SeedSequence(seed, spawn_key=(worker_index, env_index, episode))
+    return int(sequence.generate_state(1)[0])
+
+
 def env_seed(seed: int, worker_index: int, env_index: int) -> int:
     """Env i of worker w gets a seed derived from both, independent of start order."""
     sequence = np.random.SeedSequence(seed, spawn_key=(worker_index, env_index))

@@ -31,7 +31,7 @@ import numpy as np
 import zmq
 from stepbus.bus import node, wiring
 from stepbus.bus import protocol as p
-from stepbus.workers.envs import agents_of, env_seed, make_env, space_spec
+from stepbus.workers.envs import agents_of, env_seed, episode_seed, make_env, space_spec
 
 T = TypeVar("T")
 
@@ -99,6 +99,8 @@ class EnvSet:
         self.alive = np.ones(self.rows, bool)  # which rows act next (multi-agent envs)
         self.obs_dtype = np.dtype(self.spec.obs_dtype)
         self.seeds = [env_seed(cfg.seed, cfg.worker_index, i) for i in range(len(self.envs))]
+        self.episode = np.full(len(self.envs), -1, np.int64)  # each env's current episode
+        self.episode_seed = np.zeros(len(self.envs), np.int64)  # ... and its reset seed
         self.last_obs = np.zeros((self.rows, *self.spec.obs_shape), self.obs_dtype)
         self.seeded = False
         self.errors = 0
@@ -112,9 +114,9 @@ class EnvSet:
         obs = np.empty_like(self.last_obs)
         self.without_options.clear()
         for i, env in enumerate(self.envs):
-            seed = self.seeds[i] if not self.seeded else None
             try:
-                obs[i] = self._env_call(env.reset, seed=seed, options=options or None)[0]
+                obs[i] = self._env_call(env.reset, seed=self._new_episode(i),
+                                        options=options or None)[0]
             except Exception as exc:  # e.g. options this env rejects: report, go on without
                 # Rejected options are the operator's doing, bounded by barriers: not counted.
                 obs[i] = self._recreate(i, exc, {}, counted=not options)
@@ -154,14 +156,27 @@ class EnvSet:
                 finals.append(obs[i].copy())
                 try:
                     opts = None if i in self.without_options else options or None
-                    obs[i] = self._env_call(env.reset, options=opts)[0]
+                    obs[i] = self._env_call(env.reset, seed=self._new_episode(i), options=opts)[0]
                 except Exception as exc:
                     obs[i] = self._recreate(i, exc, {})
         self.last_obs = obs
         final_obs = (np.stack(finals) if finals
                      else np.zeros((0, *self.spec.obs_shape), self.obs_dtype))
         return p.StepResult(incarnation="", epoch=0, seq=0, first=False, obs=obs, reward=reward,
-                            terminated=terminated, truncated=truncated, final_obs=final_obs)
+                            terminated=terminated, truncated=truncated, final_obs=final_obs,
+                            **self.episodes())
+
+    def _new_episode(self, i: int) -> int:
+        """Env i starts its next episode: the seed to reset it with."""
+        self.episode[i] += 1
+        self.episode_seed[i] = episode_seed(self.cfg.seed, self.cfg.worker_index, i,
+                                            int(self.episode[i]))
+        return int(self.episode_seed[i])
+
+    def episodes(self) -> dict[str, np.ndarray]:
+        """Each row's episode index and reset seed, for a STEP_RESULT."""
+        return {"episode": np.repeat(self.episode, self.width),
+                "episode_seed": np.repeat(self.episode_seed, self.width)}
 
     # PettingZoo parallel envs: row base + j is agent j of env u (base = u * width). Only alive
     # rows act; an env whose agents are all done resets within the same step, as above.
@@ -170,9 +185,9 @@ class EnvSet:
         obs, alive = np.zeros_like(self.last_obs), np.zeros(self.rows, bool)
         self.without_options.clear()
         for u, env in enumerate(self.envs):
-            seed = self.seeds[u] if not self.seeded else None
             try:
-                first = self._env_call(env.reset, seed=seed, options=options or None)[0]
+                first = self._env_call(env.reset, seed=self._new_episode(u),
+                                       options=options or None)[0]
             except Exception as exc:
                 first = self._recreate(u, exc, {}, counted=not options)
                 self.without_options.add(u)
@@ -214,7 +229,7 @@ class EnvSet:
             if not env.agents:  # all done: the next episode starts within this step
                 try:
                     opts = None if u in self.without_options else options or None
-                    nxt = self._env_call(env.reset, options=opts)[0]
+                    nxt = self._env_call(env.reset, seed=self._new_episode(u), options=opts)[0]
                 except Exception as exc:
                     nxt = self._recreate(u, exc, {})
             self._place(u, nxt, obs, alive)
@@ -223,7 +238,7 @@ class EnvSet:
                      else np.zeros((0, *self.spec.obs_shape), self.obs_dtype))
         return p.StepResult(incarnation="", epoch=0, seq=0, first=False, obs=obs, reward=reward,
                             terminated=terminated, truncated=truncated, final_obs=final_obs,
-                            alive=alive)
+                            alive=alive, **self.episodes())
 
     def _place(self, u: int, observations: dict, obs: np.ndarray, alive: np.ndarray) -> None:
         """Env u's live agents' observations into their rows; those rows are alive."""
@@ -259,12 +274,13 @@ class EnvSet:
         while self.restarts and now - self.restarts[0] > RESTART_WINDOW_S:
             self.restarts.popleft()
         over = counted and len(self.restarts) > self.cfg.max_env_restarts_per_minute
-        self.log.error("env %d (%s, seed %d) raised %s: %s%s", i, self.cfg.env, self.seeds[i],
-                       type(exc).__name__, exc, "" if over else "; recreating it")
+        seed, episode = int(self.episode_seed[i]), int(self.episode[i])
+        self.log.error("env %d (%s, episode %d, seed %d) raised %s: %s%s", i, self.cfg.env,
+                       episode, seed, type(exc).__name__, exc, "" if over else "; recreating it")
         self.report(p.RemoteError(
             origin=self.cfg.name, error_type=type(exc).__name__,
             message=str(exc)[:p.MAX_ERROR_TEXT], traceback=tb[-p.MAX_ERROR_TEXT:],  # the tail
-            context={"env": self.cfg.env, "env_index": i, "seed": self.seeds[i]}))
+            context={"env": self.cfg.env, "env_index": i, "episode": episode, "seed": seed}))
         if over:
             raise EnvFailure(
                 f"{self.cfg.env} keeps raising: {len(self.restarts)} env restarts within "
@@ -273,7 +289,7 @@ class EnvSet:
                 f"environment (the controller's log has each traceback) or raise the limit")
         with contextlib.suppress(Exception):
             self._env_call(self.envs[i].close)
-        seed = self.seeds[i] + self.errors
+        seed = self._new_episode(i)
         try:
             self.envs[i] = self._env_call(make_env, self.cfg.env)
             return self._env_call(self.envs[i].reset, seed=seed, options=options or None)[0]
@@ -422,7 +438,7 @@ def run(cfg: Config) -> int:
                         incarnation="", epoch=0, seq=0, first=True, obs=obs,
                         reward=np.zeros(k, np.float32), terminated=np.zeros(k, bool),
                         truncated=np.zeros(k, bool), final_obs=obs[:0],
-                        alive=envs.alive_rows()))
+                        alive=envs.alive_rows(), **envs.episodes()))
         log.info("%s stopping (%s) after %d env steps", cfg.name,
                  link.shutdown_reason or stop.reason, steps_done)
         return 0
