@@ -1,0 +1,30 @@
+"""Reset barriers beyond the basic one in test_pipeline: late joiners and the learner's own call."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import Cluster, wait_for
+
+RECORDING = ("--env", "scripted_envs:recording_cartpole", "--envs-per-worker", "3")
+
+
+def resets(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_worker_that_joins_after_a_barrier_resets_with_its_options(cluster: Cluster):
+    first, late = cluster.dir / "first.jsonl", cluster.dir / "late.jsonl"
+    procs = {role: cluster.start(role) for role in ("controller", "broker", "assembler")}
+    procs["w0"] = cluster.start("worker", *RECORDING, "--name", "w0", env={"RESET_LOG": str(first)})
+    procs["trainer"] = cluster.start("trainer", "--target-return", "0")
+    wait_for(lambda: len(cluster.metrics()) >= 2, 60, "training under way")
+    done = cluster.cli("reset", "--option", "level=3")
+    assert done.returncode == 0, done.stdout + done.stderr
+    procs["w1"] = cluster.start("worker", *RECORDING, "--name", "w1", "--worker-index", "1",
+                                env={"RESET_LOG": str(late)})
+    wait_for(lambda: len(resets(late)) >= 3, 30, "the late worker's first resets")
+    assert resets(late)[:3] == [{"level": 3}] * 3, "reset into the current epoch's options"
+    assert cluster.cli("shutdown").returncode == 0
+    codes = {name: proc.wait(30) for name, proc in procs.items()}
+    assert codes == dict.fromkeys(procs, 0), cluster.dump()
