@@ -12,10 +12,16 @@ A broker started mid-run (the old one crashed) knows nothing of it: it defers wo
 until the controller tells it the run's epoch and reset options, then resets every worker (the
 assembler closes their open trajectories as truncated), and steps once the trainer's weights
 arrive, within 0.25 s, because a trainer without data re-publishes them.
+
+Deterministic mode (`--deterministic`) takes timing out of what is stepped: it waits for every
+live worker and batches them by name, and acts at each step count S with the newest policy
+version the trainer made from at most S - window steps (each version's WEIGHTS message says how
+many steps it was made from), not with whichever version happened to arrive last.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 import time
 from dataclasses import dataclass, field
@@ -39,6 +45,11 @@ RUN_STATE_GRACE_S = 2 * node.HEARTBEAT_INTERVAL_S * node.LIVENESS_INTERVALS
 MAX_DEFERRED_HELLOS = 1000  # hellos are untrusted: a flood of names cannot grow memory
 EXPERIENCE_HWM = 1000  # messages (one per worker step) queued toward the assembler
 MAX_REMEMBERED_WORKERS = 10_000  # lost workers whose last sequence number we keep
+MAX_PENDING_VERSIONS = 64  # deterministic mode: versions received, not yet due (a few normally)
+# Deterministic mode: how long the trainer may say it starves while we wait for it to take in
+# steps it never gets (lost data, or a horizon longer than the window allows) before we give up
+# reproducibility rather than stall the run for good. A healthy run never waits this long.
+DETERMINISM_GIVE_UP_S = 5.0
 
 
 @dataclass
@@ -54,6 +65,10 @@ class Config:
         "help": "credit window in env steps beyond what the trainer received "
                 "(0: two trainer batches + 34 per env)"})
     seed: int = field(default=0, metadata={"help": "seeds the policy's action sampling"})
+    deterministic: bool = field(default=False, metadata={
+        "help": "reproducible runs (with one worker): wait for every worker's reply and batch "
+                "them by name, no batch wait; act at step count S with the newest policy "
+                "version made from at most S minus the credit window steps"})
 
 
 class Phase(enum.Enum):
@@ -87,6 +102,8 @@ class Credit:
     batch_steps: int = 256
     topups: int = 0
     extra: int = 0  # granted by top-ups; doubles, so a far too small window grows in few steps
+    start: int = 0  # produced - consumed when the trainer connected: baseline without top-ups
+    starving: bool = False  # what the trainer's latest WEIGHTS message said
 
     def outstanding(self) -> int:
         return self.produced - self.baseline - self.consumed
@@ -111,11 +128,17 @@ def run(cfg: Config) -> int:
     workers: dict[bytes, Worker] = {}
     env_id, spec = "", None  # the spaces every worker must share
     params: dict[str, np.ndarray] | None = None
-    version = -1
+    version = -1  # the version we act with
+    newest = -1  # the newest version received (deterministic mode: maybe not yet due)
+    # Deterministic mode: (steps it was made from, on our step scale; version; params) of the
+    # versions received and not yet acted with, oldest first.
+    due: collections.deque[tuple[int, int, dict[str, np.ndarray]]] = collections.deque()
+    waiting_since: float | None = None  # deterministic mode: waiting for the trainer's intake
     action_space: model.ActionSpace | None = None
     credit = Credit()
     phase, epoch, options = Phase.RUNNING, 0, {}
-    counts = {"stale_dropped": 0, "experience_dropped": 0, "workers_lost": 0, "spec_refused": 0}
+    counts = {"stale_dropped": 0, "experience_dropped": 0, "workers_lost": 0, "spec_refused": 0,
+              "determinism_lost": 0}
     rate_steps, rate_t0, steps_per_s = 0, time.monotonic(), 0.0
     assembler_blocked, look_again = False, None
     barrier_lost: set[str] = set()  # workers that died during the current barrier
@@ -242,29 +265,40 @@ def run(cfg: Config) -> int:
 
     def on_trainer_hello(ident: bytes, msg: p.TrainerHello, now: float) -> None:
         if spec is not None:
-            node.send(policy_sock, p.EnvSpec(env_id=env_id, spec=spec, policy_version=version),
+            node.send(policy_sock, p.EnvSpec(env_id=env_id, spec=spec, policy_version=newest),
                       to=ident, block=False)
 
     def on_weights(ident: bytes, msg: p.Weights, now: float) -> None:
-        nonlocal params, version
+        nonlocal params, version, newest
         if not (1 <= msg.batch_steps <= checks.MAX_BATCH_STEPS and 0 <= msg.consumed_steps < 2**53
                 and 0 <= msg.version < 2**53):
             rejects.refuse(msg.trainer, p.ProtocolError(
                 "bad weights", f"batch_steps {msg.batch_steps}, consumed_steps "
                 f"{msg.consumed_steps}, version {msg.version}"))
             return
-        if msg.version > version:  # judged before anything else is taken from the message
+        if msg.version > newest:  # judged before anything else is taken from the message
             problem = checks.weights_problem(msg.params, spec, action_space)
             if problem:
                 rejects.refuse(msg.trainer, p.ProtocolError("bad weights", problem))
                 return
-            params, version = dict(msg.params), msg.version
+            newest = msg.version
+            if not cfg.deterministic:
+                params, version = dict(msg.params), msg.version
+            else:
+                # The first message of a version is the one the trainer sent right after making
+                # it, so its consumed_steps are the steps the version was made from.
+                start = (credit.start if msg.incarnation == credit.trainer
+                         else credit.produced - msg.consumed_steps)
+                if len(due) >= MAX_PENDING_VERSIONS:
+                    due.popleft()
+                due.append((start + msg.consumed_steps, msg.version, dict(msg.params)))
         if msg.incarnation != credit.trainer:
             credit.trainer, credit.baseline = msg.incarnation, credit.produced - msg.consumed_steps
-            credit.extra = 0
+            credit.start, credit.extra = credit.baseline, 0
             log.info("trainer %s (incarnation %s) connected at policy version %d",
                      msg.trainer, msg.incarnation, msg.version)
         credit.consumed, credit.batch_steps = msg.consumed_steps, msg.batch_steps
+        credit.starving = msg.starving
         if msg.starving and credit.outstanding() >= window():
             # The trainer waits for data we think is in flight: it was lost (a restarted
             # assembler) or is held in partial trajectories longer than we allowed for.
@@ -287,13 +321,38 @@ def run(cfg: Config) -> int:
             if not w.in_flight:
                 reset_worker(w)
 
+    def take_due_weights(now: float) -> bool:
+        """Deterministic mode: switch to the newest version made from at most `produced -
+        window()` steps, once the trainer's reports show that no other such version can still
+        come: it makes a version as soon as a batch is full, so a trainer that has taken in N
+        steps has made (and sent) every version made from N or fewer. With an untouched credit
+        window this always holds already. False: wait for the trainer."""
+        nonlocal params, version, waiting_since
+        limit = credit.produced - window()
+        short = limit - (credit.start + credit.consumed)
+        if short > 0:
+            waiting_since = now if waiting_since is None else waiting_since
+            if not credit.starving or now - waiting_since < DETERMINISM_GIVE_UP_S:
+                return False
+            # It will never have them (lost data, or a horizon longer than the window allows).
+            credit.start += short
+            counts["determinism_lost"] += 1
+            log.warning("deterministic: the trainer starves %.0fs short of %d steps it must take "
+                        "in before the next policy version is due (lost data, or a horizon "
+                        "longer than --max-steps-ahead allows for); going on, so this run is no "
+                        "longer reproducible", now - waiting_since, short)
+        waiting_since = None
+        while due and (due[0][0] <= limit or params is None):
+            _, version, params = due.popleft()
+        return params is not None
+
     def dispatch(now: float) -> float | None:
         """Act on the ready results if nothing holds us back; returns when to look again
         (None: when the next message arrives)."""
         nonlocal rate_steps, assembler_blocked
         assembler_blocked = False  # only true while it is what holds ready work back
         ready = [w for w in workers.values() if w.result is not None]
-        if not ready or params is None or action_space is None:
+        if not ready or (params is None and not due) or action_space is None:
             return None
         if credit.outstanding() >= window():
             return None  # the trainer's next WEIGHTS message wakes us
@@ -301,9 +360,15 @@ def run(cfg: Config) -> int:
         if assembler_blocked:
             return None  # no assembler connected (or it is full): stepping would lose data
         waiting = any(w.in_flight for w in workers.values())
-        oldest = min(w.ready_since for w in ready)
-        if waiting and now - oldest < cfg.batch_wait_ms / 1000:
-            return oldest + cfg.batch_wait_ms / 1000
+        if cfg.deterministic:
+            if waiting or not take_due_weights(now):
+                return None  # every live worker's reply, and the version due at this step count
+            ready.sort(key=lambda w: w.name)  # one inference batch, in a fixed order
+        else:
+            oldest = min(w.ready_since for w in ready)
+            if waiting and now - oldest < cfg.batch_wait_ms / 1000:
+                return oldest + cfg.batch_wait_ms / 1000
+        assert params is not None
         obs = np.concatenate([w.result.obs for w in ready])  # type: ignore[union-attr]
         actions, logp, value = model.act(params, obs, action_space, rng)
         start = 0

@@ -8,11 +8,18 @@ is one, and publish weights at a version above both. A learner killed and starte
 the same run therefore continues where the last checkpoint left off, with higher versions and the
 next generation. Every trajectory taken in is receipted to the assembler, which resends what a
 killed learner never receipted.
+
+A batch is the first trajectories taken in that sum to at least `batch_steps`, in arrival order:
+intake stops while a batch is full, so which trajectories an update learns from, and which
+policy versions count as stale, never depend on how many happened to be queued. Each metrics
+record carries a digest of every trajectory this learner took in, so two runs can be compared.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -56,6 +63,9 @@ class Config:
     max_policy_lag: int = field(default=8, metadata={
         "help": "trajectories acted by a policy more than this many versions old are dropped "
                 "(counted)"})
+    max_updates: int = field(default=0, metadata={
+        "help": "stop the whole pipeline once the run has made this many policy updates "
+                "(0: never)"})
     checkpoint_interval_s: float = field(default=2.0, metadata={
         "help": "seconds between checkpoints (one is also written on exit)"})
     seed: int = field(default=0, metadata={"help": "seeds initial weights and minibatches"})
@@ -73,6 +83,7 @@ class Progress:
     env_steps: int = 0
     episodes: int = 0
     recent_returns: list[float] = field(default_factory=list)
+    updates: int = 0  # over the whole run (every generation), for --max-updates
 
 
 class Receipts:
@@ -295,7 +306,10 @@ def _learn(cfg: Config, io: Links) -> int:
     t_start = last_record_t = time.monotonic()
     last_record_steps = progress.env_steps
     last_data = last_publish = last_ckpt = t_start
-    solved = False
+    done = ""  # why this run wants no more updates (the target return, --max-updates)
+    if cfg.max_updates and progress.updates >= cfg.max_updates:  # a resumed, finished run
+        done = f"the run made --max-updates {cfg.max_updates} policy updates already"
+    digest = hashlib.blake2b(digest_size=8)  # of every trajectory taken in, in arrival order
     last_shutdown_request = 0.0
     last_log = 0.0
 
@@ -339,7 +353,8 @@ def _learn(cfg: Config, io: Links) -> int:
             "env_steps": progress.env_steps, "episodes": progress.episodes,
             "mean_return": mean_return(), "policy_version": progress.version,
             "generation": progress.generation, "steps_per_second": round(rate, 1),
-            "stale_dropped": counts["stale_dropped"], **{k: round(v, 6) for k, v in stats.items()},
+            "stale_dropped": counts["stale_dropped"], "digest": digest.hexdigest(),
+            **{k: round(v, 6) for k, v in stats.items()},
         }) + "\n")
 
     def on_trajectory(t: p.Trajectory) -> None:
@@ -351,6 +366,7 @@ def _learn(cfg: Config, io: Links) -> int:
         if not receipt.take(t.assembler, t.seq):
             counts["duplicates"] += 1  # sent again after a disconnect; we have it already
             return
+        _digest(digest, t)
         n = t.rewards.shape[0]
         received += n
         counts["trajectories"] += 1
@@ -358,7 +374,7 @@ def _learn(cfg: Config, io: Links) -> int:
         if t.episode_return is not None:
             progress.episodes += 1
             returns.append(t.episode_return)
-        if solved:
+        if done:
             receipt.learn([(t.assembler, t.seq)])  # counted, no longer learned from
             return
         if int(t.policy_versions.min()) < progress.version - cfg.max_policy_lag:
@@ -399,33 +415,45 @@ def _learn(cfg: Config, io: Links) -> int:
         if broker in events:
             node.drain(broker, lambda: node.recv(broker, rejects))  # late EnvSpec replies
         if intake in events:
-            node.drain(intake, take_one)
+            # Up to a full batch only: the rest waits for the next batch (see the docstring).
+            for _ in range(1000):
+                if ((batch_steps >= cfg.ppo.batch_steps and not done)
+                        or not intake.poll(0, zmq.POLLIN)):
+                    break
+                take_one()
             last_data = time.monotonic()
-        if batch_steps >= cfg.ppo.batch_steps and not solved:
+        if batch_steps >= cfg.ppo.batch_steps and not done:
             stats = algo.update(batch, tick=lambda: io.beat(time.monotonic()))
             receipt.learn(batch_ids)  # only now may the assembler forget them
             batch, batch_ids, batch_steps = [], [], 0
             progress.version += 1
+            progress.updates += 1
             counts["updates"] += 1
             publish()
             record(stats)
             mean = mean_return()
             if (cfg.target_return and len(returns) >= cfg.target_episodes and mean is not None
                     and mean >= cfg.target_return):
-                solved = True
-                save()
+                done = f"trainer reached mean return {mean:.1f}"
                 log.info("solved: mean return %.1f over the last %d episodes at %d env steps "
                          "(%.1fs); asking the controller to shut the pipeline down", mean,
                          len(returns), progress.env_steps, time.monotonic() - t_start)
+            elif cfg.max_updates and progress.updates >= cfg.max_updates:
+                done = f"trainer made --max-updates {cfg.max_updates} policy updates"
+                log.info("%d policy updates made (--max-updates) at %d env steps (%.1fs); asking "
+                         "the controller to shut the pipeline down", progress.updates,
+                         progress.env_steps, time.monotonic() - t_start)
+            if done:
+                save()
         send_receipts()
         now = time.monotonic()
-        if solved and now - last_shutdown_request > 1.0:  # until the controller broadcasts it
+        if done and now - last_shutdown_request > 1.0:  # until the controller broadcasts it
             last_shutdown_request = now
-            link.send(p.ShutdownRequest(reason=f"trainer reached mean return {mean_return():.1f}"))
+            link.send(p.ShutdownRequest(reason=done))
         if now - last_data > 0.25 and now - last_publish > 0.25:
-            # A restarted broker gets weights; a stalled credit window refills (not once solved:
-            # then nothing more is wanted).
-            publish(starving=not solved)
+            # A restarted broker gets weights; a stalled credit window refills (not once done:
+            # then nothing more is wanted). Changes nothing but the broker's credit.
+            publish(starving=not done)
         if now - last_ckpt > cfg.checkpoint_interval_s:
             save()
             last_ckpt = now
@@ -463,6 +491,21 @@ def _learn(cfg: Config, io: Links) -> int:
              "refused", link.shutdown_reason or stop.reason, ckpt_path, counts["trajectories"],
              rejects.total)
     return 0
+
+
+def _digest(h: hashlib.blake2b, t: p.Trajectory) -> None:
+    """Fold one trajectory into a running digest: every field, arrays as dtype, shape and
+    bytes, so equal digests mean equal data; except the assembler's incarnation and numbering,
+    which name the delivery, not the data (the incarnation is random)."""
+    for f in dataclasses.fields(t):
+        if f.name in ("assembler", "seq"):
+            continue
+        value = getattr(t, f.name)
+        if isinstance(value, np.ndarray):
+            h.update(f"{f.name} {value.dtype.str} {value.shape}".encode())
+            h.update(np.ascontiguousarray(value))
+        else:
+            h.update(f"{f.name} {value!r}".encode())
 
 
 def _link_latest(run_dir: Path) -> None:
