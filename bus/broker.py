@@ -372,6 +372,7 @@ def run(cfg: Config) -> int:
         obs = np.concatenate([w.result.obs for w in ready])  # type: ignore[union-attr]
         actions, logp, value = model.act(params, obs, action_space, rng)
         start = 0
+        stepped = [w.result for w in ready]
         for w in ready:
             r, end = w.result, start + w.num_envs
             assert r is not None
@@ -381,8 +382,10 @@ def run(cfg: Config) -> int:
                                   actions=actions[start:end]))
             forward(w, r, (actions[start:end], logp[start:end], value[start:end]))
             start = end
-        credit.produced += start
-        rate_steps += start
+        # Agent steps, as the learner counts them: rows of absent agents are stepped for nothing.
+        acted = start - sum(int((~w_r.alive).sum()) for w_r in stepped if w_r.alive is not None)
+        credit.produced += acted
+        rate_steps += acted
         return None
 
     def figures() -> dict:

@@ -18,3 +18,13 @@ class RefusesToStart:
 
     def __init__(self, *args: object) -> None:
         raise RuntimeError("this algorithm refuses to start")
+
+
+class CurriculumPPO(PPO):
+    """PPO that asks, after its second update, for a reset barrier to level 2 (once)."""
+
+    updates = 0
+
+    def curriculum(self, stats: dict) -> dict | None:
+        self.updates += 1
+        return {"level": 2} if self.updates == 2 else None

@@ -28,3 +28,18 @@ def test_a_worker_that_joins_after_a_barrier_resets_with_its_options(cluster: Cl
     assert cluster.cli("shutdown").returncode == 0
     codes = {name: proc.wait(30) for name, proc in procs.items()}
     assert codes == dict.fromkeys(procs, 0), cluster.dump()
+
+
+def test_the_learner_can_ask_for_a_barrier_curriculum_style(cluster: Cluster):
+    log = cluster.dir / "resets.jsonl"
+    procs = {role: cluster.start(role) for role in ("controller", "broker", "assembler")}
+    procs["w0"] = cluster.start("worker", *RECORDING, "--name", "w0", env={"RESET_LOG": str(log)})
+    procs["trainer"] = cluster.start("trainer", "--target-return", "0",
+                                     "--algo", "scripted_algos:CurriculumPPO")
+    wait_for(lambda: resets(log).count({"level": 2}) >= 3, 60,
+             "every env reset to level 2 by the learner's barrier")
+    wait_for(lambda: "reset barrier: epoch 1: 1 workers reset" in procs["trainer"].output(), 10,
+             "the learner to hear the barrier's outcome")
+    assert cluster.cli("shutdown").returncode == 0
+    codes = {name: proc.wait(30) for name, proc in procs.items()}
+    assert codes == dict.fromkeys(procs, 0), cluster.dump()

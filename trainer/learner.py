@@ -395,6 +395,21 @@ def _learn(cfg: Config, io: Links) -> int:
                 "mean_return": None if mean is None else round(mean, 2),
                 **rejects.figures(), **counts}
 
+    def ask_for_reset(stats: dict[str, float]) -> None:
+        """Curriculum: an algorithm with `curriculum(stats) -> options | None` may ask, after an
+        update, for a reset barrier with env options (as `stepbus reset --option` does)."""
+        curriculum = getattr(algo, "curriculum", None)
+        options = curriculum(stats) if callable(curriculum) else None
+        if options is None:
+            return
+        try:
+            p.encode(p.ResetRequest(options=dict(options)))
+        except (p.ProtocolError, TypeError, ValueError) as exc:
+            log.error("curriculum options %r cannot be sent: %s", options, exc)
+            return
+        log.info("curriculum: asking for a reset barrier with options %s", options)
+        link.send(p.ResetRequest(options=dict(options)))
+
     def take_one() -> None:
         _, msg = node.recv(intake, rejects)
         if isinstance(msg, p.Trajectory):
@@ -411,7 +426,9 @@ def _learn(cfg: Config, io: Links) -> int:
         now = time.monotonic()
         io.beat(now, figures)
         events = dict(poller.poll(node.MAX_POLL_MS))
-        link.poll(events)
+        for msg in link.poll(events):
+            if isinstance(msg, p.Reply):  # the outcome of a barrier the algorithm asked for
+                (log.info if msg.ok else log.warning)("reset barrier: %s", msg.detail)
         if broker in events:
             node.drain(broker, lambda: node.recv(broker, rejects))  # late EnvSpec replies
         if intake in events:
@@ -431,6 +448,7 @@ def _learn(cfg: Config, io: Links) -> int:
             counts["updates"] += 1
             publish()
             record(stats)
+            ask_for_reset(stats)
             mean = mean_return()
             if (cfg.target_return and len(returns) >= cfg.target_episodes and mean is not None
                     and mean >= cfg.target_return):
