@@ -92,8 +92,10 @@ class EnvSet:
         self.restarts: collections.deque[float] = collections.deque()  # recent recreations
         self.envs = [self._env_call(make_env, cfg.env) for _ in range(cfg.envs_per_worker)]
         self.spec = space_spec(self.envs[0])
-        self.agents = agents_of(self.envs[0])  # [] for Gymnasium envs
-        self.agent_row = {agent: j for j, agent in enumerate(self.agents)}
+        self.agents = agents_of(self.envs[0])  # names ([] for Gymnasium envs)
+        # The env's own agent keys (PettingZoo allows any hashable) -> row within an env.
+        self.agent_keys = list(self.envs[0].possible_agents) if self.agents else []
+        self.agent_row = {agent: j for j, agent in enumerate(self.agent_keys)}
         self.width = max(1, len(self.agents))  # rows per env
         self.rows = len(self.envs) * self.width
         self.alive = np.ones(self.rows, bool)  # which rows act next (multi-agent envs)
@@ -207,7 +209,7 @@ class EnvSet:
             actions = np.clip(actions.reshape(self.rows, -1), *self.action_bounds).reshape(shape)
         for u, env in enumerate(self.envs):
             base = u * self.width
-            acting = [a for a in self.agents if self.alive[base + self.agent_row[a]]]
+            acting = [a for a in self.agent_keys if self.alive[base + self.agent_row[a]]]
             try:
                 nxt, rew, term, trunc, _ = self._env_call(
                     env.step, {a: actions[base + self.agent_row[a]] for a in acting})
@@ -244,7 +246,7 @@ class EnvSet:
         """Env u's live agents' observations into their rows; those rows are alive."""
         base = u * self.width
         for agent in self.envs[u].agents:
-            j = self.agent_row.get(str(agent))
+            j = self.agent_row.get(agent)
             if j is not None and agent in observations:
                 obs[base + j] = observations[agent]
                 alive[base + j] = True
