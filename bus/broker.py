@@ -174,7 +174,7 @@ def run(cfg: Config) -> int:
                            first=r.first, policy_version=version if outputs else -1, obs=r.obs,
                            reward=r.reward, terminated=r.terminated, truncated=r.truncated,
                            final_obs=r.final_obs, action=action, logp=logp, value=value,
-                           alive=r.alive, agents=w.agents if r.first else [],
+                           alive=r.alive, agents=w.agents,
                            episode=r.episode, episode_seed=r.episode_seed)
         if not node.send(experience, msg, block=False):
             counts["experience_dropped"] += 1

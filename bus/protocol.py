@@ -226,7 +226,7 @@ class Experience(Message):
     logp: np.ndarray | None = None
     value: np.ndarray | None = None
     alive: np.ndarray | None = None  # as in STEP_RESULT
-    agents: list[str] = field(default_factory=list)  # the hello's agents, on `first` messages
+    agents: list[str] = field(default_factory=list)  # the hello's agents (multi-agent envs)
     episode: np.ndarray | None = None  # as in STEP_RESULT
     episode_seed: np.ndarray | None = None
 

@@ -165,3 +165,75 @@ class RelayTeam:
 
 def relay_team() -> RelayTeam:
     return RelayTeam()
+
+
+class Pair:
+    """Two agents, 3-step episodes, to pin down how episodes end (see the factories below)."""
+
+    def __init__(self, keys: list, end: str) -> None:
+        self.possible_agents, self.end = keys, end
+        self.t, self.agents = 0, []
+
+    def observation_space(self, agent) -> gym.spaces.Box:
+        return gym.spaces.Box(-1e6, 1e6, (2,), np.float32)
+
+    def action_space(self, agent) -> gym.spaces.Discrete:
+        return gym.spaces.Discrete(2)
+
+    def _obs(self, agents: list) -> dict:
+        return {a: np.array([self.possible_agents.index(a), self.t], np.float32) for a in agents}
+
+    def reset(self, seed=None, options=None):
+        self.t, self.agents = 0, list(self.possible_agents)
+        return self._obs(self.agents), {}
+
+    def step(self, actions: dict):
+        self.t += 1
+        first = self.possible_agents[0]
+        acting, last = list(self.agents), self.t == 3
+        # At the end the first agent is truncated; the second leaves without a done flag,
+        # except in "keeps" mode, where both are truncated and stay listed.
+        truncated = {a: last and (self.end == "keeps" or a == first) for a in acting}
+        terminated = dict.fromkeys(acting, False)
+        if last and self.end != "keeps":
+            self.agents = []
+        return (self._obs(acting), dict.fromkeys(acting, 1.0), terminated, truncated,
+                {a: {} for a in acting})
+
+    def close(self) -> None:
+        pass
+
+
+def int_keys() -> Pair:
+    return Pair([0, 1], "vanish")
+
+
+def vanish_at_end() -> Pair:
+    return Pair(["a", "b"], "vanish")
+
+
+def keeps_done_agents() -> Pair:
+    return Pair(["a", "b"], "keeps")
+
+
+class PickyAndFlaky(gym.Wrapper):
+    """CartPole that rejects reset options with level > 3 and whose first instance in a
+    process raises once, on its second step."""
+
+    raised = False
+
+    def reset(self, *, seed=None, options=None):
+        if (options or {}).get("level", 0) > 3:
+            raise ValueError("no such level")
+        return self.env.reset(seed=seed)
+
+    def step(self, action):
+        self.steps = getattr(self, "steps", 0) + 1
+        if self.steps == 2 and not PickyAndFlaky.raised:
+            PickyAndFlaky.raised = True
+            raise RuntimeError("simulated crash")
+        return self.env.step(action)
+
+
+def picky_and_flaky() -> gym.Env:
+    return PickyAndFlaky(gym.make("CartPole-v1"))

@@ -32,9 +32,12 @@ def test_a_parallel_env_steps_one_row_per_agent_with_alive_and_done_per_agent():
     assert r2.alive.tolist() == [True, False, True, True] * 2
     assert r2.final_obs.tolist() == [[1, 2], [1, 2]], "one final row per ended agent, in order"
 
-    r3 = envs.step(acts, {})  # d vanishes: neither alive nor done
+    r3 = envs.step(acts, {})  # d vanishes (leaves without a done flag): cut as truncated
     assert r3.alive.tolist() == [True, False, True, False] * 2
-    assert not (r3.terminated | r3.truncated).any()
+    assert r3.truncated.tolist() == [False, False, False, True] * 2
+    assert not r3.terminated.any()
+    assert r3.final_obs.tolist() == [[3, 3], [3, 3]], "the observation the env gave it last"
+    assert envs.agents_vanished == 2
 
     envs.step(acts, {})
     r5 = envs.step(acts, {})  # a and c reach the time limit: the env resets in the same step
@@ -78,9 +81,10 @@ def test_agents_that_appear_finish_and_vanish_get_their_own_trajectories(relay):
     assert (len(b.rewards), b.terminated, b.episode_return) == (2, True, 2)
     # c: appeared after step 1, so its trajectory starts at t = 1.
     assert c.obs[:, 1].tolist() == [1, 2, 3, 4] and c.truncated
-    # d: vanished after step 3: closed as truncated, bootstrapped from its last observation.
-    assert (len(d.rewards), d.truncated, d.terminated) == (3, True, False)
-    assert d.bootstrap_obs.tolist() == [3, 2] and d.episode_return is None
+    # d: vanished after step 3: its episode cut as truncated, bootstrapped from the last
+    # observation the env gave it.
+    assert (len(d.rewards), d.truncated, d.terminated, d.episode_return) == (3, True, False, 3)
+    assert d.bootstrap_obs.tolist() == [3, 3]
 
 
 def random_return(episodes: int = 100) -> float:
@@ -114,3 +118,36 @@ def test_ppo_with_parameter_sharing_learns_mpe_simple_spread(cluster: Cluster):
     assert cluster.cli("shutdown").returncode == 0
     codes = {name: proc.wait(30) for name, proc in procs.items()}
     assert codes == dict.fromkeys(procs, 0), cluster.dump()
+
+
+def envset(env: str) -> EnvSet:
+    return EnvSet(Config(env=env, envs_per_worker=1, name="w"), report=lambda error: None,
+                  log=logging.getLogger("test"))
+
+
+def test_an_agent_that_vanishes_as_the_episode_ends_is_cut_not_carried_into_the_next():
+    envs = envset("scripted_envs:vanish_at_end")
+    envs.reset({})
+    envs.step(np.zeros(2, np.int64), {})
+    envs.step(np.zeros(2, np.int64), {})
+    last = envs.step(np.zeros(2, np.int64), {})
+    assert last.truncated.tolist() == [True, True], "b's episode ends too, as truncated"
+    assert last.final_obs.tolist() == [[0, 3], [1, 3]]
+    assert last.alive.tolist() == [True, True] and last.obs[:, 1].tolist() == [0, 0]
+    assert last.episode.tolist() == [1, 1], "the next episode"
+
+
+def test_an_env_that_keeps_done_agents_listed_is_reset_anyway():
+    envs = envset("scripted_envs:keeps_done_agents")
+    envs.reset({})
+    for _ in range(3):
+        result = envs.step(np.zeros(2, np.int64), {})
+    assert result.truncated.all() and result.obs[:, 1].tolist() == [0, 0]
+    assert result.episode.tolist() == [1, 1]
+
+
+def test_agents_keyed_by_integers_work():
+    envs = envset("scripted_envs:int_keys")
+    assert envs.agents == ["0", "1"]
+    envs.reset({})
+    assert envs.step(np.zeros(2, np.int64), {}).alive.tolist() == [True, True]

@@ -8,15 +8,16 @@ import time
 import gymnasium as gym
 import numpy as np
 import pytest
-from stepbus.workers.envs import env_seed, make_env, space_spec
+from stepbus.workers.envs import episode_seed, make_env, space_spec
 from stepbus.workers.worker import Config, EnvFailure, EnvSet
 
 
-def test_env_seeds_derive_from_seed_worker_and_env_and_are_reproducible():
-    seeds = {(w, i): env_seed(7, w, i) for w in range(3) for i in range(4)}
-    assert len(set(seeds.values())) == len(seeds), "every (worker, env) gets its own seed"
-    assert seeds == {(w, i): env_seed(7, w, i) for w in range(3) for i in range(4)}
-    assert env_seed(8, 0, 0) != env_seed(7, 0, 0)
+def test_episode_seeds_derive_from_seed_worker_env_and_episode_and_are_reproducible():
+    keys = [(w, i, e) for w in range(3) for i in range(4) for e in range(5)]
+    seeds = {key: episode_seed(7, *key) for key in keys}
+    assert len(set(seeds.values())) == len(seeds), "every (worker, env, episode) its own seed"
+    assert seeds == {key: episode_seed(7, *key) for key in keys}
+    assert episode_seed(8, 0, 0, 0) != episode_seed(7, 0, 0, 0)
 
 
 def test_workers_with_the_same_seed_and_index_see_the_same_first_observations():
@@ -111,3 +112,12 @@ def test_restarts_older_than_a_minute_and_rejected_reset_options_do_not_count():
                           max_env_restarts_per_minute=0), [].append, log)
     picky.reset({"level": 9})  # every env rejects the options: reported, not a failure
     assert picky.errors == 3 and picky.without_options == {0, 1, 2}
+
+
+def test_an_env_that_rejected_the_barrier_options_is_recreated_without_them():
+    envs = EnvSet(Config(env="scripted_envs:picky_and_flaky", envs_per_worker=1, name="w"),
+                  report=lambda error: None, log=logging.getLogger("test"))
+    envs.reset({"level": 5})  # rejected: recreated and reset without the options
+    for _ in range(3):  # the env raises once: recreated again, still without them
+        envs.step(np.zeros(1, np.int64), {"level": 5})
+    assert envs.errors == 2

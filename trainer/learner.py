@@ -136,6 +136,43 @@ class Receipts:
         self.pending_since, self.warned = None, False
 
 
+class Curriculum:
+    """Reset barriers a learning algorithm asks for: sent to the controller, tried again while
+    another barrier is running, and the outcome logged. The newest request wins."""
+
+    RETRY_S = 1.0
+
+    def __init__(self, link: node.ControllerLink, log: logging.Logger) -> None:
+        self.link, self.log = link, log
+        self.options: dict | None = None  # wanted, not yet sent
+        self.asked: dict | None = None  # sent, not yet answered
+        self.next_try = 0.0
+
+    def want(self, options: dict) -> None:
+        try:
+            p.encode(p.ResetRequest(options=dict(options)))
+        except (p.ProtocolError, TypeError, ValueError) as exc:
+            self.log.error("curriculum options %r cannot be sent: %s", options, exc)
+            return
+        self.options, self.next_try = dict(options), 0.0
+
+    def send_due(self, now: float) -> None:
+        if self.options is None or self.asked is not None or now < self.next_try:
+            return
+        self.log.info("curriculum: asking for a reset barrier with options %s", self.options)
+        self.link.send(p.ResetRequest(options=self.options))
+        self.asked, self.options = self.options, None
+
+    def answered(self, reply: p.Reply, now: float) -> None:
+        asked, self.asked = self.asked, None
+        if not reply.ok and "already running" in reply.detail and self.options is None:
+            self.options, self.next_try = asked, now + self.RETRY_S  # after that one
+            self.log.info("curriculum: a reset barrier is running; asking again in %gs",
+                          self.RETRY_S)
+            return
+        (self.log.info if reply.ok else self.log.warning)("reset barrier: %s", reply.detail)
+
+
 class SlotBeat:
     """The learner's side of its trainer slot: a byte on a pipe every heartbeat interval, so
     the slot can kill a learner that froze, and a broken pipe when the slot is gone, so a
@@ -395,20 +432,15 @@ def _learn(cfg: Config, io: Links) -> int:
                 "mean_return": None if mean is None else round(mean, 2),
                 **rejects.figures(), **counts}
 
+    curriculum = Curriculum(link, log)
+
     def ask_for_reset(stats: dict[str, float]) -> None:
         """Curriculum: an algorithm with `curriculum(stats) -> options | None` may ask, after an
         update, for a reset barrier with env options (as `stepbus reset --option` does)."""
-        curriculum = getattr(algo, "curriculum", None)
-        options = curriculum(stats) if callable(curriculum) else None
-        if options is None:
-            return
-        try:
-            p.encode(p.ResetRequest(options=dict(options)))
-        except (p.ProtocolError, TypeError, ValueError) as exc:
-            log.error("curriculum options %r cannot be sent: %s", options, exc)
-            return
-        log.info("curriculum: asking for a reset barrier with options %s", options)
-        link.send(p.ResetRequest(options=dict(options)))
+        hook = getattr(algo, "curriculum", None)
+        options = hook(stats) if callable(hook) else None
+        if options is not None:
+            curriculum.want(options)
 
     def take_one() -> None:
         _, msg = node.recv(intake, rejects)
@@ -427,8 +459,9 @@ def _learn(cfg: Config, io: Links) -> int:
         io.beat(now, figures)
         events = dict(poller.poll(node.MAX_POLL_MS))
         for msg in link.poll(events):
-            if isinstance(msg, p.Reply):  # the outcome of a barrier the algorithm asked for
-                (log.info if msg.ok else log.warning)("reset barrier: %s", msg.detail)
+            if isinstance(msg, p.Reply) and curriculum.asked:  # the barrier it asked for
+                curriculum.answered(msg, time.monotonic())
+        curriculum.send_due(time.monotonic())
         if broker in events:
             node.drain(broker, lambda: node.recv(broker, rejects))  # late EnvSpec replies
         if intake in events:

@@ -38,8 +38,18 @@ def agents_of(env: Any) -> list[str]:
     return agents
 
 
+def seed_spaces(env: Any, seed: int) -> None:
+    """Spaces sample with their own generators (an env may use them): seeded per episode too,
+    so an episode replays from its seed alone."""
+    keys = list(env.possible_agents) if agents_of(env) else [None]
+    for key in keys:
+        for space in ((env.action_space, env.observation_space) if key is None
+                      else (env.action_space(key), env.observation_space(key))):
+            space.seed(seed)
+
+
 def space_spec(env: Any) -> p.SpaceSpec:
-    agents = agents_of(env)
+    agents = list(env.possible_agents) if agents_of(env) else []  # the env's own keys
     if agents:  # parameter sharing: one policy for every agent, so one set of spaces
         obs, act = env.observation_space(agents[0]), env.action_space(agents[0])
         for agent in agents[1:]:
@@ -63,10 +73,4 @@ def episode_seed(seed: int, worker_index: int, env_index: int, episode: int) -> 
     """The seed episode `episode` of env i of worker w is reset with: any episode can be
     replayed alone (`stepbus.workers.replay`), whatever came before it."""
     sequence = np.random.SeedSequence(seed, spawn_key=(worker_index, env_index, episode))
-    return int(sequence.generate_state(1)[0])
-
-
-def env_seed(seed: int, worker_index: int, env_index: int) -> int:
-    """Env i of worker w gets a seed derived from both, independent of start order."""
-    sequence = np.random.SeedSequence(seed, spawn_key=(worker_index, env_index))
     return int(sequence.generate_state(1)[0])

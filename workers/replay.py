@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from stepbus.workers.envs import make_env
+from stepbus.workers.envs import make_env, seed_spaces
 
 
 @dataclass
@@ -30,6 +30,7 @@ def replay_episode(env: str, episode_seed: int, actions: np.ndarray,
     """Reset `env` (as `--env` names it) with `episode_seed` and take `actions` in order."""
     made = make_env(env)
     try:
+        seed_spaces(made, int(episode_seed))  # as the worker does before each reset
         obs, _ = made.reset(seed=int(episode_seed), options=options)
         seen, rewards = [], []
         terminated = truncated = False

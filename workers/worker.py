@@ -31,7 +31,13 @@ import numpy as np
 import zmq
 from stepbus.bus import node, wiring
 from stepbus.bus import protocol as p
-from stepbus.workers.envs import agents_of, env_seed, episode_seed, make_env, space_spec
+from stepbus.workers.envs import (
+    agents_of,
+    episode_seed,
+    make_env,
+    seed_spaces,
+    space_spec,
+)
 
 T = TypeVar("T")
 
@@ -58,8 +64,9 @@ class Config:
         "help": "Gymnasium id, or module:callable returning a Gymnasium env or a PettingZoo "
                 "ParallelEnv (e.g. mpe2.simple_spread_v3:parallel_env)"})
     envs_per_worker: int = field(default=8, metadata={"help": "environments hosted (K)"})
-    seed: int = field(default=0, metadata={"help": "base seed; env i of worker w is seeded "
-                                                   "from (seed, w, i)"})
+    seed: int = field(default=0, metadata={
+        "help": "base seed; episode e of env i of worker w is reset with a seed derived from "
+                "(seed, w, i, e)"})
     worker_index: int = field(default_factory=_default_index, metadata={
         "help": "w in the seed derivation (default: from honcho's worker.N, else 0)"})
     name: str = field(default_factory=_default_name, metadata={
@@ -100,12 +107,11 @@ class EnvSet:
         self.rows = len(self.envs) * self.width
         self.alive = np.ones(self.rows, bool)  # which rows act next (multi-agent envs)
         self.obs_dtype = np.dtype(self.spec.obs_dtype)
-        self.seeds = [env_seed(cfg.seed, cfg.worker_index, i) for i in range(len(self.envs))]
         self.episode = np.full(len(self.envs), -1, np.int64)  # each env's current episode
         self.episode_seed = np.zeros(len(self.envs), np.int64)  # ... and its reset seed
         self.last_obs = np.zeros((self.rows, *self.spec.obs_shape), self.obs_dtype)
-        self.seeded = False
         self.errors = 0
+        self.agents_vanished = 0  # agents that left an episode without a done flag
         self.without_options: set[int] = set()  # envs that rejected the current reset options
         low, high = self.spec.action_low, self.spec.action_high
         self.action_bounds = (np.asarray(low), np.asarray(high)) if low else None
@@ -124,10 +130,6 @@ class EnvSet:
                 obs[i] = self._recreate(i, exc, {}, counted=not options)
                 self.without_options.add(i)  # its later autoresets too, until the next barrier
             self.tick()
-        if not self.seeded:
-            for i, env in enumerate(self.envs):
-                env.action_space.seed(self.seeds[i])
-        self.seeded = True
         self.last_obs = obs
         return obs
 
@@ -150,15 +152,15 @@ class EnvSet:
             except Exception as exc:  # the env's fault, not ours: cut the episode, go on
                 obs[i], truncated[i] = self.last_obs[i], True
                 finals.append(obs[i].copy())
-                obs[i] = self._recreate(i, exc, options)
+                obs[i] = self._recreate(i, exc, self._options_for(i, options) or {})
                 continue
             finally:
                 self.tick()
             if terminated[i] or truncated[i]:
                 finals.append(obs[i].copy())
                 try:
-                    opts = None if i in self.without_options else options or None
-                    obs[i] = self._env_call(env.reset, seed=self._new_episode(i), options=opts)[0]
+                    obs[i] = self._env_call(env.reset, seed=self._new_episode(i),
+                                            options=self._options_for(i, options))[0]
                 except Exception as exc:
                     obs[i] = self._recreate(i, exc, {})
         self.last_obs = obs
@@ -169,11 +171,12 @@ class EnvSet:
                             **self.episodes())
 
     def _new_episode(self, i: int) -> int:
-        """Env i starts its next episode: the seed to reset it with."""
+        """Env i starts its next episode: the seed to reset it (and its spaces) with."""
         self.episode[i] += 1
-        self.episode_seed[i] = episode_seed(self.cfg.seed, self.cfg.worker_index, i,
-                                            int(self.episode[i]))
-        return int(self.episode_seed[i])
+        seed = episode_seed(self.cfg.seed, self.cfg.worker_index, i, int(self.episode[i]))
+        self.episode_seed[i] = seed
+        seed_spaces(self.envs[i], seed)
+        return seed
 
     def episodes(self) -> dict[str, np.ndarray]:
         """Each row's episode index and reset seed, for a STEP_RESULT."""
@@ -195,7 +198,6 @@ class EnvSet:
                 self.without_options.add(u)
             self._place(u, first, obs, alive)
             self.tick()
-        self.seeded = True
         self.last_obs, self.alive = obs, alive
         return obs
 
@@ -218,23 +220,33 @@ class EnvSet:
                     i = base + self.agent_row[a]
                     truncated[i] = True
                     finals.append(self.last_obs[i].copy())
-                self._place(u, self._recreate(u, exc, options), obs, alive)
+                self._place(u, self._recreate(u, exc, self._options_for(u, options)), obs,
+                            alive)
                 continue
             finally:
                 self.tick()
+            # Acting next: in env.agents, observed, and not done this step (an env may keep
+            # done agents listed). An agent that acted and is none of these nor done vanished:
+            # its episode is cut here (truncated, from the observation the env gave, if any).
+            going_on = {a for a in env.agents
+                        if a in nxt and not (term.get(a, False) or trunc.get(a, False))}
             for a in acting:
                 i = base + self.agent_row[a]
                 reward[i] = rew.get(a, 0.0)
                 terminated[i], truncated[i] = bool(term.get(a, False)), bool(trunc.get(a, False))
+                if not (terminated[i] or truncated[i]) and a not in going_on:
+                    truncated[i] = True  # vanished
+                    self.agents_vanished += 1
                 if terminated[i] or truncated[i]:
                     finals.append(np.array(nxt.get(a, self.last_obs[i]), self.obs_dtype))
-            if not env.agents:  # all done: the next episode starts within this step
+            if not going_on:  # all done: the next episode starts within this step
                 try:
-                    opts = None if u in self.without_options else options or None
-                    nxt = self._env_call(env.reset, seed=self._new_episode(u), options=opts)[0]
+                    nxt = self._env_call(env.reset, seed=self._new_episode(u),
+                                         options=self._options_for(u, options))[0]
                 except Exception as exc:
                     nxt = self._recreate(u, exc, {})
-            self._place(u, nxt, obs, alive)
+                going_on = set(self.envs[u].agents)
+            self._place(u, nxt, obs, alive, going_on)
         self.last_obs, self.alive = obs, alive
         final_obs = (np.stack(finals) if finals
                      else np.zeros((0, *self.spec.obs_shape), self.obs_dtype))
@@ -242,12 +254,17 @@ class EnvSet:
                             terminated=terminated, truncated=truncated, final_obs=final_obs,
                             alive=alive, **self.episodes())
 
-    def _place(self, u: int, observations: dict, obs: np.ndarray, alive: np.ndarray) -> None:
-        """Env u's live agents' observations into their rows; those rows are alive."""
+    def _options_for(self, u: int, options: dict) -> dict | None:
+        """An env that rejected the barrier's options goes on without them."""
+        return None if u in self.without_options else options or None
+
+    def _place(self, u: int, observations: dict, obs: np.ndarray, alive: np.ndarray,
+               agents: set | None = None) -> None:
+        """Env u's acting agents' observations into their rows; those rows are alive."""
         base = u * self.width
         for agent in self.envs[u].agents:
             j = self.agent_row.get(agent)
-            if j is not None and agent in observations:
+            if j is not None and agent in observations and (agents is None or agent in agents):
                 obs[base + j] = observations[agent]
                 alive[base + j] = True
 
@@ -294,6 +311,7 @@ class EnvSet:
         seed = self._new_episode(i)
         try:
             self.envs[i] = self._env_call(make_env, self.cfg.env)
+            seed_spaces(self.envs[i], seed)
             return self._env_call(self.envs[i].reset, seed=seed, options=options or None)[0]
         except Exception as again:
             raise EnvFailure(f"env {i} ({self.cfg.env}) raised again while being recreated: "
@@ -394,7 +412,8 @@ def run(cfg: Config) -> int:
                                               seq=seq), block=False)
 
     def figures() -> dict:
-        return {"env_steps": steps_done, "env_errors": envs.errors, **rejects.figures()}
+        return {"env_steps": steps_done, "env_errors": envs.errors,
+                "agents_vanished": envs.agents_vanished, **rejects.figures()}
 
     poller = zmq.Poller()
     poller.register(dealer, zmq.POLLIN)
