@@ -1,6 +1,6 @@
 """Wall time from `honcho start` to exit on the default job (CartPole-v1 to a mean return of 475).
 
-    python benchmarks/solve_time.py --runs 3 [--workers 1]
+    python benchmarks/solve_time.py --runs 3 [--workers 1] [--deterministic]
 
 Each run uses the repository's Procfile in a fresh temp dir, endpoints on free TCP ports, and a
 different --seed for workers, broker and trainer. Prints one line per run and the median.
@@ -22,20 +22,21 @@ from pathlib import Path
 from stepbus.bus import wiring
 
 REPO = Path(__file__).resolve().parents[1]
-NAMES = ("controller", "broadcast", "steps", "policy", "experience", "trajectories")
-
-
-def one_run(seed: int, workers: int, timeout_s: float) -> dict:
+def one_run(seed: int, workers: int, timeout_s: float, deterministic: bool = False) -> dict:
     work = Path(tempfile.mkdtemp(prefix="sb-bench-"))
     try:
         procfile = (REPO / "Procfile").read_text()
         for role in ("worker", "broker", "trainer"):
             procfile = procfile.replace(f"exec stepbus {role}",
                                         f"exec stepbus {role} --seed {seed}")
+        if deterministic:
+            procfile = procfile.replace("exec stepbus broker",
+                                        "exec stepbus broker --deterministic")
         (work / "Procfile").write_text(procfile)
         env = dict(os.environ)
-        env.update({f"STEPBUS_{n.upper()}": f"tcp://127.0.0.1:{p}"
-                    for n, p in zip(NAMES, wiring.free_tcp_ports(len(NAMES)), strict=True)})
+        ports = wiring.free_tcp_ports(len(wiring.ENDPOINTS))
+        env.update({spec.env_var: f"tcp://127.0.0.1:{port}"
+                    for spec, port in zip(wiring.ENDPOINTS.values(), ports, strict=True)})
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         honcho = shutil.which("honcho", path=env["PATH"]) or "honcho"
         t0 = time.monotonic()
@@ -57,10 +58,12 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--timeout-s", type=float, default=120)
+    parser.add_argument("--deterministic", action="store_true",
+                        help="run the broker with --deterministic")
     args = parser.parse_args()
     results = []
     for seed in range(args.runs):
-        r = one_run(seed, args.workers, args.timeout_s)
+        r = one_run(seed, args.workers, args.timeout_s, args.deterministic)
         results.append(r)
         print(json.dumps(r), flush=True)
     print(f"median wall time honcho start -> exit: "

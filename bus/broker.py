@@ -372,18 +372,17 @@ def run(cfg: Config) -> int:
         obs = np.concatenate([w.result.obs for w in ready])  # type: ignore[union-attr]
         actions, logp, value = model.act(params, obs, action_space, rng)
         start = 0
-        stepped = [w.result for w in ready]
+        acted = 0  # agent steps, as the learner counts them: absent agents' rows are not steps
         for w in ready:
             r, end = w.result, start + w.num_envs
             assert r is not None
+            acted += w.num_envs if r.alive is None else int(r.alive.sum())
             w.seq, w.in_flight, w.result = r.seq + 1, True, None
             w.ready_since = now
             send_worker(w, p.Step(epoch=epoch, seq=w.seq, policy_version=version,
                                   actions=actions[start:end]))
             forward(w, r, (actions[start:end], logp[start:end], value[start:end]))
             start = end
-        # Agent steps, as the learner counts them: rows of absent agents are stepped for nothing.
-        acted = start - sum(int((~w_r.alive).sum()) for w_r in stepped if w_r.alive is not None)
         credit.produced += acted
         rate_steps += acted
         return None

@@ -161,6 +161,20 @@ def serve(sock: zmq.Socket, rejects: RejectLog,
     drain(sock, one)
 
 
+def handle(sock: zmq.Socket, rejects: RejectLog, handlers: dict[type, Callable[[Any], None]],
+           sender: str) -> None:
+    """Receive one message on a non-ROUTER socket and hand it to the handler for its kind
+    (`serve`'s counterpart); kinds this socket does not take are refused like bad input."""
+    _, msg = recv(sock, rejects)
+    if msg is None:
+        return
+    handler = handlers.get(type(msg))
+    if handler is None:
+        rejects.refuse(sender, p.ProtocolError("unexpected kind", msg.KIND.name))
+    else:
+        handler(msg)
+
+
 def _sender_name(sender: bytes | None, sock: zmq.Socket, frames: Any = ()) -> str:
     """A ROUTER peer's routing id (its name, or hex when it set none); otherwise the TCP peer's
     address, which the peer cannot choose, or failing that (ipc) the endpoint."""

@@ -133,7 +133,7 @@ def run(cfg: Config) -> int:
     intake = wiring.socket(ctx, zmq.PULL, bind=cfg.experience, rcvhwm=1000)
     # Beyond 64 queued, trajectories wait in `held` (counted).
     outlet = wiring.socket(ctx, zmq.PUSH, bind=cfg.trajectories, sndhwm=64)
-    # A learner that disconnects takes its queue with it: that is when we send again.
+    # Learners connecting (when unlearned trajectories are sent again) and disconnecting.
     outlet_events = outlet.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
     connected = 0  # learners connected to `outlet`
     receipts = wiring.socket(ctx, zmq.PULL, bind=cfg.receipts, max_message_bytes=16 << 20)
@@ -143,12 +143,11 @@ def run(cfg: Config) -> int:
     held: collections.deque[p.Trajectory] = collections.deque()  # not yet handed to ZeroMQ
     unlearned: collections.OrderedDict[int, p.Trajectory] = collections.OrderedDict()  # sent
     untaken: set[int] = set()  # sent, and no learner has said it took them in
-    learners: dict[str, float] = {}  # learner incarnation -> when it last sent a receipt
-    swap = {"learner": "", "last_receipt": 0.0}
+    learners: set[str] = set()  # learner incarnations that sent receipts
+    last_receipt = 0.0
     counts = {"steps": 0, "trajectories": 0, "episodes": 0, "closed_truncated": 0, "gaps": 0,
               "resent": 0, "trainer_swaps": 0, "joined_mid_episode": 0, "steps_lost": 0,
               "agents_vanished": 0}
-    worker_agents: dict[str, list[str]] = {}  # a multi-agent worker's agents, from its resets
     tracks_seen: set[str] = set()  # workers this assembler has had a track for
     last_swap_gap_s: float | None = None
     next_seq = 0
@@ -205,10 +204,7 @@ def run(cfg: Config) -> int:
                 # Steps before this one went to an assembler that is gone (this one restarted).
                 counts["joined_mid_episode"] += k
             tracks_seen.add(m.worker)
-            if m.agents and (len(worker_agents) < 10_000 or m.worker in worker_agents):
-                worker_agents[m.worker] = m.agents
-            agents = [AgentBuffer(name, cfg.horizon)
-                      for name in agent_ids(m.worker, worker_agents.get(m.worker, []), k)]
+            agents = [AgentBuffer(name, cfg.horizon) for name in agent_ids(m.worker, m.agents, k)]
             for agent in agents:
                 agent.stats_valid = m.first
             track = tracks[m.worker] = WorkerTrack(m.incarnation, m.epoch, agents, m.obs)
@@ -251,16 +247,15 @@ def run(cfg: Config) -> int:
             for agent in track.agents:
                 agent.pending = False
 
+    def on_worker_lost(msg: p.WorkerLost) -> None:
+        track = tracks.get(msg.worker)
+        if track is not None and track.incarnation == msg.incarnation:
+            close(msg.worker, f"worker lost: {msg.reason}")
+
+    intake_handlers = {p.Experience: on_experience, p.WorkerLost: on_worker_lost}
+
     def take_one() -> None:
-        _, msg = node.recv(intake, rejects)
-        if isinstance(msg, p.Experience):
-            on_experience(msg)
-        elif isinstance(msg, p.WorkerLost):
-            track = tracks.get(msg.worker)
-            if track is not None and track.incarnation == msg.incarnation:
-                close(msg.worker, f"worker lost: {msg.reason}")
-        elif msg is not None:
-            rejects.refuse("broker", p.ProtocolError("unexpected kind", msg.KIND.name))
+        node.handle(intake, rejects, intake_handlers, "broker")
 
     def flush_held() -> None:
         while held and node.send(outlet, held[0], block=False):
@@ -295,7 +290,7 @@ def run(cfg: Config) -> int:
             connected = max(0, connected - 1)
 
     def on_receipt(m: p.Receipt) -> None:
-        nonlocal last_swap_gap_s
+        nonlocal last_swap_gap_s, last_receipt
         if m.assembler != incarnation:
             return  # meant for the assembler this one replaced
         for arr in (m.taken, m.learned):
@@ -305,29 +300,25 @@ def run(cfg: Config) -> int:
                 return
         now = time.monotonic()
         if m.incarnation not in learners:
-            if len(learners) > 1000:
-                learners.clear()
-            if swap["learner"]:
+            if learners:
                 counts["trainer_swaps"] += 1
-                last_swap_gap_s = round(now - swap["last_receipt"], 3)
+                last_swap_gap_s = round(now - last_receipt, 3)
                 log.info("learner %s (incarnation %s) took over; %.2fs without a learner taking "
                          "trajectories", m.trainer, m.incarnation, last_swap_gap_s)
             else:
                 log.info("learner %s (incarnation %s) taking trajectories", m.trainer,
                          m.incarnation)
-        learners[m.incarnation] = now
-        swap["learner"], swap["last_receipt"] = m.incarnation, now
+            if len(learners) > 1000:  # a flood of fake incarnations cannot grow memory
+                learners.clear()
+            learners.add(m.incarnation)
+        last_receipt = now
         untaken.difference_update(m.taken.tolist())
         for seq in m.learned.tolist():
             unlearned.pop(seq, None)
             untaken.discard(seq)
 
     def take_receipts() -> None:
-        _, msg = node.recv(receipts, rejects)
-        if isinstance(msg, p.Receipt):
-            on_receipt(msg)
-        elif msg is not None:
-            rejects.refuse("trainer", p.ProtocolError("unexpected kind", msg.KIND.name))
+        node.handle(receipts, rejects, {p.Receipt: on_receipt}, "trainer")
 
     def waiting() -> int:
         """Trajectories no learner has taken in yet: what the bound applies to."""

@@ -15,10 +15,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import zmq
 from stepbus.bus import protocol as p
 from stepbus.bus import wiring
+from stepbus.trainer import model
 
 TESTS_DIR = Path(__file__).parent
 REPO = TESTS_DIR.parent
@@ -197,6 +199,33 @@ def honcho(cluster: Cluster, *args: str, target: str | None = None) -> subproces
     return subprocess.Popen([honcho_bin, "start", *args], cwd=cluster.dir, env=env,
                             stdout=open(cluster.dir / "honcho.out", "wb"),
                             stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def interrupt_honcho(cluster: Cluster, proc: subprocess.Popen) -> str:
+    """Ctrl-C to `honcho start`: every process stops with rc 0 within 5 s, without a traceback,
+    and none is left. Returns honcho's output."""
+    proc.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    proc.wait(timeout=10)
+    elapsed = time.monotonic() - t0
+    out = (cluster.dir / "honcho.out").read_text()
+    assert elapsed < 5, out[-3000:]
+    assert out.count("stopped (rc=0)") == 5, out[-5000:]
+    assert "Traceback" not in out
+    assert cluster.strays() == [], "no process is left behind"
+    return out
+
+
+def act_as_trainer(cluster: Cluster, obs_dim: int) -> tuple[zmq.Socket, zmq.Socket]:
+    """The test in the trainer's place: it publishes weights for a 2-action policy (so the
+    broker steps) and takes the assembler's trajectories. Returns (weights, trajectories)."""
+    trainer = cluster.socket(zmq.DEALER, cluster.endpoints["policy"])
+    params = model.init_params(obs_dim, model.ActionSpace("discrete", n=2), (8,),
+                               np.random.default_rng(0))
+    send_message(trainer, p.Weights(trainer="t", incarnation="t1", policy="default", version=1,
+                                    consumed_steps=0, batch_steps=256, starving=False,
+                                    params=params))
+    return trainer, cluster.socket(zmq.PULL, cluster.endpoints["trajectories"])
 
 
 def status_rows(cluster: Cluster) -> list[dict]:

@@ -7,10 +7,8 @@ import logging
 
 import numpy as np
 import pytest
-import zmq
-from conftest import Cluster, recv_message, send_message, wait_for
+from conftest import Cluster, act_as_trainer, recv_message, wait_for
 from stepbus.bus import protocol as p
-from stepbus.trainer import model
 from stepbus.workers.worker import Config, EnvSet
 
 
@@ -55,13 +53,7 @@ def relay(cluster: Cluster):
         cluster.start(role)
     cluster.start("worker", "--env", "scripted_envs:relay_team", "--envs-per-worker", "1",
                   "--name", "w")
-    trainer = cluster.socket(zmq.DEALER, cluster.endpoints["policy"])
-    params = model.init_params(2, model.ActionSpace("discrete", n=2), (8,),
-                               np.random.default_rng(0))
-    send_message(trainer, p.Weights(trainer="t", incarnation="t1", policy="default", version=1,
-                                    consumed_steps=0, batch_steps=256, starving=False,
-                                    params=params))
-    pull = cluster.socket(zmq.PULL, cluster.endpoints["trajectories"])
+    trainer, pull = act_as_trainer(cluster, obs_dim=2)
     yield pull
     trainer.close()
     pull.close()

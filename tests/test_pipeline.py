@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from conftest import Cluster, honcho, status_rows, wait_for
+from conftest import Cluster, honcho, interrupt_honcho, status_rows, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -120,19 +120,11 @@ def test_ctrl_c_in_honcho_stops_every_process_within_five_seconds(cluster: Clust
     proc = honcho(cluster, target="0")
     try:
         wait_for(lambda: len(cluster.metrics()) >= 3, 60, "training under way")
-        proc.send_signal(signal.SIGINT)
-        t0 = time.monotonic()
-        proc.wait(timeout=10)
-        elapsed = time.monotonic() - t0
+        interrupt_honcho(cluster, proc)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    out = (cluster.dir / "honcho.out").read_text()
-    assert elapsed < 5, out[-3000:]
-    assert out.count("stopped (rc=0)") == 5, out[-5000:]
-    assert "Traceback" not in out
     assert list(cluster.runs_dir.glob("*/checkpoint.npz")), "the trainer checkpointed"
-    assert cluster.strays() == [], "no process is left behind"
 
 
 def test_start_order_does_not_matter_and_nothing_is_stepped_before_the_assembler_listens(

@@ -6,10 +6,8 @@ from __future__ import annotations
 import collections
 
 import numpy as np
-import zmq
-from conftest import Cluster, recv_message, send_message
+from conftest import Cluster, act_as_trainer, recv_message
 from stepbus.bus import protocol as p
-from stepbus.trainer import model
 from stepbus.workers.replay import replay_episode
 
 
@@ -17,13 +15,7 @@ def test_a_recorded_episode_replays_alone_bit_for_bit(cluster: Cluster):
     for role in ("controller", "broker", "assembler"):
         cluster.start(role)
     cluster.start("worker", "--envs-per-worker", "2", "--seed", "7", "--name", "w")
-    trainer = cluster.socket(zmq.DEALER, cluster.endpoints["policy"])  # the test is the trainer
-    params = model.init_params(4, model.ActionSpace("discrete", n=2), (8,),
-                               np.random.default_rng(0))
-    send_message(trainer, p.Weights(trainer="t", incarnation="t1", policy="default", version=1,
-                                    consumed_steps=0, batch_steps=256, starving=False,
-                                    params=params))
-    pull = cluster.socket(zmq.PULL, cluster.endpoints["trajectories"])
+    trainer, pull = act_as_trainer(cluster, obs_dim=4)
     pieces: dict[tuple[str, int], list[p.Trajectory]] = collections.defaultdict(list)
     episode = None
     while episode is None:  # the first episode whose every piece arrived

@@ -52,11 +52,8 @@ def lost_line(broker: Proc, worker: str) -> re.Match | None:
 
 def test_one_env_step_longer_than_the_liveness_timeout_does_not_make_the_worker_look_dead(
         cluster: Cluster):
-    procs = {"controller": cluster.start("controller"), "broker": cluster.start("broker"),
-             "assembler": cluster.start("assembler"),
-             "trainer": cluster.start("trainer", "--target-return", "0"),
-             "worker": cluster.start("worker", "--env", "scripted_envs:stalling_cartpole",
-                                     "--envs-per-worker", "1", "--name", "stalling")}
+    procs = cluster.start_all(trainer_args=("--target-return", "0"), worker_args=(
+        "--env", "scripted_envs:stalling_cartpole", "--envs-per-worker", "1", "--name", "stalling"))
     # Every single env.step takes 2.5 s, over the 1.5 s (3 heartbeat intervals) timeout.
     wait_for(lambda: (figure(cluster, "assembler", "steps") or 0) >= 2, 60,
              "two 2.5 s steps to reach the assembler")
@@ -64,18 +61,15 @@ def test_one_env_step_longer_than_the_liveness_timeout_does_not_make_the_worker_
     assert "stalling silent" not in procs["broker"].output()
     assert "stalling expired" not in procs["controller"].output(), "the controller keeps it too"
     assert procs["broker"].output().count("worker stalling joined") == 1
-    assert procs["worker"].popen.poll() is None
+    assert procs["worker0"].popen.poll() is None
 
 
 def test_an_env_that_keeps_raising_makes_its_worker_exit_1_with_one_line_saying_what_to_do(
         cluster: Cluster):
-    procs = {"controller": cluster.start("controller"), "broker": cluster.start("broker"),
-             "assembler": cluster.start("assembler"),
-             "trainer": cluster.start("trainer", "--target-return", "0"),
-             "worker": cluster.start("worker", "--env", "scripted_envs:broken_cartpole",
-                                     "--envs-per-worker", "2", "--name", "broken")}
-    assert procs["worker"].wait(60) == 1, cluster.dump()
-    out = procs["worker"].output()
+    procs = cluster.start_all(trainer_args=("--target-return", "0"), worker_args=(
+        "--env", "scripted_envs:broken_cartpole", "--envs-per-worker", "2", "--name", "broken"))
+    assert procs["worker0"].wait(60) == 1, cluster.dump()
+    out = procs["worker0"].output()
     (line,) = [x for x in out.splitlines() if "keeps raising" in x]
     assert ("scripted_envs:broken_cartpole keeps raising: 11 env restarts within 60 s" in line
             and "RuntimeError: simulated broken build" in line

@@ -442,12 +442,10 @@ def _learn(cfg: Config, io: Links) -> int:
         if options is not None:
             curriculum.want(options)
 
+    intake_handlers = {p.Trajectory: on_trajectory}
+
     def take_one() -> None:
-        _, msg = node.recv(intake, rejects)
-        if isinstance(msg, p.Trajectory):
-            on_trajectory(msg)
-        elif msg is not None:
-            rejects.refuse("assembler", p.ProtocolError("unexpected kind", msg.KIND.name))
+        node.handle(intake, rejects, intake_handlers, "assembler")
 
     save()  # at once, so the next learner's generation is above this one's even if it dies now
     publish()
