@@ -17,6 +17,11 @@ Deterministic mode (`--deterministic`) takes timing out of what is stepped: it w
 live worker and batches them by name, and acts at each step count S with the newest policy
 version the trainer made from at most S - window steps (each version's WEIGHTS message says how
 many steps it was made from), not with whichever version happened to arrive last.
+
+With `--policy-map`, agents are served by several policies, each with its own trainer, weights,
+versions and credit window (see bus/policies.py). One inference batch still covers every ready
+worker: each policy acts on its own rows of it. Stepping needs every policy that has agents to
+have weights, and pauses while any of them is a window ahead of its trainer.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
-from stepbus.bus import checks, node, wiring
+from stepbus.bus import checks, node, policies, wiring
 from stepbus.bus import protocol as p
 from stepbus.trainer import model, spaces
 
@@ -69,6 +74,10 @@ class Config:
         "help": "reproducible runs (with one worker): wait for every worker's reply and batch "
                 "them by name, no batch wait; act at step count S with the newest policy "
                 "version made from at most S minus the credit window steps"})
+    policy_map: str = field(default="", metadata={
+        "help": "agents to policies by name pattern, first match wins, e.g. "
+                "'adversary_*=red,*=default' (fnmatch; unmatched agents and a Gymnasium env's "
+                "unnamed agent: 'default'); each policy is served by its own trainer"})
 
 
 class Phase(enum.Enum):
@@ -89,6 +98,8 @@ class Worker:
     result: p.StepResult | None = None  # a reply waiting for inference
     ready_since: float = 0.0
     epoch: int = -1  # the epoch the worker has reset into
+    agent_policies: list[str] = field(default_factory=list)  # per agent; [] without a map
+    row_policy: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))  # per row
 
 
 @dataclass
@@ -109,8 +120,30 @@ class Credit:
         return self.produced - self.baseline - self.consumed
 
 
+@dataclass
+class Policy:
+    """One policy's weights and flow control; there is one ("default") unless --policy-map."""
+
+    name: str
+    params: dict[str, np.ndarray] | None = None
+    version: int = -1  # the version we act with
+    newest: int = -1  # the newest version received (deterministic mode: maybe not yet due)
+    # Deterministic mode: (steps it was made from, on our step scale; version; params) of the
+    # versions received and not yet acted with, oldest first.
+    due: collections.deque[tuple[int, int, dict[str, np.ndarray]]] = field(
+        default_factory=collections.deque)
+    waiting_since: float | None = None  # deterministic mode: waiting for the trainer's intake
+    credit: Credit = field(default_factory=Credit)
+    rows: int = 0  # rows of live workers this policy acts for
+
+
 def run(cfg: Config) -> int:
     log = node.setup_logging("broker")
+    try:
+        rules = policies.parse_map(cfg.policy_map)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
     stop = node.StopFlag()
     ctx = zmq.Context()
     link = node.ControllerLink(ctx, role="broker", name="broker", controller=cfg.controller,
@@ -127,15 +160,10 @@ def run(cfg: Config) -> int:
 
     workers: dict[bytes, Worker] = {}
     env_id, spec = "", None  # the spaces every worker must share
-    params: dict[str, np.ndarray] | None = None
-    version = -1  # the version we act with
-    newest = -1  # the newest version received (deterministic mode: maybe not yet due)
-    # Deterministic mode: (steps it was made from, on our step scale; version; params) of the
-    # versions received and not yet acted with, oldest first.
-    due: collections.deque[tuple[int, int, dict[str, np.ndarray]]] = collections.deque()
-    waiting_since: float | None = None  # deterministic mode: waiting for the trainer's intake
+    pols = [Policy(name) for name in policies.policy_names(rules)]
+    by_name = {pol.name: pol for pol in pols}
+    names = list(by_name)
     action_space: model.ActionSpace | None = None
-    credit = Credit()
     phase, epoch, options = Phase.RUNNING, 0, {}
     counts = {"stale_dropped": 0, "experience_dropped": 0, "workers_lost": 0, "spec_refused": 0,
               "determinism_lost": 0}
@@ -146,12 +174,19 @@ def run(cfg: Config) -> int:
     started = time.monotonic()
     highest_seq: dict[str, int] = {}  # lost worker name -> the last seq we used with it
     deferred: dict[bytes, p.WorkerHello] = {}  # the latest hello per sender, until the run state
-    log.info("broker: workers on %s, trainers on %s, experience to %s",
-             cfg.steps, cfg.policy, cfg.experience)
+    log.info("broker: workers on %s, trainers on %s, experience to %s%s",
+             cfg.steps, cfg.policy, cfg.experience,
+             f"; policies {', '.join(by_name)} ({cfg.policy_map})" if rules else "")
 
-    def window() -> int:
-        live_envs = sum(w.num_envs for w in workers.values())
-        return cfg.max_steps_ahead or 2 * credit.batch_steps + HORIZON_ALLOWANCE * live_envs
+    def window(pol: Policy) -> int:
+        return cfg.max_steps_ahead or 2 * pol.credit.batch_steps + HORIZON_ALLOWANCE * pol.rows
+
+    def count_rows() -> None:
+        for pol in pols:
+            pol.rows = 0
+        for w in workers.values():
+            for k, n in enumerate(np.bincount(w.row_policy, minlength=len(pols)).tolist()):
+                pols[k].rows += n
 
     def send_worker(w: Worker, msg: p.Message) -> None:
         if not node.send(steps, msg, to=w.ident, block=False):
@@ -159,6 +194,7 @@ def run(cfg: Config) -> int:
 
     def forget(w: Worker, why: str) -> None:
         if workers.pop(w.ident, None) is not None:
+            count_rows()
             if len(highest_seq) < MAX_REMEMBERED_WORKERS:
                 highest_seq[w.name] = w.seq
             counts["workers_lost"] += 1
@@ -169,13 +205,17 @@ def run(cfg: Config) -> int:
                                                reason=why), block=False)
 
     def forward(w: Worker, r: p.StepResult, outputs: tuple | None) -> None:
-        action, logp, value = outputs if outputs is not None else (None, None, None)
+        action, logp, value, versions = outputs if outputs is not None else (None,) * 4
+        version = -1 if versions is None else pols[0].version if len(pols) == 1 else int(
+            versions.min())
         msg = p.Experience(worker=w.name, incarnation=w.incarnation, epoch=r.epoch, seq=r.seq,
-                           first=r.first, policy_version=version if outputs else -1, obs=r.obs,
+                           first=r.first, policy_version=version, obs=r.obs,
                            reward=r.reward, terminated=r.terminated, truncated=r.truncated,
                            final_obs=r.final_obs, action=action, logp=logp, value=value,
                            alive=r.alive, agents=w.agents,
-                           episode=r.episode, episode_seed=r.episode_seed)
+                           episode=r.episode, episode_seed=r.episode_seed,
+                           agent_policies=w.agent_policies,
+                           policy_versions=versions if len(pols) > 1 else None)
         if not node.send(experience, msg, block=False):
             counts["experience_dropped"] += 1
             rejects.refuse("assembler", p.ProtocolError(
@@ -189,7 +229,7 @@ def run(cfg: Config) -> int:
         send_worker(w, p.Reset(epoch=epoch, seq=w.seq, options=options))
 
     def on_hello(ident: bytes, msg: p.WorkerHello, now: float) -> None:
-        nonlocal env_id, spec, action_space, params, version
+        nonlocal env_id, spec, action_space
         w = workers.get(ident)
         if w is not None and w.incarnation == msg.incarnation:
             w.last_seen = now
@@ -219,8 +259,11 @@ def run(cfg: Config) -> int:
                 return
             env_id, spec = msg.env_id, msg.spec
             action_space = spaces.action_space(spec)
-            if params is not None and checks.weights_problem(params, spec, action_space):
-                params, version = None, -1  # weights that came first do not fit these spaces
+            for pol in pols:
+                if pol.params is not None and checks.weights_problem(pol.params, spec,
+                                                                     action_space):
+                    # weights that came first do not fit these spaces
+                    pol.params, pol.version = None, -1
         elif msg.spec != spec:
             counts["spec_refused"] += 1
             rejects.refuse(msg.worker, p.ProtocolError(
@@ -233,8 +276,16 @@ def run(cfg: Config) -> int:
         # Number above anything either side used, so no old message can pass for a new one.
         first_seq = max(msg.seq, highest_seq.pop(msg.worker, 0)) if 0 <= msg.seq < 2**62 else 0
         rows = msg.num_envs * max(1, len(msg.agents))
-        w = workers[ident] = Worker(ident, msg.worker, msg.incarnation, rows, now, msg.agents,
-                                    seq=first_seq, ready_since=now)
+        agent_policies = [policies.policy_of(agent, rules) for agent in msg.agents or [""]]
+        w = workers[ident] = Worker(
+            ident, msg.worker, msg.incarnation, rows, now, msg.agents, seq=first_seq,
+            ready_since=now, agent_policies=agent_policies if rules else [],
+            row_policy=np.tile([names.index(name) for name in agent_policies], msg.num_envs))
+        if rules:
+            log.info("worker %s: %s", msg.worker, ", ".join(
+                f"{agent or '(agent)'} -> {name}"
+                for agent, name in zip(msg.agents or [""], agent_policies, strict=True)))
+        count_rows()
         reset_worker(w)
 
     def on_result(ident: bytes, msg: p.StepResult, now: float) -> None:
@@ -263,50 +314,62 @@ def run(cfg: Config) -> int:
         if w is not None:
             w.last_seen = now  # busy in a long step, not dead
 
+    def known_policy(trainer: str, name: str) -> Policy | None:
+        pol = by_name.get(name)
+        if pol is None:
+            rejects.refuse(trainer, p.ProtocolError(
+                "unknown policy", f"{name[:64]!r}: --policy-map names {', '.join(by_name)}"))
+        return pol
+
     def on_trainer_hello(ident: bytes, msg: p.TrainerHello, now: float) -> None:
-        if spec is not None:
-            node.send(policy_sock, p.EnvSpec(env_id=env_id, spec=spec, policy_version=newest),
-                      to=ident, block=False)
+        pol = known_policy(msg.trainer, msg.policy)
+        if spec is not None and pol is not None:
+            node.send(policy_sock, p.EnvSpec(env_id=env_id, spec=spec,
+                                             policy_version=pol.newest), to=ident, block=False)
 
     def on_weights(ident: bytes, msg: p.Weights, now: float) -> None:
-        nonlocal params, version, newest
         if not (1 <= msg.batch_steps <= checks.MAX_BATCH_STEPS and 0 <= msg.consumed_steps < 2**53
                 and 0 <= msg.version < 2**53):
             rejects.refuse(msg.trainer, p.ProtocolError(
                 "bad weights", f"batch_steps {msg.batch_steps}, consumed_steps "
                 f"{msg.consumed_steps}, version {msg.version}"))
             return
-        if msg.version > newest:  # judged before anything else is taken from the message
+        pol = known_policy(msg.trainer, msg.policy)
+        if pol is None:
+            return
+        credit = pol.credit
+        if msg.version > pol.newest:  # judged before anything else is taken from the message
             problem = checks.weights_problem(msg.params, spec, action_space)
             if problem:
                 rejects.refuse(msg.trainer, p.ProtocolError("bad weights", problem))
                 return
-            newest = msg.version
+            pol.newest = msg.version
             if not cfg.deterministic:
-                params, version = dict(msg.params), msg.version
+                pol.params, pol.version = dict(msg.params), msg.version
             else:
                 # The first message of a version is the one the trainer sent right after making
                 # it, so its consumed_steps are the steps the version was made from.
                 start = (credit.start if msg.incarnation == credit.trainer
                          else credit.produced - msg.consumed_steps)
-                if len(due) >= MAX_PENDING_VERSIONS:
-                    due.popleft()
-                due.append((start + msg.consumed_steps, msg.version, dict(msg.params)))
+                if len(pol.due) >= MAX_PENDING_VERSIONS:
+                    pol.due.popleft()
+                pol.due.append((start + msg.consumed_steps, msg.version, dict(msg.params)))
         if msg.incarnation != credit.trainer:
             credit.trainer, credit.baseline = msg.incarnation, credit.produced - msg.consumed_steps
             credit.start, credit.extra = credit.baseline, 0
-            log.info("trainer %s (incarnation %s) connected at policy version %d",
-                     msg.trainer, msg.incarnation, msg.version)
+            log.info("trainer %s (incarnation %s) connected at %s version %d",
+                     msg.trainer, msg.incarnation,
+                     "policy" if len(pols) == 1 else f"policy {pol.name!r}", msg.version)
         credit.consumed, credit.batch_steps = msg.consumed_steps, msg.batch_steps
         credit.starving = msg.starving
-        if msg.starving and credit.outstanding() >= window():
+        if msg.starving and credit.outstanding() >= window(pol):
             # The trainer waits for data we think is in flight: it was lost (a restarted
             # assembler) or is held in partial trajectories longer than we allowed for.
             # Doubling, but never more than one window at a time: while the assembler holds
             # intake, queues (not stepping) would absorb the credit.
-            grant = min(max(credit.batch_steps, credit.extra), window())
+            grant = min(max(credit.batch_steps, credit.extra), window(pol))
             credit.baseline += grant
-            credit.extra = min(credit.extra + grant, window())
+            credit.extra = min(credit.extra + grant, window(pol))
             credit.topups += 1
 
     def on_barrier(new_epoch: int, new_options: dict) -> None:
@@ -321,30 +384,52 @@ def run(cfg: Config) -> int:
             if not w.in_flight:
                 reset_worker(w)
 
-    def take_due_weights(now: float) -> bool:
+    def take_due_weights(pol: Policy, now: float) -> bool:
         """Deterministic mode: switch to the newest version made from at most `produced -
         window()` steps, once the trainer's reports show that no other such version can still
         come: it makes a version as soon as a batch is full, so a trainer that has taken in N
         steps has made (and sent) every version made from N or fewer. With an untouched credit
         window this always holds already. False: wait for the trainer."""
-        nonlocal params, version, waiting_since
-        limit = credit.produced - window()
+        credit = pol.credit
+        limit = credit.produced - window(pol)
         short = limit - (credit.start + credit.consumed)
         if short > 0:
-            waiting_since = now if waiting_since is None else waiting_since
-            if not credit.starving or now - waiting_since < DETERMINISM_GIVE_UP_S:
+            pol.waiting_since = now if pol.waiting_since is None else pol.waiting_since
+            if not credit.starving or now - pol.waiting_since < DETERMINISM_GIVE_UP_S:
                 return False
             # It will never have them (lost data, or a horizon longer than the window allows).
             credit.start += short
             counts["determinism_lost"] += 1
-            log.warning("deterministic: the trainer starves %.0fs short of %d steps it must take "
-                        "in before the next policy version is due (lost data, or a horizon "
+            log.warning("deterministic: the %r trainer starves %.0fs short of %d steps it must "
+                        "take in before the next policy version is due (lost data, or a horizon "
                         "longer than --max-steps-ahead allows for); going on, so this run is no "
-                        "longer reproducible", now - waiting_since, short)
-        waiting_since = None
-        while due and (due[0][0] <= limit or params is None):
-            _, version, params = due.popleft()
-        return params is not None
+                        "longer reproducible", pol.name, now - pol.waiting_since, short)
+        pol.waiting_since = None
+        while pol.due and (pol.due[0][0] <= limit or pol.params is None):
+            _, pol.version, pol.params = pol.due.popleft()
+        return pol.params is not None
+
+    def act(obs: np.ndarray, row_policy: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Every policy's outputs on its own rows of one batch, and each row's version."""
+        if len(pols) == 1:
+            pol = pols[0]
+            assert pol.params is not None
+            return (*model.act(pol.params, obs, action_space, rng),
+                    np.full(len(obs), pol.version, np.int64))
+        actions = logp = value = None
+        versions = np.empty(len(obs), np.int64)
+        for k, pol in enumerate(pols):
+            rows = np.flatnonzero(row_policy == k)
+            if not len(rows):
+                continue
+            assert pol.params is not None
+            a, lp, v = model.act(pol.params, obs[rows], action_space, rng)
+            if actions is None:
+                actions = np.empty((len(obs), *a.shape[1:]), a.dtype)
+                logp, value = np.empty(len(obs), lp.dtype), np.empty(len(obs), v.dtype)
+            actions[rows], logp[rows], value[rows] = a, lp, v  # type: ignore[index]
+            versions[rows] = pol.version
+        return actions, logp, value, versions  # type: ignore[return-value]
 
     def dispatch(now: float) -> float | None:
         """Act on the ready results if nothing holds us back; returns when to look again
@@ -352,46 +437,62 @@ def run(cfg: Config) -> int:
         nonlocal rate_steps, assembler_blocked
         assembler_blocked = False  # only true while it is what holds ready work back
         ready = [w for w in workers.values() if w.result is not None]
-        if not ready or (params is None and not due) or action_space is None:
+        acting = [pol for pol in pols if pol.rows]
+        if not ready or action_space is None or any(
+                pol.params is None and not pol.due for pol in acting):
             return None
-        if credit.outstanding() >= window():
-            return None  # the trainer's next WEIGHTS message wakes us
+        if any(pol.credit.outstanding() >= window(pol) for pol in acting):
+            return None  # that trainer's next WEIGHTS message wakes us
         assembler_blocked = not experience.poll(0, zmq.POLLOUT)
         if assembler_blocked:
             return None  # no assembler connected (or it is full): stepping would lose data
         waiting = any(w.in_flight for w in workers.values())
         if cfg.deterministic:
-            if waiting or not take_due_weights(now):
-                return None  # every live worker's reply, and the version due at this step count
+            if waiting or not all([take_due_weights(pol, now) for pol in acting]):
+                return None  # every live worker's reply, and the versions due at this count
             ready.sort(key=lambda w: w.name)  # one inference batch, in a fixed order
         else:
             oldest = min(w.ready_since for w in ready)
             if waiting and now - oldest < cfg.batch_wait_ms / 1000:
                 return oldest + cfg.batch_wait_ms / 1000
-        assert params is not None
         obs = np.concatenate([w.result.obs for w in ready])  # type: ignore[union-attr]
-        actions, logp, value = model.act(params, obs, action_space, rng)
+        row_policy = np.concatenate([w.row_policy for w in ready])
+        actions, logp, value, versions = act(obs, row_policy)
         start = 0
-        acted = 0  # agent steps, as the learner counts them: absent agents' rows are not steps
         for w in ready:
             r, end = w.result, start + w.num_envs
             assert r is not None
-            acted += w.num_envs if r.alive is None else int(r.alive.sum())
+            # Agent steps, as the learners count them: absent agents' rows are not steps.
+            if len(pols) == 1:
+                acted = w.num_envs if r.alive is None else int(r.alive.sum())
+                pols[0].credit.produced += acted
+                rate_steps += acted
+            else:
+                acting_rows = w.row_policy if r.alive is None else w.row_policy[r.alive]
+                for k, n in enumerate(np.bincount(acting_rows, minlength=len(pols)).tolist()):
+                    pols[k].credit.produced += n
+                    rate_steps += n
             w.seq, w.in_flight, w.result = r.seq + 1, True, None
             w.ready_since = now
-            send_worker(w, p.Step(epoch=epoch, seq=w.seq, policy_version=version,
+            send_worker(w, p.Step(epoch=epoch, seq=w.seq, policy_version=int(versions[start]),
                                   actions=actions[start:end]))
-            forward(w, r, (actions[start:end], logp[start:end], value[start:end]))
+            forward(w, r, (actions[start:end], logp[start:end], value[start:end],
+                           versions[start:end]))
             start = end
-        credit.produced += acted
-        rate_steps += acted
         return None
 
     def figures() -> dict:
-        return {"workers": len(workers), "policy_version": version, "epoch": epoch,
-                "steps_per_s": round(steps_per_s), "outstanding_steps": credit.outstanding(),
-                "credit_window": window(), "credit_topups": credit.topups,
-                "assembler_blocked": assembler_blocked, **rejects.figures(), **counts}
+        default = pols[0]
+        figures = {"workers": len(workers), "policy_version": default.version, "epoch": epoch,
+                   "steps_per_s": round(steps_per_s),
+                   "outstanding_steps": default.credit.outstanding(),
+                   "credit_window": window(default), "credit_topups": default.credit.topups,
+                   "assembler_blocked": assembler_blocked, **rejects.figures(), **counts}
+        if len(pols) > 1:  # the figures above are the default policy's; these, each one's
+            for pol in pols:
+                figures[f"policy_version_{pol.name}"] = pol.version
+                figures[f"policy_agents_{pol.name}"] = pol.rows
+        return figures
 
     worker_handlers = {p.WorkerHello: on_hello, p.StepResult: on_result,
                        p.Heartbeat: on_worker_heartbeat, p.RemoteError: on_worker_error}

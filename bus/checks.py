@@ -8,6 +8,7 @@ returns why a message cannot be used, or an empty string; the caller refuses and
 from __future__ import annotations
 
 import numpy as np
+from stepbus.bus import policies
 from stepbus.bus import protocol as p
 from stepbus.trainer import model, spaces
 
@@ -112,6 +113,13 @@ def experience_problem(m: p.Experience) -> str:
     if m.action is not None and (m.action.ndim < 1 or m.action.shape[0] != k or any(
             o.shape != (k,) for o in (m.logp, m.value))):
         return "policy outputs need one row per env"
+    if m.policy_versions is not None and (m.policy_versions.shape != (k,)
+                                          or m.policy_versions.dtype.kind not in "iu"):
+        return "policy_versions need one integer per row"
+    if m.agent_policies and (len(m.agent_policies) != max(1, len(m.agents))
+                             or k % len(m.agent_policies)
+                             or not all(policies.NAME.fullmatch(n) for n in m.agent_policies)):
+        return "agent_policies need one policy name per agent"
     return rows_problem(m, k)
 
 

@@ -208,6 +208,9 @@ class Experience(Message):
 
     `policy_version` is -1 and the action arrays are None when no action was taken on `obs`
     (a barrier or shutdown drained it): the assembler then keeps `obs` only as a bootstrap.
+    With more than one policy (`--policy-map`), `agent_policies` names each agent's policy (in
+    the order of `agents`, or one name for a single-agent env; empty: all "default") and
+    `policy_versions` gives each row's version; `policy_version` is then their lowest.
     """
 
     KIND: ClassVar[Kind] = Kind.EXPERIENCE
@@ -229,6 +232,8 @@ class Experience(Message):
     agents: list[str] = field(default_factory=list)  # the hello's agents (multi-agent envs)
     episode: np.ndarray | None = None  # as in STEP_RESULT
     episode_seed: np.ndarray | None = None
+    agent_policies: list[str] = field(default_factory=list)
+    policy_versions: np.ndarray | None = None  # int64 per row; None: all `policy_version`
 
 
 @dataclass(frozen=True)
@@ -263,6 +268,7 @@ class Trajectory(Message):
     episode: int = -1
     episode_seed: int = -1
     episode_step: int = -1
+    policy: str = "default"  # the policy that acted (and so the learner it is for)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,10 @@ connects, every trajectory not yet learned from is sent again (same number; a le
 numbers it has already taken in). Unsent plus sent-but-not-yet-taken-in trajectories are bounded
 by `max_buffered`; at the bound the assembler stops taking experience in, the broker's
 experience queue fills, and stepping pauses. Nothing is dropped silently.
+
+With several policies (the broker's `--policy-map`), each trajectory goes out on the endpoint of
+the policy that acted for its agent (`--policy-endpoints`; "default" uses `--trajectories`), to
+that policy's learner.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
-from stepbus.bus import checks, node, wiring
+from stepbus.bus import checks, node, policies, wiring
 from stepbus.bus import protocol as p
 from zmq.utils import monitor
 
@@ -43,14 +47,17 @@ class Config:
     max_buffered: int = field(default=10_000, metadata={
         "help": "trajectories no learner has taken in yet (unsent, or queued toward one); at "
                 "this bound, intake and so stepping pause"})
+    policy_endpoints: str = field(default="", metadata={
+        "help": "PUSH endpoints to bind for policies other than 'default' (the broker's "
+                "--policy-map), e.g. 'red=tcp://127.0.0.1:7350,blue=tcp://127.0.0.1:7351'"})
 
 
 class AgentBuffer:
     """One agent's steps since its last trajectory. Arrays are allocated anew after each
     trajectory, so what was handed to ZeroMQ is never overwritten."""
 
-    def __init__(self, agent: str, horizon: int) -> None:
-        self.agent, self.horizon = agent, horizon
+    def __init__(self, agent: str, horizon: int, policy: str = policies.DEFAULT) -> None:
+        self.agent, self.horizon, self.policy = agent, horizon, policy
         self.n = 0
         self.pending = False  # obs/action at row n chosen, reward not yet seen
         self.arrays: dict[str, np.ndarray] = {}
@@ -97,7 +104,8 @@ class AgentBuffer:
                 values=a["values"][:n], rewards=a["rewards"][:n],
                 policy_versions=a["policy_versions"][:n], bootstrap_obs=bootstrap,
                 assembler="", seq=-1,  # numbered when sent
-                episode=self.origin[0], episode_seed=self.origin[1], episode_step=self.origin[2])
+                episode=self.origin[0], episode_seed=self.origin[1], episode_step=self.origin[2],
+                policy=self.policy)
             self.arrays = {}
         self.n, self.pending = 0, False
         if episode_end or truncated:
@@ -114,6 +122,18 @@ def agent_ids(worker: str, agents: list[str], rows: int) -> list[str]:
 
 
 @dataclass
+class Outlet:
+    """One policy's trajectories socket, and what waits to be handed to it."""
+
+    policy: str
+    endpoint: str
+    sock: zmq.Socket
+    events: zmq.Socket  # learners connecting (unlearned trajectories are sent again) and leaving
+    held: collections.deque[p.Trajectory] = field(default_factory=collections.deque)
+    connected: int = 0  # learners connected
+
+
+@dataclass
 class WorkerTrack:
     incarnation: str
     epoch: int
@@ -125,34 +145,43 @@ class WorkerTrack:
 
 def run(cfg: Config) -> int:
     log = node.setup_logging("assembler")
+    try:
+        endpoints = {policies.DEFAULT: cfg.trajectories,
+                     **policies.parse_endpoints(cfg.policy_endpoints)}
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
     stop = node.StopFlag()
     ctx = zmq.Context()
     link = node.ControllerLink(ctx, role="assembler", name="assembler",
                                controller=cfg.controller, broadcast=cfg.broadcast, log=log)
     # A short queue, so a paused intake soon pauses the broker.
     intake = wiring.socket(ctx, zmq.PULL, bind=cfg.experience, rcvhwm=1000)
-    # Beyond 64 queued, trajectories wait in `held` (counted).
-    outlet = wiring.socket(ctx, zmq.PUSH, bind=cfg.trajectories, sndhwm=64)
-    # Learners connecting (when unlearned trajectories are sent again) and disconnecting.
-    outlet_events = outlet.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-    connected = 0  # learners connected to `outlet`
+    outlets: dict[str, Outlet] = {}
+    for policy, endpoint in endpoints.items():
+        # Beyond 64 queued, trajectories wait in `held` (counted).
+        sock = wiring.socket(ctx, zmq.PUSH, bind=endpoint, sndhwm=64)
+        events = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        outlets[policy] = Outlet(policy, endpoint, sock, events)
     receipts = wiring.socket(ctx, zmq.PULL, bind=cfg.receipts, max_message_bytes=16 << 20)
     rejects = node.RejectLog(log)
     incarnation = uuid.uuid4().hex[:8]
     tracks: dict[str, WorkerTrack] = {}
-    held: collections.deque[p.Trajectory] = collections.deque()  # not yet handed to ZeroMQ
     unlearned: collections.OrderedDict[int, p.Trajectory] = collections.OrderedDict()  # sent
     untaken: set[int] = set()  # sent, and no learner has said it took them in
     learners: set[str] = set()  # learner incarnations that sent receipts
     last_receipt = 0.0
     counts = {"steps": 0, "trajectories": 0, "episodes": 0, "closed_truncated": 0, "gaps": 0,
               "resent": 0, "trainer_swaps": 0, "joined_mid_episode": 0, "steps_lost": 0,
-              "agents_vanished": 0}
+              "agents_vanished": 0, "unrouted": 0}
+    unrouted: set[str] = set()  # policies without an endpoint, logged once each
     tracks_seen: set[str] = set()  # workers this assembler has had a track for
     last_swap_gap_s: float | None = None
     next_seq = 0
     log.info("assembler: experience on %s, trajectories on %s, receipts on %s, horizon %d",
-             cfg.experience, cfg.trajectories, cfg.receipts, cfg.horizon)
+             cfg.experience, ", ".join(f"{o.endpoint} ({o.policy})" if len(outlets) > 1 else
+                                       o.endpoint for o in outlets.values()),
+             cfg.receipts, cfg.horizon)
 
     def emit(traj: p.Trajectory | None) -> None:
         if traj is None:
@@ -163,10 +192,21 @@ def run(cfg: Config) -> int:
 
     def send(traj: p.Trajectory) -> None:
         nonlocal next_seq
+        outlet = outlets.get(traj.policy)
+        if outlet is None:  # a broker --policy-map names a policy we have no endpoint for
+            counts["unrouted"] += 1
+            if traj.policy not in unrouted and len(unrouted) < policies.MAX_POLICIES:
+                unrouted.add(traj.policy)
+                log.error("policy %r has no trajectories endpoint here: its trajectories are "
+                          "dropped (counted as unrouted). Start the assembler with "
+                          "--policy-endpoints %s=ENDPOINT and that policy's trainer with "
+                          "--policy-name %s --trajectories ENDPOINT", traj.policy,
+                          traj.policy, traj.policy)
+            return
         traj = dataclasses.replace(traj, assembler=incarnation, seq=next_seq)
         next_seq += 1
-        held.append(traj)
-        flush_held()
+        outlet.held.append(traj)
+        flush_held(outlet)
 
     def close(name: str, why: str) -> None:
         track = tracks.pop(name)
@@ -204,7 +244,9 @@ def run(cfg: Config) -> int:
                 # Steps before this one went to an assembler that is gone (this one restarted).
                 counts["joined_mid_episode"] += k
             tracks_seen.add(m.worker)
-            agents = [AgentBuffer(name, cfg.horizon) for name in agent_ids(m.worker, m.agents, k)]
+            names = m.agent_policies or [policies.DEFAULT]
+            agents = [AgentBuffer(agent, cfg.horizon, names[i % len(names)])
+                      for i, agent in enumerate(agent_ids(m.worker, m.agents, k))]
             for agent in agents:
                 agent.stats_valid = m.first
             track = tracks[m.worker] = WorkerTrack(m.incarnation, m.epoch, agents, m.obs)
@@ -237,10 +279,12 @@ def run(cfg: Config) -> int:
                 return
             episodes = (m.episode.tolist() if m.episode is not None else [-1] * k)
             seeds = (m.episode_seed.tolist() if m.episode_seed is not None else [-1] * k)
+            versions = (m.policy_versions.tolist() if m.policy_versions is not None
+                        else [m.policy_version] * k)
             for i, agent in enumerate(track.agents):
                 if m.alive is None or m.alive[i]:  # an agent that appears starts here
                     agent.choose(m.obs[i], m.action[i], m.logp[i], m.value[i],
-                                 m.policy_version, episodes[i], seeds[i])
+                                 versions[i], episodes[i], seeds[i])
                 else:
                     agent.pending = False  # finished, vanished or not there yet
         else:
@@ -257,37 +301,38 @@ def run(cfg: Config) -> int:
     def take_one() -> None:
         node.handle(intake, rejects, intake_handlers, "broker")
 
-    def flush_held() -> None:
-        while held and node.send(outlet, held[0], block=False):
-            traj = held.popleft()
+    def flush_held(outlet: Outlet) -> None:
+        while outlet.held and node.send(outlet.sock, outlet.held[0], block=False):
+            traj = outlet.held.popleft()
             unlearned[traj.seq] = traj
             untaken.add(traj.seq)
 
-    def send_unlearned_again() -> None:
+    def send_unlearned_again(outlet: Outlet) -> None:
         """A learner that disconnected took with it what was queued toward it and what it had
         not learned from. Sent again when a learner connects: by then libzmq has surely
         dropped the dead connection (sending at the disconnect itself can still land in it)."""
-        if not unlearned:
+        again = [traj for traj in unlearned.values() if traj.policy == outlet.policy]
+        if not again:
             return
-        counts["resent"] += len(unlearned)
-        log.info("a learner connected: sending %d trajectories not yet learned from (again)",
-                 len(unlearned))
-        held.extendleft(reversed(unlearned.values()))
-        unlearned.clear()
-        untaken.clear()
-        flush_held()
+        counts["resent"] += len(again)
+        log.info("a learner connected to %s: sending %d trajectories not yet learned from "
+                 "(again)", outlet.endpoint, len(again))
+        for traj in again:
+            del unlearned[traj.seq]
+            untaken.discard(traj.seq)
+        outlet.held.extendleft(reversed(again))
+        flush_held(outlet)
 
-    def on_outlet_event() -> None:
-        nonlocal connected
-        event = monitor.recv_monitor_message(outlet_events, zmq.NOBLOCK)["event"]
+    def on_outlet_event(outlet: Outlet) -> None:
+        event = monitor.recv_monitor_message(outlet.events, zmq.NOBLOCK)["event"]
         if event == zmq.EVENT_ACCEPTED:
-            connected += 1
-            if connected == 2:
+            outlet.connected += 1
+            if outlet.connected == 2:
                 log.warning("two learners connected to %s: each trajectory goes to one of "
-                            "them; run one learner per trajectories endpoint", cfg.trajectories)
-            send_unlearned_again()
+                            "them; run one learner per trajectories endpoint", outlet.endpoint)
+            send_unlearned_again(outlet)
         elif event == zmq.EVENT_DISCONNECTED:
-            connected = max(0, connected - 1)
+            outlet.connected = max(0, outlet.connected - 1)
 
     def on_receipt(m: p.Receipt) -> None:
         nonlocal last_swap_gap_s, last_receipt
@@ -320,17 +365,20 @@ def run(cfg: Config) -> int:
     def take_receipts() -> None:
         node.handle(receipts, rejects, {p.Receipt: on_receipt}, "trainer")
 
+    def held() -> int:
+        return sum(len(outlet.held) for outlet in outlets.values())
+
     def waiting() -> int:
         """Trajectories no learner has taken in yet: what the bound applies to."""
-        return len(held) + len(untaken)
+        return held() + len(untaken)
 
     def figures() -> dict:
-        return {**counts, "held": len(held), "untaken": len(untaken), "unlearned": len(unlearned),
+        return {**counts, "held": held(), "untaken": len(untaken), "unlearned": len(unlearned),
                 "last_swap_gap_s": last_swap_gap_s, **rejects.figures(),
                 "open_agents": sum(len(t.agents) for t in tracks.values())}
 
     poller = zmq.Poller()
-    for sock in (*link.sockets(), receipts, outlet_events):
+    for sock in (*link.sockets(), receipts, *(o.events for o in outlets.values())):
         poller.register(sock, zmq.POLLIN)
     try:
         while not stop and not link.shutdown_reason:
@@ -339,15 +387,18 @@ def run(cfg: Config) -> int:
             # Backpressure: while too much waits for a learner, stop taking experience in.
             room = cfg.max_buffered - waiting()
             poller.register(intake, zmq.POLLIN if room > 0 else 0)
-            poller.register(outlet, zmq.POLLOUT if held else 0)
+            for outlet in outlets.values():
+                poller.register(outlet.sock, zmq.POLLOUT if outlet.held else 0)
             events = dict(poller.poll(max(0, min((next_beat - now) * 1000, node.MAX_POLL_MS))))
             link.poll(events)
-            if outlet_events in events:
-                node.drain(outlet_events, on_outlet_event)
+            for outlet in outlets.values():
+                if outlet.events in events:
+                    node.drain(outlet.events, lambda o=outlet: on_outlet_event(o))
             if receipts in events:
                 node.drain(receipts, take_receipts)
-            if outlet in events:
-                flush_held()
+            for outlet in outlets.values():
+                if outlet.sock in events:
+                    flush_held(outlet)
             if intake in events:
                 node.drain(intake, take_one, limit=min(1000, max(1, room)))
         node.drain(intake, take_one)  # what the broker already sent is not lost
@@ -356,7 +407,8 @@ def run(cfg: Config) -> int:
         # The learner keeps taking trajectories in for a moment after the shutdown broadcast.
         deadline = time.monotonic() + SHUTDOWN_FLUSH_S
         while waiting() and time.monotonic() < deadline:
-            flush_held()
+            for outlet in outlets.values():
+                flush_held(outlet)
             if receipts.poll(50, zmq.POLLIN):
                 node.drain(receipts, take_receipts)
         log.info("assembler stopping (%s): %d trajectories, %d episodes, %d resent, %d never "
@@ -366,6 +418,7 @@ def run(cfg: Config) -> int:
                  len(unlearned) - len(untaken), rejects.total)
         return 0
     finally:
-        outlet.disable_monitor()
+        for outlet in outlets.values():
+            outlet.sock.disable_monitor()
         link.close()
         ctx.destroy(linger=wiring.LINGER_MS)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import zmq
-from stepbus.bus import checks, node, wiring
+from stepbus.bus import checks, node, policies, wiring
 from stepbus.bus import protocol as p
 from stepbus.trainer import checkpoint, ppo, spaces
 
@@ -69,6 +69,10 @@ class Config:
     checkpoint_interval_s: float = field(default=2.0, metadata={
         "help": "seconds between checkpoints (one is also written on exit)"})
     seed: int = field(default=0, metadata={"help": "seeds initial weights and minibatches"})
+    policy_name: str = field(default=policies.DEFAULT, metadata={
+        "help": "the policy this learner trains (see the broker's --policy-map); pull its "
+                "trajectories from the assembler's endpoint for it (--trajectories); a policy "
+                "other than 'default' keeps its checkpoint and metrics in RUN_DIR/policy-NAME"})
     algo: str = field(default="stepbus.trainer.ppo:PPO", metadata={
         "help": "learning algorithm, module:Class (interface: trainer/ppo.py's PPO)"})
     ppo: ppo.PPOConfig = field(default_factory=ppo.PPOConfig)
@@ -265,7 +269,8 @@ def _wait_for_setup(cfg: Config, io: Links) -> tuple[Path, p.EnvSpec] | None:
         now = time.monotonic()
         io.beat(now, lambda: {"state": "starting"})
         if now >= next_hello:
-            node.send(io.broker, p.TrainerHello(trainer=io.name, policy="default"), block=False)
+            node.send(io.broker, p.TrainerHello(trainer=io.name, policy=cfg.policy_name),
+                      block=False)
             next_hello = now + node.HEARTBEAT_INTERVAL_S
         events = dict(poller.poll(node.MAX_POLL_MS))
         io.link.poll(events)
@@ -283,7 +288,10 @@ def _wait_for_setup(cfg: Config, io: Links) -> tuple[Path, p.EnvSpec] | None:
             warned = True
             io.log.info("waiting for %s", " and ".join(
                 w for w, ok in ((f"controller at {cfg.controller}", have_run),
-                                (f"broker (and a worker) at {cfg.policy}", env_spec)) if not ok))
+                                (f"broker (and a worker) at {cfg.policy}"
+                                 + ("" if cfg.policy_name == policies.DEFAULT else
+                                    f" to know policy {cfg.policy_name!r} (its --policy-map)"),
+                                 env_spec)) if not ok))
     return None
 
 
@@ -291,6 +299,11 @@ def _learn(cfg: Config, io: Links) -> int:
     log, stop, link, rejects = io.log, io.stop, io.link, io.rejects
     broker, intake, receipts = io.broker, io.intake, io.receipts
     name, incarnation = io.name, io.incarnation
+    try:
+        policies.check_name(cfg.policy_name)
+    except ValueError as exc:
+        log.error("--policy-name: %s", exc)
+        return 2
     try:
         algo_class = imports.load_object(cfg.algo)
     except (ImportError, AttributeError, ValueError) as exc:
@@ -311,7 +324,11 @@ def _learn(cfg: Config, io: Links) -> int:
         log.error("--algo %s failed to start: %s: %s", cfg.algo, type(exc).__name__, exc)
         return 2
     params = algo.params
-    ckpt_path = run_dir / "checkpoint.npz"
+    # Each policy's learner keeps its own checkpoint and metrics.
+    policy_dir = (run_dir if cfg.policy_name == policies.DEFAULT
+                  else run_dir / f"policy-{cfg.policy_name}")
+    policy_dir.mkdir(exist_ok=True)
+    ckpt_path = policy_dir / "checkpoint.npz"
     progress = Progress()
     if ckpt_path.exists():
         saved, optimizer, progress_dict = checkpoint.load(ckpt_path)
@@ -331,9 +348,9 @@ def _learn(cfg: Config, io: Links) -> int:
     progress.version = max(progress.version, env_spec.policy_version) + 1
     returns: collections.deque[float] = collections.deque(progress.recent_returns,
                                                           maxlen=cfg.target_episodes)
-    metrics = (run_dir / "metrics.jsonl").open("a", buffering=1)
-    log.info("run directory %s; policy version %d, generation %d, algorithm %s", run_dir,
-             progress.version, progress.generation, cfg.algo)
+    metrics = (policy_dir / "metrics.jsonl").open("a", buffering=1)
+    log.info("run directory %s; policy %s version %d, generation %d, algorithm %s", policy_dir,
+             cfg.policy_name, progress.version, progress.generation, cfg.algo)
 
     batch: list[ppo.Trajectory] = []
     batch_steps = received = 0  # received: env steps this incarnation took in (the credit)
@@ -352,7 +369,7 @@ def _learn(cfg: Config, io: Links) -> int:
 
     def publish(starving: bool = False) -> None:
         nonlocal last_publish
-        node.send(broker, p.Weights(trainer=name, incarnation=incarnation, policy="default",
+        node.send(broker, p.Weights(trainer=name, incarnation=incarnation, policy=cfg.policy_name,
                                     version=progress.version, consumed_steps=received,
                                     batch_steps=cfg.ppo.batch_steps, starving=starving,
                                     # copies: frames are zero-copy and the update is in place
@@ -400,6 +417,11 @@ def _learn(cfg: Config, io: Links) -> int:
         if problem:
             rejects.refuse("assembler", p.ProtocolError("bad trajectory", problem))
             return
+        if t.policy != cfg.policy_name:  # not receipted: the assembler keeps it for its learner
+            rejects.refuse("assembler", p.ProtocolError(
+                "wrong policy", f"a trajectory of policy {t.policy[:64]!r}; this learner trains "
+                f"{cfg.policy_name!r}: is --trajectories the assembler's endpoint for it?"))
+            return
         if not receipt.take(t.assembler, t.seq):
             counts["duplicates"] += 1  # sent again after a disconnect; we have it already
             return
@@ -426,7 +448,7 @@ def _learn(cfg: Config, io: Links) -> int:
 
     def figures() -> dict:
         mean = mean_return()
-        return {"algo": cfg.algo, "policy_version": progress.version,
+        return {"algo": cfg.algo, "policy": cfg.policy_name, "policy_version": progress.version,
                 "env_steps": progress.env_steps,
                 "episodes": progress.episodes, "generation": progress.generation,
                 "mean_return": None if mean is None else round(mean, 2),
