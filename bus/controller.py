@@ -6,6 +6,7 @@ is answered with the run state, so a process that missed a broadcast catches up 
 
 from __future__ import annotations
 
+import collections
 import os
 import socket as pysocket
 import time
@@ -29,6 +30,65 @@ class Config:
         "help": "after a shutdown broadcast, wait this long for processes to leave"})
 
 
+class StepRate:
+    """Steps/s from a cumulative `env_steps` figure over the last few seconds of heartbeats, so
+    processes that count steps but keep no rate of their own (workers, learners) get one in
+    `stepbus status` without each timing itself."""
+
+    WINDOW_S = 5.0
+    MIN_SPAN_S = 0.9  # below this, two beats' counts say more about jitter than rate
+
+    def __init__(self) -> None:
+        self.samples: collections.deque[tuple[float, float]] = collections.deque()
+
+    def add(self, now: float, steps: Any) -> None:
+        if not _is_number(steps):
+            return
+        if self.samples and steps < self.samples[-1][1]:
+            self.samples.clear()  # the counter started again (a resumed count is never lower)
+        self.samples.append((now, steps))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= self.WINDOW_S:
+            self.samples.popleft()
+
+    def per_s(self) -> float | None:
+        if len(self.samples) < 2:
+            return None
+        (t0, s0), (t1, s1) = self.samples[0], self.samples[-1]
+        return round((s1 - s0) / (t1 - t0), 1) if t1 - t0 >= self.MIN_SPAN_S else None
+
+
+class VersionHistory:
+    """Policy versions from every heartbeat of the last few seconds, for `policy_lag`: the
+    newest version any process had reported by the time a process sent its figures, minus the
+    version in them (the one it acts with, or the learner's newest). Comparing with the newest
+    at that time, not now, keeps heartbeats' different ages (up to 0.5 s, many versions when
+    updates are fast) out of the lag. Versions are compared within one `policy` figure when
+    processes report one."""
+
+    WINDOW_S = 5.0  # longer than any live row's figures are old (3 heartbeat intervals)
+
+    def __init__(self) -> None:
+        self.samples: collections.deque[tuple[float, object, int]] = collections.deque()
+
+    @staticmethod
+    def _version(figures: dict) -> int | None:
+        v = figures.get("policy_version")
+        return int(v) if _is_number(v) and v == int(v) and v >= 0 else None
+
+    def add(self, now: float, figures: dict) -> None:
+        if (v := self._version(figures)) is not None:
+            self.samples.append((now, figures.get("policy", "default"), v))
+        while self.samples and now - self.samples[0][0] > self.WINDOW_S:
+            self.samples.popleft()
+
+    def lag(self, figures: dict, at: float) -> int | None:
+        if (v := self._version(figures)) is None:
+            return None
+        policy = figures.get("policy", "default")
+        newest = max((sv for t, sp, sv in self.samples if t <= at and sp == policy), default=v)
+        return max(newest - v, 0)
+
+
 @dataclass
 class Peer:
     role: str
@@ -38,6 +98,8 @@ class Peer:
     first_seen: float
     last_seen: float
     figures: dict = field(default_factory=dict)
+    figures_at: float = 0.0  # when the figures were sent (its last heartbeat)
+    rate: StepRate = field(default_factory=StepRate)
 
 
 @dataclass
@@ -74,6 +136,7 @@ def run(cfg: Config) -> int:
     shutting_down_since: float | None = None
     pending_reset: PendingReset | None = None
     pending_swap: PendingSwap | None = None
+    versions = VersionHistory()
     host, pid, started = pysocket.gethostname(), os.getpid(), time.monotonic()
     log.info("run %s: controller on %s, broadcasts on %s", run_id, cfg.controller, cfg.broadcast)
 
@@ -99,17 +162,17 @@ def run(cfg: Config) -> int:
         if peer is None:
             peer = peers[sender] = Peer(msg.role, msg.name, msg.host, msg.pid, now, now)
             log.info("%s %s joined (host %s, pid %d)", msg.role, msg.name, msg.host, msg.pid)
-        peer.last_seen, peer.figures = now, _scalar_figures(msg.figures)
+        peer.last_seen, peer.figures_at = now, now
+        peer.figures = _scalar_figures(msg.figures)
+        peer.rate.add(now, peer.figures.get("env_steps"))
+        versions.add(now, peer.figures)
         broker_epoch = peer.figures.get("epoch") if msg.role == "broker" else None
         if isinstance(broker_epoch, int) and broker_epoch > epoch:
             epoch = broker_epoch  # this controller restarted: continue the run's epochs
         node.send(router, state(), to=sender, block=False)
 
     def on_status(sender: bytes, msg: p.StatusRequest, now: float) -> None:
-        rows = [{"role": q.role, "name": q.name, "host": q.host, "pid": q.pid,
-                 "uptime_s": round(now - q.first_seen, 1),
-                 "last_heartbeat_s": round(now - q.last_seen, 2), **q.figures}
-                for q in peers.values()]
+        rows = [_status_row(q, now, versions) for q in peers.values()]
         rows.insert(0, {"role": "controller", "name": "controller", "host": host, "pid": pid,
                         "uptime_s": round(now - started, 1), "last_heartbeat_s": 0.0,
                         "processes": len(peers), **rejects.figures()})
@@ -238,6 +301,26 @@ def run(cfg: Config) -> int:
                     return 0
     finally:
         ctx.destroy(linger=wiring.LINGER_MS)
+
+
+def _status_row(q: Peer, now: float, versions: VersionHistory) -> dict:
+    """A process's status row: who it is, how long it has run (its own count, which survives
+    a controller restart; else since first seen), its figures, a steps/s rate from its step
+    count when it reports none itself, and its policy lag."""
+    since_beat = now - q.last_seen
+    uptime = q.figures.get("uptime_s")
+    uptime = uptime + since_beat if _is_number(uptime) else now - q.first_seen
+    row = {"role": q.role, "name": q.name, "host": q.host, "pid": q.pid, **q.figures,
+           "uptime_s": round(uptime, 1), "last_heartbeat_s": round(since_beat, 2)}
+    if "steps_per_s" not in row and (rate := q.rate.per_s()) is not None:
+        row["steps_per_s"] = rate
+    if (lag := versions.lag(q.figures, q.figures_at)) is not None:
+        row["policy_lag"] = lag
+    return row
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _scalar_figures(figures: dict) -> dict:

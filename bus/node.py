@@ -212,6 +212,7 @@ class ControllerLink:
         self._next_beat = 0.0
         self._figures: Callable[[], dict[str, Any]] = dict
         self.host, self.pid = pysocket.gethostname(), os.getpid()
+        self.started = time.monotonic()  # the process's own uptime survives a controller restart
 
     def sockets(self) -> list[zmq.Socket]:
         return [self.dealer, self.sub]
@@ -227,6 +228,7 @@ class ControllerLink:
             figures = self._figures()
             if self.rejects.total:  # refused on this link: part of the process's count
                 figures["rejected"] = figures.get("rejected", 0) + self.rejects.total
+            figures["uptime_s"] = round(now - self.started, 1)
             send(self.dealer, p.Heartbeat(role=self.role, name=self.name, host=self.host,
                                           pid=self.pid, leaving=leaving, figures=figures),
                  block=False)

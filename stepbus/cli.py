@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stepbus import __version__, single_thread_blas  # noqa: F401  (before numpy loads)
+from stepbus import status as status_view
 from stepbus.bus import broker, controller, node, wiring
 from stepbus.bus import protocol as p
 from stepbus.processor import assembler
@@ -109,8 +110,12 @@ def _build_config(cls: type, args: argparse.Namespace) -> Any:
     return cls(**values)
 
 
+UNREACHABLE_EXIT = 2  # the controller did not answer; 1 is "it answered no"
+
+
 def _ask(endpoint: str, request: p.Message, timeout_s: float) -> p.Message:
-    """One request to the controller; exits 1 naming the address if nobody answers."""
+    """One request to the controller; raises status.Unreachable naming the address if nobody
+    answers within the timeout."""
     import zmq
 
     ctx = zmq.Context()
@@ -125,12 +130,12 @@ def _ask(endpoint: str, request: p.Message, timeout_s: float) -> p.Message:
                     # a status reply grows with the processes in it
                     msg = p.decode(frames, max_header_bytes=STATUS_REPLY_MAX_BYTES)
                 except p.ProtocolError as exc:
-                    raise SystemExit(f"stepbus: unreadable reply from the controller at "
-                                     f"{endpoint}: {exc}") from None
+                    raise status_view.Unreachable(f"unreadable reply from the controller at "
+                                                  f"{endpoint}: {exc}") from None
                 if not isinstance(msg, p.RunState):
                     return msg
-        raise SystemExit(f"stepbus: controller unreachable at {endpoint} "
-                         f"(no reply within {timeout_s:g}s)")
+        raise status_view.Unreachable(f"controller unreachable at {endpoint} "
+                                      f"(no reply within {timeout_s:g}s)")
     finally:
         ctx.destroy(linger=0)
 
@@ -145,13 +150,17 @@ def _parse_option(text: str) -> tuple[str, Any]:
         return key, raw
 
 
-def _print_status(reply: p.StatusReply) -> None:
-    print(f"run {reply.run_id}, epoch {reply.epoch}, {len(reply.processes)} processes")
-    fixed = ["role", "name", "host", "pid", "uptime_s", "last_heartbeat_s"]
-    for row in sorted(reply.processes, key=lambda r: (str(r.get("role")), str(r.get("name")))):
-        head = "  ".join(f"{row.get(k, '')}" for k in fixed)
-        rest = ", ".join(f"{k}={v}" for k, v in row.items() if k not in fixed)
-        print(f"{head}  {rest}")
+def _status(args: argparse.Namespace) -> int:
+    def fetch() -> dict:
+        reply = _ask(args.controller, p.StatusRequest(), args.timeout)
+        assert isinstance(reply, p.StatusReply)
+        return {"run_id": reply.run_id, "epoch": reply.epoch, "processes": reply.processes}
+
+    if args.watch is not None:
+        return status_view.watch(fetch, max(args.watch, 0.1), json_lines=args.json)
+    status = fetch()
+    print(status_view.as_json(status) if args.json else status_view.table(status))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,7 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (cls, _, doc) in PROCESSES.items():
         _add_config_flags(sub.add_parser(name, help=doc, description=doc), cls, env_help)
-    for name, doc in (("status", "print every live process, from the controller"),
+    for name, doc in (("status", "one table of every live process, from the controller: role, "
+                                 "name, host, pid, uptime, heartbeat age, steps/s, queues, "
+                                 "dropped, rejected, policy version and lag; exits 2 naming "
+                                 "the address when the controller does not answer"),
                       ("reset", "reset barrier: pause, drain, reset every env, resume"),
                       ("shutdown", "stop the whole pipeline through the controller")):
         cmd = sub.add_parser(name, help=doc, description=doc)
@@ -173,7 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--timeout", type=float, default=15.0 if name == "reset" else 5.0,
                          help="seconds to wait for the controller's answer")
         if name == "status":
-            cmd.add_argument("--json", action="store_true", help="print JSON for scripts")
+            cmd.add_argument("--json", action="store_true",
+                             help="print JSON for scripts: every figure of every process")
+            cmd.add_argument("--watch", nargs="?", type=float, const=2.0, default=None,
+                             metavar="SECONDS",
+                             help="refresh in place every SECONDS (default 2) until Ctrl-C; "
+                                  "with --json, one JSON document per line")
         if name == "reset":
             cmd.add_argument("--option", action="append", type=_parse_option, default=[],
                              metavar="KEY=VALUE",
@@ -213,7 +230,12 @@ def main(argv: list[str] | None = None) -> int:
         problem = learner_flags_problem(flags)
         if problem:
             raise SystemExit(f"stepbus trainer swap: {problem}")
-        reply = _ask(opts.controller, p.TrainerSwap(slot=opts.slot, args=flags), opts.timeout)
+        try:
+            reply = _ask(opts.controller, p.TrainerSwap(slot=opts.slot, args=flags),
+                         opts.timeout)
+        except status_view.Unreachable as exc:
+            print(f"stepbus trainer swap: {exc}", file=sys.stderr)
+            return UNREACHABLE_EXIT
         assert isinstance(reply, p.Reply)
         print(reply.detail)
         return 0 if reply.ok else 1
@@ -232,18 +254,16 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    if args.command == "status":
-        reply = _ask(args.controller, p.StatusRequest(), args.timeout)
-        assert isinstance(reply, p.StatusReply)
-        if args.json:
-            print(json.dumps({"run_id": reply.run_id, "epoch": reply.epoch,
-                              "processes": reply.processes}))
-        else:
-            _print_status(reply)
-        return 0
-    request: p.Message = (p.ResetRequest(options=dict(args.option)) if args.command == "reset"
-                          else p.ShutdownRequest(reason="stepbus shutdown"))
-    reply = _ask(args.controller, request, args.timeout)
+    try:
+        if args.command == "status":
+            return _status(args)
+        request: p.Message = (p.ResetRequest(options=dict(args.option))
+                              if args.command == "reset"
+                              else p.ShutdownRequest(reason="stepbus shutdown"))
+        reply = _ask(args.controller, request, args.timeout)
+    except status_view.Unreachable as exc:
+        print(f"stepbus {args.command}: {exc}", file=sys.stderr)
+        return UNREACHABLE_EXIT
     assert isinstance(reply, p.Reply)
     print(reply.detail)
     return 0 if reply.ok else 1

@@ -404,6 +404,7 @@ def run(cfg: Config) -> int:
                           spec=dataclasses.asdict(envs.spec), seq=0, agents=envs.agents)
     epoch, options, seq = -1, {}, 0
     steps_done = 0
+    acting_version = -1  # the policy version that chose the last actions (for status lag)
     log.info("%s: %d x %s%s, connecting to %s", cfg.name, cfg.envs_per_worker, cfg.env,
              f" ({len(envs.agents)} agents each)" if envs.agents else "", cfg.steps)
 
@@ -413,6 +414,7 @@ def run(cfg: Config) -> int:
 
     def figures() -> dict:
         return {"env_steps": steps_done, "env_errors": envs.errors,
+                "policy_version": acting_version,
                 "agents_vanished": envs.agents_vanished, **rejects.figures()}
 
     poller = zmq.Poller()
@@ -443,7 +445,7 @@ def run(cfg: Config) -> int:
                     if problem:
                         rejects.refuse("broker", p.ProtocolError("bad actions", problem))
                         continue
-                    seq = msg.seq
+                    seq, acting_version = msg.seq, msg.policy_version
                     acting = int(envs.alive.sum())  # agent steps this batch takes
                     with BUSY_BEATS:
                         result = envs.step(msg.actions, options)

@@ -1,0 +1,133 @@
+"""`stepbus status`: one table of every live process from the controller, `--json` for scripts,
+`--watch` in place until Ctrl-C, and exit 2 naming the address when nobody answers."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+
+import zmq
+from conftest import Cluster, act_as_trainer, send_message, status_rows, wait_for
+from stepbus.bus import protocol as p
+
+from stepbus import status
+
+COLUMNS = ["ROLE", "NAME", "HOST", "PID", "UP", "BEAT", "STEPS/S", "QUEUES", "DROPPED",
+           "REJECTED", "VERSION", "LAG", "DATA LAG"]
+
+
+def parse_table(text: str) -> tuple[str, list[dict[str, str]]]:
+    """The header line and one dict per row, cells cut at the column headings' offsets."""
+    head, columns, *lines = text.rstrip("\n").splitlines()
+    starts = [columns.index(name) for name in COLUMNS]
+    assert starts == sorted(starts), columns
+    bounds = list(zip(starts, [*starts[1:], None], strict=True))
+    rows = [{name: line[a:b].strip() for name, (a, b) in zip(COLUMNS, bounds, strict=True)}
+            for line in lines]
+    return head, rows
+
+
+def test_status_shows_every_live_process_with_rates_queues_versions_and_lag(cluster: Cluster):
+    cluster.start_all(trainer_args=("--target-return", "0"), workers=2)
+    wait_for(lambda: len(cluster.metrics()) >= 3, 60, "training under way")
+
+    def settled() -> list[dict]:
+        """Rows once every stepping process has a step rate."""
+        rows = status_rows(cluster)
+        ready = (len(rows) == 7 and all(r.get("steps_per_s") for r in rows
+                                        if r["role"] in ("broker", "worker", "trainer")))
+        return rows if ready else []
+
+    rows = wait_for(settled, 30, "rates and lags in every row")
+    for row in rows:
+        assert {"role", "name", "host", "pid", "uptime_s", "last_heartbeat_s"} <= row.keys()
+        assert 0 <= row["last_heartbeat_s"] < 1.5 and row["uptime_s"] > 0
+    acting = [r for r in rows if r["role"] in ("broker", "worker", "trainer")]
+    assert all(isinstance(r["policy_lag"], int) and r["policy_lag"] >= 0 for r in acting)
+
+    res = cluster.cli("status")
+    assert res.returncode == 0, res.stderr
+    head, table = parse_table(res.stdout)
+    assert re.match(r"run \S+, epoch 0, 7 processes, newest policy version \d+$", head), head
+    assert [r["ROLE"] for r in table] == ["controller", "broker", "assembler", "slot", "trainer",
+                                          "worker", "worker"]
+    by_role = {r["ROLE"]: r for r in table}
+    assert by_role["broker"]["STEPS/S"].isdigit() and by_role["worker"]["STEPS/S"].isdigit()
+    assert re.fullmatch(r"ahead \d+/\d+", by_role["broker"]["QUEUES"])
+    assert re.fullmatch(r"held \d+ untaken \d+ unlearned \d+", by_role["assembler"]["QUEUES"])
+    assert by_role["trainer"]["VERSION"].isdigit() and by_role["trainer"]["LAG"].isdigit()
+    assert by_role["slot"]["VERSION"] == "-" and by_role["slot"]["STEPS/S"] == "-"
+    assert by_role["controller"]["QUEUES"] == "-"
+    assert all(r["PID"].isdigit() and r["BEAT"].endswith("s") for r in table)
+
+
+def test_a_broker_acting_with_old_weights_shows_how_many_versions_it_lags(cluster: Cluster):
+    for role in ("controller", "broker", "assembler"):
+        cluster.start(role)
+    cluster.start("worker", "--envs-per-worker", "2", "--name", "w")
+    trainer, pull = act_as_trainer(cluster, obs_dim=4)  # the broker acts with version 1
+    # ...while a learner tells the controller it has made version 5 (weights not sent yet).
+    learner = cluster.socket(zmq.DEALER, cluster.endpoints["controller"])
+
+    def lags() -> dict[str, int]:
+        send_message(learner, p.Heartbeat(role="trainer", name="fake", host="h", pid=1,
+                                          leaving=False, figures={"policy_version": 5}))
+        rows = status_rows(cluster)
+        found = {r["role"]: r.get("policy_lag") for r in rows if r.get("policy_version", -1) > 0}
+        return found if len(found) == 3 else {}
+
+    assert wait_for(lags, 30, "the broker and the worker acting with version 1") == {
+        "broker": 4, "worker": 4, "trainer": 0}
+    for sock in (trainer, pull, learner):
+        sock.close()
+
+
+def test_status_watch_redraws_in_place_and_ctrl_c_exits_0(cluster: Cluster):
+    cluster.start("controller")
+    wait_for(lambda: status_rows(cluster), 30, "the controller to answer")
+    screen, lines = cluster.start("status", "--watch", "0.2"), cluster.start(
+        "status", "--watch", "0.2", "--json")
+    # three refreshes each, so the watchers kept going after their first frame
+    wait_for(lambda: screen.output().count(status.HOME) >= 3, 30, "three redrawn frames")
+    wait_for(lambda: lines.output().count("\n") >= 3, 30, "three JSON lines")
+    for proc in (screen, lines):
+        proc.signal(signal.SIGINT)
+        assert proc.wait(10) == 0, proc.output()[-2000:]
+        assert "Traceback" not in proc.output()
+    out = screen.output()
+    assert out.startswith(status.CLEAR_SCREEN + status.HOME), "clears once, then redraws"
+    frames = out.split(status.HOME)[1:]
+    assert all("every 0.2s at" in f and "ROLE" in f and "controller" in f for f in frames)
+    docs = [json.loads(line) for line in lines.output().splitlines() if line]
+    assert len(docs) >= 3 and all(d["processes"][0]["role"] == "controller" for d in docs)
+
+
+def test_status_exits_2_naming_the_address_when_no_controller_answers(cluster: Cluster):
+    address = "tcp://127.0.0.1:9"
+    for extra in ((), ("--json",), ("--watch", "0.2")):
+        t0 = time.monotonic()
+        res = cluster.cli("status", "--controller", address, "--timeout", "0.5", *extra)
+        assert res.returncode == 2, (extra, res.stdout, res.stderr)
+        assert f"controller unreachable at {address}" in res.stderr
+        assert res.stdout == "" and "Traceback" not in res.stderr
+        assert time.monotonic() - t0 < 10, "within the timeout (plus the CLI's start-up)"
+
+
+def test_the_table_shows_a_dash_where_a_process_has_no_such_figure():
+    text = status.table({"run_id": "r", "epoch": 3, "processes": [
+        {"role": "worker", "name": "w", "host": "h", "pid": 7, "uptime_s": 3725.0,
+         "last_heartbeat_s": 0.25, "policy_version": -1},
+        {"role": "broker", "name": "b", "host": "h", "pid": 8, "uptime_s": 61.0,
+         "last_heartbeat_s": 0.0, "steps_per_s": 812.4, "outstanding_steps": 10,
+         "credit_window": 20, "stale_dropped": 2, "experience_dropped": 1, "rejected": 4,
+         "policy_version": 9, "policy_lag": 0}]})
+    head, (broker, worker) = parse_table(text)
+    assert head == "run r, epoch 3, 2 processes, newest policy version 9"
+    assert broker == {"ROLE": "broker", "NAME": "b", "HOST": "h", "PID": "8", "UP": "1m01s",
+                      "BEAT": "0.0s", "STEPS/S": "812", "QUEUES": "ahead 10/20",
+                      "DROPPED": "3", "REJECTED": "4", "VERSION": "9", "LAG": "0",
+                      "DATA LAG": "-"}
+    assert worker["UP"] == "1h02m"
+    assert [worker[c] for c in COLUMNS[6:]] == ["-"] * 7
