@@ -1,0 +1,662 @@
+"""Steps per second of the stepbus pipeline next to Python's vectorizers, in one invocation.
+
+    python benchmarks/throughput.py                    # every scenario, full grids (~10 min)
+    python benchmarks/throughput.py --quick            # smaller grids, shorter windows
+    python benchmarks/throughput.py --scenario cartpole --seconds 5
+    python benchmarks/throughput.py --smoke            # ~10 s: proves it still works
+
+Scenarios (the envs ship in `stepbus.workers.bench_envs`):
+- cartpole: CartPole-v1, stepbus at envs per worker 1, 8, 32, 128 and workers 1, 2, 4.
+- heavy: steps cost 1 ms of CPU (p 0.9) or 10 ms (p 0.1); figures as % of the ideal,
+  cores / mean step time.
+- frames: 84x84x4 uint8 observations at about zero step cost, against AsyncVectorEnv with
+  shared memory.
+- scaling: a 1 ms CPU-bound env with 1, 2, 4, 8, 16 workers.
+
+stepbus runs as real processes (controller, broker, workers, assembler, and a trainer slot whose
+learner consumes with `stepbus.trainer.consume:ConsumeOnly`, so the consumer is not the
+bottleneck; the broker still infers with a real 64-64 MLP). Its figure is the assembler's step
+count over a measured window after warm-up, read from the controller's status (the same figures
+`stepbus status` prints); the learner's count and each process's CPU use over the window are
+kept too. Peers run in a child process each, with random actions: gymnasium's AsyncVectorEnv
+(best over env counts and start methods), Stable-Baselines3's SubprocVecEnv, PufferLib's
+multiprocessing backend and EnvPool when importable (never required), and one process stepping
+one env in a loop (the per-core ceiling). Every process started is in a process group of its
+own, killed on every way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+CONSUME = "stepbus.trainer.consume:ConsumeOnly"
+ENVS = {"cartpole": "CartPole-v1",
+        "heavy": "stepbus.workers.bench_envs:heavy_tailed",
+        "frames": "stepbus.workers.bench_envs:frames",
+        "scaling": "stepbus.workers.bench_envs:cpu_bound"}
+SCENARIOS = tuple(ENVS)
+PEER_TIMEOUT_S = 90.0  # one peer measurement, start-up and teardown included
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """One stepbus configuration."""
+
+    workers: int
+    envs_per_worker: int
+    hidden: str = ""  # the policy MLP's widths (`--hidden`); "" for the default 64,64
+
+    def label(self) -> str:
+        return f"{self.workers}w x {self.envs_per_worker}" + (
+            f", mlp {self.hidden}" if self.hidden else "")
+
+
+def grid(workers: tuple[int, ...], envs: tuple[int, ...], hidden: str = "") -> list[Setup]:
+    return [Setup(w, k, hidden) for w in workers for k in envs]
+
+
+@dataclasses.dataclass
+class Plan:
+    """What one scenario measures."""
+
+    stepbus: list[Setup]
+    async_envs: list[int]  # AsyncVectorEnv env counts
+    methods: list[str]  # multiprocessing start methods for the peers
+    others: bool = True  # SB3 / PufferLib / EnvPool when importable
+
+
+def plans(mode: str) -> dict[str, Plan]:
+    """The grids per scenario; `mode` is full, quick or smoke."""
+    if mode == "smoke":
+        return {"cartpole": Plan(stepbus=grid((1,), (8,)), async_envs=[2], methods=["fork"],
+                                 others=False)}
+    # Frames: the default 64-64 MLP's first layers (28,224 inputs each, for the policy and the
+    # value) cost the broker ~0.34 ms per observation, more than moving the frame; a 1-unit MLP
+    # measures the pipeline's data path, the default one what a pixel MLP costs.
+    if mode == "quick":
+        return {"cartpole": Plan(stepbus=grid((1,), (8, 32)) + grid((2,), (32,)),
+                                 async_envs=[4, 16], methods=["fork"]),
+                "heavy": Plan(stepbus=grid((2,), (1, 8)), async_envs=[2, 16], methods=["fork"]),
+                "frames": Plan(stepbus=grid((1, 2), (8,), "1") + grid((2,), (8,)),
+                               async_envs=[4, 16], methods=["fork"]),
+                "scaling": Plan(stepbus=grid((1, 2, 4, 16), (8,)), async_envs=[],
+                                methods=["fork"], others=False)}
+    return {"cartpole": Plan(stepbus=grid((1, 2, 4), (1, 8, 32, 128)),
+                             async_envs=[2, 4, 8, 16], methods=["fork", "forkserver", "spawn"]),
+            "heavy": Plan(stepbus=grid((2, 4), (1, 8)), async_envs=[2, 4, 8, 16],
+                          methods=["fork"]),
+            "frames": Plan(stepbus=grid((1, 2), (8, 32), "1") + grid((2,), (8,)),
+                           async_envs=[2, 4, 8, 16], methods=["fork", "forkserver"]),
+            "scaling": Plan(stepbus=grid((1, 2, 4, 8, 16), (8,)), async_envs=[2, 16],
+                            methods=["fork"], others=False)}
+
+
+@dataclasses.dataclass
+class Row:
+    scenario: str
+    system: str
+    config: str
+    envs: int
+    steps_per_s: float | None
+    note: str = ""
+    detail: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- process groups
+
+class Group:
+    """Processes each in a session (process group) of its own, so a kill reaches their
+    children too; `close` ends them all: SIGTERM, then SIGKILL for what is left."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, argv: list[str], **kwargs: Any) -> subprocess.Popen:
+        proc = subprocess.Popen(argv, start_new_session=True, **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def close(self, grace_s: float = 5.0) -> None:
+        for proc in self.procs:
+            _killpg(proc, signal.SIGCONT)  # a profiler may have paused one
+            _killpg(proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.05, deadline - time.monotonic()))
+        for proc in self.procs:  # also the group's children that outlived their leader
+            _killpg(proc, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+        self.procs.clear()
+
+
+def _killpg(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def _stat(pid: int | str) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process so far (None once it is gone)."""
+    fields = _stat(pid)
+    return None if fields is None else (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def groups_cpu(pgids: set[int]) -> float:
+    """CPU seconds used so far by the live processes of these process groups."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat(entry)
+            if fields is not None and int(fields[2]) in pgids:
+                total += int(fields[11]) + int(fields[12])
+    return total / CLK_TCK
+
+
+def machine_busy() -> float:
+    """CPU seconds every core of the machine has spent not idle, so far."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + values[4]  # idle, iowait
+    return (sum(values[:8]) - idle) / CLK_TCK
+
+
+class LoadMeter:
+    """How much CPU processes outside the given process groups used over a window, in % of
+    one core: the noise figure, since other people's work on a shared machine changes ours."""
+
+    def __init__(self, pgids: set[int]) -> None:
+        self.pgids = pgids
+        self.t0, self.busy0, self.ours0 = time.monotonic(), machine_busy(), groups_cpu(pgids)
+
+    def other_percent(self) -> float:
+        window = max(time.monotonic() - self.t0, 1e-9)
+        ours = groups_cpu(self.pgids) - self.ours0
+        return max(0.0, 100 * (machine_busy() - self.busy0 - ours) / window)
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# ----------------------------------------------------------------------------- stepbus
+
+class Pipeline:
+    """The five stepbus roles as real processes on ipc:// (or TCP loopback) endpoints."""
+
+    def __init__(self, group: Group, env: str, setup: Setup, transport: str,
+                 batch_steps: int) -> None:
+        from stepbus.bus import wiring
+
+        self.dir = Path(tempfile.mkdtemp(prefix="sb-tp-"))
+        names = list(wiring.ENDPOINTS)
+        if transport == "tcp":
+            ports = wiring.free_tcp_ports(len(names))
+            self.endpoints = {n: f"tcp://127.0.0.1:{port}" for n, port in zip(names, ports,
+                                                                              strict=True)}
+        else:  # ipc paths must stay short (108 bytes): a short temp dir
+            self.endpoints = {n: f"ipc://{self.dir}/{n}" for n in names}
+        env_vars = dict(os.environ)
+        env_vars.pop("HONCHO_PROCESS_NAME", None)
+        env_vars.update({spec.env_var: self.endpoints[n] for n, spec in wiring.ENDPOINTS.items()})
+        env_vars["STEPBUS_RUNS_DIR"] = str(self.dir / "runs")
+        env_vars["STEPBUS_LOG_LEVEL"] = "WARNING"
+        self.group, self.env_vars, self.workers = group, env_vars, setup.workers
+        self.start("controller")
+        self.start("broker")
+        self.start("assembler")
+        for i in range(setup.workers):
+            self.start("worker", "--name", f"w{i}", "--worker-index", str(i), "--env", env,
+                       "--envs-per-worker", str(setup.envs_per_worker))
+        self.start("trainer", "--algo", CONSUME, "--target-return", "0", "--batch-steps",
+                   str(batch_steps), "--checkpoint-interval-s", "3600",
+                   *(("--hidden", setup.hidden) if setup.hidden else ()))
+
+    def start(self, role: str, *args: str) -> None:
+        log = open(self.dir / f"{role}-{len(self.group.procs)}.log", "wb")  # noqa: SIM115
+        with log:
+            self.group.start([sys.executable, "-m", "stepbus", role, *args], stdout=log,
+                             stderr=subprocess.STDOUT, env=self.env_vars, cwd=self.dir)
+
+    def status(self, timeout_s: float = 3.0) -> tuple[float, list[dict]]:
+        """(when the reply came, monotonic; status rows) from the controller."""
+        import zmq
+        from stepbus.bus import node, wiring
+        from stepbus.bus import protocol as p
+
+        from stepbus.cli import STATUS_REPLY_MAX_BYTES
+
+        ctx = zmq.Context.instance()
+        sock = wiring.socket(ctx, zmq.DEALER, connect=self.endpoints["controller"])
+        try:
+            node.send(sock, p.StatusRequest())
+            deadline = time.monotonic() + timeout_s
+            while (left := deadline - time.monotonic()) > 0:
+                if sock.poll(left * 1000):
+                    msg = p.decode(sock.recv_multipart(copy=False),
+                                   max_header_bytes=STATUS_REPLY_MAX_BYTES)
+                    if isinstance(msg, p.StatusReply):
+                        return time.monotonic(), msg.processes
+            raise TimeoutError(f"the controller at {self.endpoints['controller']} did not answer")
+        finally:
+            sock.close(0)
+
+    def check_alive(self) -> None:
+        dead = [proc for proc in self.group.procs if proc.poll() is not None]
+        if dead:
+            raise RuntimeError(f"{' '.join(map(str, dead[0].args[3:5]))} exited "
+                               f"{dead[0].returncode}\n{self.logs()}")
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {path.name}\n{path.read_text(errors='replace')[-1500:]}"
+                         for path in sorted(self.dir.glob("*.log")))
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until every worker is served and trajectories reach the learner."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            with contextlib.suppress(TimeoutError):
+                _, rows = self.status(1.0)
+                broker = _row(rows, "broker")
+                learner = _row(rows, "trainer")
+                if (broker and broker.get("workers") == self.workers and learner
+                        and (learner.get("env_steps") or 0) > 0):
+                    return
+            time.sleep(0.2)  # a benchmark waiting for start-up, not a test's synchronisation
+        raise TimeoutError(f"pipeline not stepping within {timeout_s:.0f}s\n{self.logs()}")
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _row(rows: list[dict], role: str) -> dict | None:
+    return next((r for r in rows if r.get("role") == role), None)
+
+
+def _counts(t: float, rows: list[dict]) -> dict[str, tuple[float, float]]:
+    """(time the figures were sent, cumulative steps) for the assembler and the learner."""
+    out = {}
+    for role, key in (("assembler", "steps"), ("trainer", "env_steps")):
+        row = _row(rows, role)
+        if row is not None and isinstance(row.get(key), int):
+            out[role] = (t - float(row.get("last_heartbeat_s", 0.0)), float(row[key]))
+    return out
+
+
+def measure_stepbus(env: str, setup: Setup, args: argparse.Namespace,
+                    on_running: Callable[[Pipeline, list[dict]], None] | None = None) -> Row:
+    group = Group()
+    pipeline = None
+    try:
+        pipeline = Pipeline(group, env, setup, args.transport, args.batch_steps)
+        pipeline.wait_ready(30 + 3 * setup.workers)
+        time.sleep(args.warmup)
+        t0, rows0 = pipeline.status()
+        pids = {f"{r['role']}:{r['name']}": r["pid"] for r in rows0 if isinstance(r.get("pid"),
+                                                                                   int)}
+        cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()}
+        meter = LoadMeter({proc.pid for proc in group.procs})
+        if on_running is not None:
+            on_running(pipeline, rows0)  # e.g. a profiler, for the window's length
+        time.sleep(args.seconds)
+        pipeline.check_alive()
+        t1, rows1 = pipeline.status()
+        cpu1 = {k: cpu_seconds(pid) for k, pid in pids.items()}
+        other = meter.other_percent()
+        c0, c1 = _counts(t0, rows0), _counts(t1, rows1)
+        rates = {role: (c1[role][1] - c0[role][1]) / max(c1[role][0] - c0[role][0], 1e-9)
+                 for role in c0.keys() & c1.keys()}
+        window = t1 - t0
+        cpu = {k: round(100 * (cpu1[k] - cpu0[k]) / window)
+               for k in pids if cpu0[k] is not None and cpu1[k] is not None}
+        busiest = sorted(cpu.items(), key=lambda kv: -kv[1])[:2]
+        broker = _row(rows1, "broker") or {}
+        return Row("", "stepbus", setup.label(), setup.workers * setup.envs_per_worker,
+                   rates.get("assembler"),
+                   f"other load {other:.0f}%; cpu " + ", ".join(
+                       f"{k.split(':')[0]} {v}%" for k, v in busiest),
+                   {"other_load_percent": round(other),
+                    "learner_steps_per_s": round(rates.get("trainer", 0.0)),
+                    "broker_steps_per_s": broker.get("steps_per_s"), "cpu_percent": cpu,
+                    "outstanding": broker.get("outstanding_steps"),
+                    "credit_window": broker.get("credit_window")})
+    except (RuntimeError, TimeoutError) as exc:
+        return Row("", "stepbus", setup.label(), setup.workers * setup.envs_per_worker,
+                   None, f"failed: {str(exc).splitlines()[0]}",
+                   {"logs": pipeline.logs() if pipeline else ""})
+    finally:
+        group.close()
+        if pipeline is not None:
+            pipeline.close()
+
+
+# ----------------------------------------------------------------------------- peers
+
+def run_peer(spec: dict[str, Any], timeout_s: float = PEER_TIMEOUT_S) -> dict[str, Any]:
+    """One peer measurement in a child process (its own process group, killed on the way
+    out), so the peers' subprocesses can never outlive the benchmark."""
+    group = Group()
+    try:
+        proc = group.start([sys.executable, __file__, "--peer", json.dumps(spec)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"error": f"no result within {timeout_s:.0f}s"}
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            return {"error": (err.strip().splitlines() or [f"exit {proc.returncode}"])[-1]}
+        return json.loads(lines[-1])
+    finally:
+        group.close(grace_s=2.0)
+
+
+def _timed(step: Callable[[], None], per_call: int, seconds: float,
+           warmup: float) -> tuple[float, float]:
+    """Steps/s of `step` (each call takes `per_call` env steps) over `seconds` after warm-up,
+    and the CPU other processes than this one's group used meanwhile (% of one core)."""
+    end = time.perf_counter() + warmup
+    while time.perf_counter() < end:
+        step()
+    meter = LoadMeter({os.getpgrp()})  # run_peer started us as a group leader
+    calls, t0 = 0, time.perf_counter()
+    while (t := time.perf_counter()) - t0 < seconds:
+        step()
+        calls += 1
+    return calls * per_call / (t - t0), meter.other_percent()
+
+
+def _action_n(env: Any) -> int:
+    return int(env.action_space.n)
+
+
+def peer_main(spec: dict[str, Any]) -> int:
+    """Child side of `run_peer`: measure, print one JSON line."""
+    from stepbus.workers.envs import make_env
+
+    kind, env_id, n = spec["kind"], spec["env"], spec.get("num_envs", 1)
+    method, seconds, warmup = spec.get("method", "fork"), spec["seconds"], spec["warmup"]
+    rng = np.random.default_rng(0)
+    make = functools.partial(make_env, env_id)
+    if kind == "loop":
+        env = make()
+        actions = rng.integers(_action_n(env), size=4096).tolist()
+        env.reset(seed=0)
+        i = 0
+
+        def step() -> None:
+            nonlocal i
+            _, _, terminated, truncated, _ = env.step(actions[i & 4095])
+            i += 1
+            if terminated or truncated:
+                env.reset()
+
+        rate, other = _timed(step, 1, seconds, warmup)
+    elif kind == "async":
+        import gymnasium as gym
+
+        vec = gym.vector.AsyncVectorEnv([make] * n, shared_memory=spec.get("shared", True),
+                                        context=method)
+        try:
+            vec.reset(seed=0)
+            actions = rng.integers(int(vec.single_action_space.n), size=(256, n))
+            i = 0
+
+            def step() -> None:
+                nonlocal i
+                vec.step(actions[i & 255])
+                i += 1
+
+            rate, other = _timed(step, n, seconds, warmup)
+        finally:
+            vec.close(terminate=True)
+    elif kind == "sb3":
+        from stable_baselines3.common.vec_env import SubprocVecEnv
+
+        vec = SubprocVecEnv([make] * n, start_method=method)
+        try:
+            vec.reset()
+            actions = rng.integers(int(vec.action_space.n), size=(256, n))
+            i = 0
+
+            def step() -> None:
+                nonlocal i
+                vec.step(actions[i & 255])
+                i += 1
+
+            rate, other = _timed(step, n, seconds, warmup)
+        finally:
+            vec.close()
+    elif kind == "puffer":
+        import pufferlib.emulation
+        import pufferlib.vector
+
+        def creator(**kwargs: Any) -> Any:
+            return pufferlib.emulation.GymnasiumPufferEnv(env_creator=make)
+
+        vec = pufferlib.vector.make(creator, num_envs=n, num_workers=spec["workers"],
+                                    batch_size=n // 2 or 1,
+                                    backend=pufferlib.vector.Multiprocessing)
+        try:
+            vec.async_reset(0)
+            batch = n // 2 or 1
+            actions = rng.integers(2, size=(256, batch))
+            i = 0
+
+            def step() -> None:
+                nonlocal i
+                vec.recv()
+                vec.send(actions[i & 255])
+                i += 1
+
+            rate, other = _timed(step, batch, seconds, warmup)
+        finally:
+            vec.close()
+    elif kind == "envpool":
+        import envpool
+
+        pool = envpool.make_gymnasium(env_id, num_envs=n, batch_size=n // 2 or 1)
+        try:
+            pool.async_reset()
+            batch = n // 2 or 1
+            actions = rng.integers(2, size=(256, batch))
+            i = 0
+
+            def step() -> None:
+                nonlocal i
+                info = pool.recv()[-1]
+                pool.send(actions[i & 255], info["env_id"])
+                i += 1
+
+            rate, other = _timed(step, batch, seconds, warmup)
+        finally:
+            pool.close()
+    else:
+        raise SystemExit(f"unknown peer kind {kind}")
+    print(json.dumps({"steps_per_s": rate, "other_load_percent": round(other)}), flush=True)
+    return 0
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def measure_peers(scenario: str, plan: Plan, args: argparse.Namespace) -> list[Row]:
+    env = ENVS[scenario]
+    timing = {"seconds": args.seconds, "warmup": args.warmup}
+    rows = []
+
+    def peer(system: str, config: str, envs: int, spec: dict[str, Any]) -> None:
+        result = run_peer({"env": env, **timing, **spec})
+        note = (f"failed: {result['error']}" if "error" in result
+                else f"other load {result['other_load_percent']}%")
+        rows.append(Row(scenario, system, config, envs, result.get("steps_per_s"), note))
+        progress(rows[-1])
+
+    peer("1 process, 1 env", "loop", 1, {"kind": "loop"})
+    shared = True  # gymnasium's default; what the frames scenario is asked to compare with
+    for n in plan.async_envs:
+        for method in plan.methods:
+            peer("AsyncVectorEnv", f"{n} envs, {method}{', shm' if shared else ''}", n,
+                 {"kind": "async", "num_envs": n, "method": method, "shared": shared})
+    if plan.others and plan.async_envs:
+        if _importable("stable_baselines3"):
+            for n in plan.async_envs:
+                peer("SB3 SubprocVecEnv", f"{n} envs, forkserver", n,
+                     {"kind": "sb3", "num_envs": n, "method": "forkserver"})
+        if _importable("pufferlib"):
+            for n in plan.async_envs:
+                peer("PufferLib mp", f"{n} envs, 2 workers", n,
+                     {"kind": "puffer", "num_envs": max(n, 2), "workers": 2})
+        if _importable("envpool") and env == "CartPole-v1":
+            for n in plan.async_envs:
+                peer("EnvPool", f"{n} envs, async", n, {"kind": "envpool", "num_envs": n})
+    for row in rows:
+        row.scenario = scenario
+    return rows
+
+
+# ----------------------------------------------------------------------------- report
+
+def progress(row: Row) -> None:
+    """One line per figure as it comes (stderr), so a long run shows it is alive."""
+    print(f"# {row.scenario} {row.system} {row.config}: {row.steps_per_s or 0:.0f} steps/s "
+          f"{row.note}", file=sys.stderr, flush=True)
+
+
+def machine() -> dict[str, Any]:
+    import gymnasium
+    import zmq
+
+    model = next((line.split(":", 1)[1].strip() for line in
+                  Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor() or "unknown")
+    return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "cores": os.cpu_count(), "cpu": model, "python": platform.python_version(),
+            "numpy": np.__version__, "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(),
+            "gymnasium": gymnasium.__version__, "load": os.getloadavg()}
+
+
+def heavy_ideal(cores: int) -> float:
+    from stepbus.workers.bench_envs import HEAVY_TAILED_MEAN_MS
+
+    return cores / (HEAVY_TAILED_MEAN_MS / 1000)
+
+
+def table(rows: list[Row], cores: int) -> str:
+    lines = [f"{'scenario':<9} {'system':<18} {'config':<22} {'envs':>5} {'steps/s':>10} "
+             f"{'vs AVE best':>11}  note"]
+    for scenario in dict.fromkeys(r.scenario for r in rows):
+        group = [r for r in rows if r.scenario == scenario]
+        best = max((r.steps_per_s or 0 for r in group if r.system == "AsyncVectorEnv"),
+                   default=0)
+        stepbus_one = next((r.steps_per_s for r in group
+                            if r.system == "stepbus" and r.config == "1w x 8"), None)
+        for r in group:
+            rate = f"{r.steps_per_s:10.0f}" if r.steps_per_s else f"{'-':>10}"
+            ratio = (f"{r.steps_per_s / best:10.2f}x" if best and r.steps_per_s
+                     else f"{'-':>11}")
+            note = r.note
+            if scenario == "heavy" and r.steps_per_s:
+                note = f"{100 * r.steps_per_s / heavy_ideal(cores):.0f}% of ideal; {note}"
+            if scenario == "scaling" and r.system == "stepbus" and r.steps_per_s and stepbus_one:
+                note = f"{r.steps_per_s / stepbus_one:.2f}x 1 worker; {note}"
+            lines.append(f"{r.scenario:<9} {r.system:<18} {r.config:<22} {r.envs:>5} {rate} "
+                         f"{ratio}  {note}".rstrip())
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenario", choices=("all", *SCENARIOS), default="all")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="measured window per figure (default 5; --quick 3; --smoke 1)")
+    parser.add_argument("--warmup", type=float, default=None,
+                        help="seconds of stepping before each window (default 2; --smoke 0.5)")
+    parser.add_argument("--quick", action="store_true", help="smaller grids")
+    parser.add_argument("--smoke", action="store_true",
+                        help="about 10 s in all: CartPole, tiny counts, to prove it still works")
+    parser.add_argument("--transport", choices=("ipc", "tcp"), default="ipc",
+                        help="stepbus endpoints: ipc:// in a temp dir, or TCP loopback")
+    parser.add_argument("--batch-steps", type=int, default=2048,
+                        help="the consuming learner's batch (sets the broker's credit window)")
+    parser.add_argument("--json", type=Path, default=None, help="also write every row here")
+    parser.add_argument("--peer", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.peer:
+        return peer_main(json.loads(args.peer))
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    args.seconds = args.seconds or {"smoke": 1.0, "quick": 3.0, "full": 5.0}[mode]
+    args.warmup = args.warmup if args.warmup is not None else (0.5 if args.smoke else 2.0)
+    signal.signal(signal.SIGTERM, _exit_on_signal)  # so every `finally` kills what it started
+
+    info = machine()
+    chosen = plans(mode)
+    scenarios = [s for s in chosen if args.scenario in ("all", s)]
+    if not scenarios:
+        parser.error(f"--scenario {args.scenario} is not part of the {mode} run")
+    rows: list[Row] = []
+    for scenario in scenarios:
+        plan = chosen[scenario]
+        rows.extend(measure_peers(scenario, plan, args))
+        for setup in plan.stepbus:
+            row = measure_stepbus(ENVS[scenario], setup, args)
+            row.scenario = scenario
+            rows.append(row)
+            progress(row)
+    load_after = os.getloadavg()
+    cores = int(info["cores"] or 1)
+    print(f"date: {info['date']}")
+    print(f"machine: {cores} cores, {info['cpu']}, Python {info['python']}, numpy "
+          f"{info['numpy']}, pyzmq {info['pyzmq']} / libzmq {info['libzmq']}, gymnasium "
+          f"{info['gymnasium']}")
+    print("load average (1, 5, 15 min): before {:.2f} {:.2f} {:.2f}, after {:.2f} {:.2f} {:.2f}"
+          .format(*info["load"], *load_after))
+    print(f"command: {shlex.join([Path(sys.executable).name, *sys.argv])}")
+    print(f"stepbus: {args.transport} endpoints, learner {CONSUME}, batch {args.batch_steps}; "
+          f"window {args.seconds:g} s after {args.warmup:g} s warm-up; "
+          f"heavy ideal {heavy_ideal(cores):.0f} steps/s")
+    print(table(rows, cores))
+    if args.json is not None:
+        args.json.write_text(json.dumps({"machine": info, "command": sys.argv,
+                                         "rows": [dataclasses.asdict(r) for r in rows]},
+                                        indent=1))
+    failed = [r for r in rows if r.system == "stepbus" and not r.steps_per_s]
+    for r in failed:
+        print(f"\n{r.scenario} {r.config} failed:\n{r.detail.get('logs', '')}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
