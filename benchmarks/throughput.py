@@ -309,7 +309,9 @@ def _counts(t: float, rows: list[dict]) -> dict[str, tuple[float, float]]:
 
 
 def measure_stepbus(env: str, setup: Setup, args: argparse.Namespace,
-                    on_running: Callable[[Pipeline, list[dict]], None] | None = None) -> Row:
+                    on_running: Callable[[list[dict]], Callable[[], None]] | None = None) -> Row:
+    """One stepbus figure; `on_running(status rows)` is called as the window opens (a profiler)
+    and what it returns as the window closes."""
     group = Group()
     pipeline = None
     try:
@@ -321,13 +323,14 @@ def measure_stepbus(env: str, setup: Setup, args: argparse.Namespace,
                                                                                    int)}
         cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()}
         meter = LoadMeter({proc.pid for proc in group.procs})
-        if on_running is not None:
-            on_running(pipeline, rows0)  # e.g. a profiler, for the window's length
+        window_closed = on_running(rows0) if on_running is not None else None
         time.sleep(args.seconds)
         pipeline.check_alive()
         t1, rows1 = pipeline.status()
         cpu1 = {k: cpu_seconds(pid) for k, pid in pids.items()}
         other = meter.other_percent()
+        if window_closed is not None:
+            window_closed()
         c0, c1 = _counts(t0, rows0), _counts(t1, rows1)
         rates = {role: (c1[role][1] - c0[role][1]) / max(c1[role][0] - c0[role][0], 1e-9)
                  for role in c0.keys() & c1.keys()}
@@ -353,6 +356,72 @@ def measure_stepbus(env: str, setup: Setup, args: argparse.Namespace,
         group.close()
         if pipeline is not None:
             pipeline.close()
+
+
+# ----------------------------------------------------------------------------- profiles
+
+PROFILED = ("broker", "worker", "assembler", "trainer")  # one of each role (trainer: learner)
+
+
+def profile(args: argparse.Namespace, label: str, rows: list[dict]) -> Callable[[], None]:
+    """Start py-spy on one process of each role for the window; returns what ends it and
+    writes DIR/<label>-<role>.txt (collapsed stacks) and DIR/<label>.summary.txt."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    args.profile.mkdir(parents=True, exist_ok=True)
+    name = "".join(c if c.isalnum() or c in "-." else "_" for c in label)
+    group, outputs = Group(), {}
+    for role in PROFILED:
+        row = _row(rows, role)
+        if row is None:
+            continue
+        outputs[role] = args.profile / f"{name}-{role}.txt"
+        # --idle: waiting in poll shows as such; --nonblocking: never pause the process.
+        group.start([spy, "record", "--pid", str(row["pid"]), "--duration",
+                     str(max(1, round(args.seconds))), "--rate", "100", "--idle",
+                     "--nonblocking", "--format", "raw", "-o", str(outputs[role])],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def window_closed() -> None:
+        deadline = time.monotonic() + 10
+        for proc in group.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.05, deadline - time.monotonic()))
+        group.close()
+        text = "\n\n".join(summarise(role, path) for role, path in outputs.items())
+        (args.profile / f"{name}.summary.txt").write_text(text + "\n")
+        print(text, file=sys.stderr, flush=True)
+
+    return window_closed
+
+
+def summarise(role: str, path: Path, top: int = 12) -> str:
+    """Top functions of one py-spy raw profile: % of samples spent in each function itself
+    (self) and with it on the stack (inclusive)."""
+    own: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    total = 0
+    with contextlib.suppress(OSError):
+        for line in path.read_text().splitlines():
+            stack, _, count_text = line.rpartition(" ")
+            if not count_text.isdigit():
+                continue
+            count = int(count_text)
+            frames = [f for f in stack.split(";") if not f.startswith(("process ", "thread "))]
+            total += count
+            if frames:
+                own[frames[-1]] = own.get(frames[-1], 0) + count
+            for frame in set(frames):
+                inclusive[frame] = inclusive.get(frame, 0) + count
+    if not total:
+        return f"{role}: no samples ({path})"
+    lines = [f"{role}: {total} samples ({path.name})", "  self%  incl%  function"]
+    for frame, count in sorted(own.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {100 * count / total:5.1f}  {100 * inclusive[frame] / total:5.1f}  "
+                     f"{frame}")
+    lines.append("  inclusive, top:")
+    for frame, count in sorted(inclusive.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {'':5}  {100 * count / total:5.1f}  {frame}")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- peers
@@ -608,6 +677,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-steps", type=int, default=2048,
                         help="the consuming learner's batch (sets the broker's credit window)")
     parser.add_argument("--json", type=Path, default=None, help="also write every row here")
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                        help="py-spy (if installed) records the broker, one worker, the "
+                             "assembler and the learner over each stepbus window: raw stacks "
+                             "and a summary of the top functions go to DIR")
     parser.add_argument("--peer", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.peer:
@@ -627,7 +700,9 @@ def main(argv: list[str] | None = None) -> int:
         plan = chosen[scenario]
         rows.extend(measure_peers(scenario, plan, args))
         for setup in plan.stepbus:
-            row = measure_stepbus(ENVS[scenario], setup, args)
+            profiler = (functools.partial(profile, args, f"{scenario}-{setup.label()}")
+                        if args.profile else None)
+            row = measure_stepbus(ENVS[scenario], setup, args, profiler)
             row.scenario = scenario
             rows.append(row)
             progress(row)
