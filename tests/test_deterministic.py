@@ -14,7 +14,9 @@ import numpy as np
 from conftest import Cluster, Proc, wait_for
 
 UPDATES = 30
-TIMING = ("time", "wall_s", "steps_per_second")  # what may differ between identical runs
+# what may differ between identical runs: the clock, and every rate (`*_per_second`)
+TIMING = ("time", "wall_s", "steps_per_second", "trajectories_per_second",
+          "intake_bytes_per_second")
 
 
 @contextlib.contextmanager

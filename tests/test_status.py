@@ -34,10 +34,12 @@ def test_status_shows_every_live_process_with_rates_queues_versions_and_lag(clus
     wait_for(lambda: len(cluster.metrics()) >= 3, 60, "training under way")
 
     def settled() -> list[dict]:
-        """Rows once every stepping process has a step rate."""
+        """Rows once every process has a step rate and the learner a data lag."""
         rows = status_rows(cluster)
+        by_role = {r["role"]: r for r in rows}
         ready = (len(rows) == 7 and all(r.get("steps_per_s") for r in rows
-                                        if r["role"] in ("broker", "worker", "trainer")))
+                                        if r["role"] in ("broker", "worker", "trainer"))
+                 and "policy_lag_p99" in by_role.get("trainer", {}))
         return rows if ready else []
 
     rows = wait_for(settled, 30, "rates and lags in every row")
@@ -46,6 +48,8 @@ def test_status_shows_every_live_process_with_rates_queues_versions_and_lag(clus
         assert 0 <= row["last_heartbeat_s"] < 1.5 and row["uptime_s"] > 0
     acting = [r for r in rows if r["role"] in ("broker", "worker", "trainer")]
     assert all(isinstance(r["policy_lag"], int) and r["policy_lag"] >= 0 for r in acting)
+    (learner,) = [r for r in rows if r["role"] == "trainer"]
+    assert 0 <= learner["policy_lag_p50"] <= learner["policy_lag_p99"] <= 8  # --max-policy-lag
 
     res = cluster.cli("status")
     assert res.returncode == 0, res.stderr
@@ -58,6 +62,7 @@ def test_status_shows_every_live_process_with_rates_queues_versions_and_lag(clus
     assert re.fullmatch(r"ahead \d+/\d+", by_role["broker"]["QUEUES"])
     assert re.fullmatch(r"held \d+ untaken \d+ unlearned \d+", by_role["assembler"]["QUEUES"])
     assert by_role["trainer"]["VERSION"].isdigit() and by_role["trainer"]["LAG"].isdigit()
+    assert re.fullmatch(r"\d+/\d+", by_role["trainer"]["DATA LAG"])
     assert by_role["slot"]["VERSION"] == "-" and by_role["slot"]["STEPS/S"] == "-"
     assert by_role["controller"]["QUEUES"] == "-"
     assert all(r["PID"].isdigit() and r["BEAT"].endswith("s") for r in table)

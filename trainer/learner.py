@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import json
 import logging
 import os
 import signal
@@ -36,6 +35,7 @@ import zmq
 from stepbus.bus import checks, node, policies, wiring
 from stepbus.bus import protocol as p
 from stepbus.trainer import checkpoint, ppo, spaces
+from stepbus.trainer.metrics import IntakeStats, MetricsFiles
 
 from stepbus import imports
 
@@ -348,7 +348,8 @@ def _learn(cfg: Config, io: Links) -> int:
     progress.version = max(progress.version, env_spec.policy_version) + 1
     returns: collections.deque[float] = collections.deque(progress.recent_returns,
                                                           maxlen=cfg.target_episodes)
-    metrics = (policy_dir / "metrics.jsonl").open("a", buffering=1)
+    metrics = MetricsFiles(policy_dir)  # metrics.jsonl and TensorBoard scalars
+    intake_stats = IntakeStats(cfg.target_episodes)  # policy lag, episode length, link rates
     log.info("run directory %s; policy %s version %d, generation %d, algorithm %s", policy_dir,
              cfg.policy_name, progress.version, progress.generation, cfg.algo)
 
@@ -402,14 +403,15 @@ def _learn(cfg: Config, io: Links) -> int:
         now = time.monotonic()
         rate = (progress.env_steps - last_record_steps) / max(now - last_record_t, 1e-9)
         last_record_t, last_record_steps = now, progress.env_steps
-        metrics.write(json.dumps({
+        metrics.write({
             "time": time.time(), "wall_s": round(now - t_start, 3),
             "env_steps": progress.env_steps, "episodes": progress.episodes,
             "mean_return": mean_return(), "policy_version": progress.version,
             "generation": progress.generation, "steps_per_second": round(rate, 1),
             "stale_dropped": counts["stale_dropped"], "digest": digest.hexdigest(),
+            **intake_stats.take(updated_from=progress.version - 1),
             **{k: round(v, 6) for k, v in stats.items()},
-        }) + "\n")
+        })
 
     def on_trajectory(t: p.Trajectory) -> None:
         nonlocal batch_steps, received
@@ -426,6 +428,7 @@ def _learn(cfg: Config, io: Links) -> int:
             counts["duplicates"] += 1  # sent again after a disconnect; we have it already
             return
         _digest(digest, t)
+        intake_stats.add(t)
         n = t.rewards.shape[0]
         received += n
         counts["trajectories"] += 1
@@ -452,7 +455,7 @@ def _learn(cfg: Config, io: Links) -> int:
                 "env_steps": progress.env_steps,
                 "episodes": progress.episodes, "generation": progress.generation,
                 "mean_return": None if mean is None else round(mean, 2),
-                **rejects.figures(), **counts}
+                **rejects.figures(), **counts, **intake_stats.last}
 
     curriculum = Curriculum(link, log)
 
@@ -557,7 +560,7 @@ def _learn(cfg: Config, io: Links) -> int:
         log.info("took in %d trajectories after the shutdown began (%s)",
                  counts["trajectories"] - before, drain_end)
     save()
-    metrics.close()
+    metrics.close()  # also flushes TensorBoard's events (the process ends with os._exit)
     log.info("learner stopping (%s); checkpoint at %s; %d trajectories taken in, %d messages "
              "refused", link.shutdown_reason or stop.reason, ckpt_path, counts["trajectories"],
              rejects.total)

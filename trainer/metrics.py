@@ -1,0 +1,150 @@
+"""What the learner writes about a run: `metrics.jsonl` and TensorBoard scalars from the same
+record per policy update, the intake figures that go in it (policy lag, episode length, link
+throughput), and the progress line in the log.
+
+One record feeds both files, so they never disagree and the learner keeps one dict, not two
+kinds of bookkeeping. TensorBoard event files are written with tensorboardX, which needs neither
+TensorFlow nor torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from stepbus.bus import protocol as p
+
+FLUSH_S = 5  # TensorBoard events reach the disk at least this often (metrics.jsonl: each line)
+PROGRESS_INTERVAL_S = 5.0  # one progress line in the log this often, whatever the update rate
+
+# metrics.jsonl key -> TensorBoard tag. Other numeric keys (an --algo's own stats) go under
+# "algo/"; SKIPPED ones are the x axis, identities or not numbers worth a curve.
+TAGS = {
+    "mean_return": "episode/return_mean",
+    "mean_length": "episode/length_mean",
+    "episodes": "episode/count",
+    "policy_loss": "loss/policy",
+    "value_loss": "loss/value",
+    "loss": "loss/total",
+    "grad_norm": "loss/grad_norm",
+    "entropy": "policy/entropy",
+    "approx_kl": "policy/approx_kl",
+    "clip_fraction": "policy/clip_fraction",
+    "explained_variance": "value/explained_variance",
+    "steps_per_second": "throughput/env_steps_per_s",
+    "policy_lag_p50": "policy_lag/p50",
+    "policy_lag_p99": "policy_lag/p99",
+    "trajectories_per_second": "link/assembler_to_learner/trajectories_per_s",
+    "intake_bytes_per_second": "link/assembler_to_learner/bytes_per_s",
+    "policy_version": "run/policy_version",
+    "generation": "run/generation",
+    "stale_dropped": "run/stale_dropped",
+}
+SKIPPED = {"time", "wall_s", "env_steps", "digest", "n_samples", "n_grad_steps"}
+
+
+class MetricsFiles:
+    """`metrics.jsonl` (one JSON object per line, written through at once) and a TensorBoard
+    event file in the same directory (`tensorboard --logdir RUN_DIR`). Each learner generation
+    opens a new event file; TensorBoard shows them as one run, on the env-steps axis."""
+
+    def __init__(self, directory: Path) -> None:
+        from tensorboardX import SummaryWriter  # here: the CLI imports this module, too
+
+        self.jsonl = (directory / "metrics.jsonl").open("a", buffering=1)
+        self.events = SummaryWriter(logdir=str(directory), flush_secs=FLUSH_S)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.jsonl.write(json.dumps(record) + "\n")
+        step, walltime = int(record["env_steps"]), record.get("time")
+        for _key, tag, value in scalars(record):
+            self.events.add_scalar(tag, value, global_step=step, walltime=walltime)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        self.events.close()
+
+
+def scalars(record: dict[str, Any]) -> list[tuple[str, str, float]]:
+    """(key, TensorBoard tag, value) for each finite number in a metrics record."""
+    out = []
+    for key, value in record.items():
+        if key in SKIPPED or not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        if math.isfinite(value):
+            out.append((key, TAGS.get(key, f"algo/{key}"), float(value)))
+    return out
+
+
+class IntakeStats:
+    """Figures about what the learner took in between two policy updates: the policy lag of
+    its steps, finished episodes' lengths, and the assembler-to-learner link's throughput.
+
+    Policy lag of a step: the version the update started from minus the version that chose
+    the step, over every step taken in for that update (stale trajectories too, which
+    --max-policy-lag then drops), as p50 and p99. 0: acted with the very policy being updated.
+    """
+
+    def __init__(self, episodes: int, clock: Any = time.monotonic) -> None:
+        self.clock = clock
+        self.lengths: collections.deque[int] = collections.deque(maxlen=max(episodes, 1))
+        self.versions: list[np.ndarray] = []
+        self.trajectories = self.nbytes = 0
+        self.since = clock()
+        self.last: dict[str, float] = {}  # the last update's lag, for `stepbus status`
+
+    def add(self, t: p.Trajectory) -> None:
+        self.versions.append(t.policy_versions)
+        self.trajectories += 1
+        self.nbytes += sum(v.nbytes for v in (getattr(t, f.name) for f in dataclasses.fields(t))
+                           if isinstance(v, np.ndarray))
+        if t.episode_length is not None:
+            self.lengths.append(t.episode_length)
+
+    def take(self, updated_from: int) -> dict[str, float | None]:
+        """The figures for the update that started from policy version `updated_from`; starts
+        counting afresh."""
+        now = self.clock()
+        seconds = max(now - self.since, 1e-9)
+        out: dict[str, float | None] = {
+            "mean_length": round(float(np.mean(self.lengths)), 2) if self.lengths else None,
+            "trajectories_per_second": round(self.trajectories / seconds, 1),
+            "intake_bytes_per_second": round(self.nbytes / seconds),
+        }
+        if self.versions:
+            lag = updated_from - np.concatenate(self.versions).astype(np.int64)
+            p50, p99 = np.percentile(lag, [50, 99], method="inverted_cdf")
+            self.last = {"policy_lag_p50": int(p50), "policy_lag_p99": int(p99)}
+            out.update(self.last)
+        self.versions, self.trajectories, self.nbytes, self.since = [], 0, 0, now
+        return out
+
+
+class ProgressLog:
+    """One progress line every PROGRESS_INTERVAL_S on a fixed schedule (a slow update delays
+    a line, it does not shift the ones after it), with the step rate over that interval."""
+
+    def __init__(self, log: logging.Logger, steps: int, clock: Any = time.monotonic,
+                 interval_s: float = PROGRESS_INTERVAL_S) -> None:
+        self.log, self.clock, self.interval_s = log, clock, interval_s
+        self.due = clock() + interval_s
+        self.last_t, self.last_steps = clock(), steps
+
+    def maybe(self, steps: int, mean_return: float | None, version: int) -> None:
+        now = self.clock()
+        if now < self.due:
+            return
+        # the next line is due one interval after this one was; after a long stall, restart
+        self.due = max(self.due + self.interval_s, now + self.interval_s / 2)
+        rate = (steps - self.last_steps) / max(now - self.last_t, 1e-9)
+        self.last_t, self.last_steps = now, steps
+        self.log.info("progress: %d env steps, %.0f steps/s, mean return %s, policy version %d",
+                      steps, rate, "-" if mean_return is None else f"{mean_return:.1f}",
+                      version)
