@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,3 +118,22 @@ def test_scalars_map_known_keys_to_tags_and_an_algorithms_own_stats_under_algo()
               "entropy": 0.5, "my_stat": 2, "no_update": True, "bad": float("nan")}
     assert metrics.scalars(record) == [("entropy", "policy/entropy", 0.5),
                                        ("my_stat", "algo/my_stat", 2.0)]
+
+
+def test_progress_lines_come_on_a_steady_five_second_beat_with_the_rate_over_the_interval(
+        caplog: pytest.LogCaptureFixture):
+    now = [0.0]
+    progress = metrics.ProgressLog(logging.getLogger("test.progress"), steps=1000,
+                                   clock=lambda: now[0])
+    logged_at, steps = [], 1000
+    with caplog.at_level(logging.INFO, logger="test.progress"):
+        while now[0] < 21.0:  # a loop waking every 0.3 s, with one 2.9 s update at 9.0 s
+            now[0] = round(now[0] + (2.9 if now[0] == 9.0 else 0.3), 6)
+            steps += 300
+            progress.maybe(steps, 12.5, version=7)
+            if len(caplog.records) > len(logged_at):
+                logged_at.append(now[0])
+    # the stall delays one line; the ones after it keep the 5 s beat (15, 20), no burst
+    assert logged_at == [5.1, 11.9, 15.2, 20.0]
+    assert caplog.records[0].getMessage() == (
+        "progress: 6100 env steps, 1000 steps/s, mean return 12.5, policy version 7")

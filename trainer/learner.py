@@ -35,7 +35,7 @@ import zmq
 from stepbus.bus import checks, node, policies, wiring
 from stepbus.bus import protocol as p
 from stepbus.trainer import checkpoint, ppo, spaces
-from stepbus.trainer.metrics import IntakeStats, MetricsFiles
+from stepbus.trainer.metrics import IntakeStats, MetricsFiles, ProgressLog
 
 from stepbus import imports
 
@@ -366,7 +366,7 @@ def _learn(cfg: Config, io: Links) -> int:
         done = f"the run made --max-updates {cfg.max_updates} policy updates already"
     digest = hashlib.blake2b(digest_size=8)  # of every trajectory taken in, in arrival order
     last_shutdown_request = 0.0
-    last_log = 0.0
+    progress_log = ProgressLog(log, progress.env_steps)  # a line every 5 s, on a fixed beat
 
     def publish(starving: bool = False) -> None:
         nonlocal last_publish
@@ -531,12 +531,7 @@ def _learn(cfg: Config, io: Links) -> int:
         if now - last_ckpt > cfg.checkpoint_interval_s:
             save()
             last_ckpt = now
-        if now - last_log > 2.0:
-            last_log = now
-            mean = mean_return()
-            log.info("env steps %d, %.0f steps/s, mean return %s, policy version %d",
-                     progress.env_steps, received / max(now - t_start, 1e-9),
-                     f"{mean:.1f}" if mean is not None else "-", progress.version)
+        progress_log.maybe(progress.env_steps, mean_return(), progress.version)
     # On a pipeline shutdown the assembler flushes open trajectories as truncated: take them in
     # (and say so) so that the checkpoint's counts include them. Not on a hand-over (SIGUSR1)
     # or when the slot is gone: what is not learned from goes to the next learner instead.
