@@ -20,9 +20,11 @@ import textwrap
 import time
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from stepbus import __version__, single_thread_blas  # noqa: F401  (before numpy loads)
+from stepbus import plot as stepbus_plot
 from stepbus import status as status_view
 from stepbus.bus import broker, controller, node, wiring
 from stepbus.bus import protocol as p
@@ -46,6 +48,9 @@ PROCESSES: dict[str, tuple[type, Callable[[Any], int], str]] = {
                 "checkpoints"),
 }
 STATUS_REPLY_MAX_BYTES = 64 << 20
+PLOT_HELP = ("draw RUN_DIR's metrics.jsonl into one PNG: mean return vs env steps and vs wall "
+             "time, env steps/s, policy lag p50/p99 (one line per policy); exits 1 if RUN_DIR "
+             "has no metrics")
 SWAP_HELP = ("replace the learner in the running trainer slot: the current learner "
              "checkpoints and exits, a new one resumes the checkpoint with the slot's flags "
              "plus these (any `stepbus learner` flag, e.g. --lr 3e-4 or --algo "
@@ -173,6 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (cls, _, doc) in PROCESSES.items():
         _add_config_flags(sub.add_parser(name, help=doc, description=doc), cls, env_help)
+    plot = sub.add_parser("plot", help=PLOT_HELP, description=PLOT_HELP)
+    plot.add_argument("run_dir", metavar="RUN_DIR", type=Path,
+                      help="a run directory, e.g. runs/latest")
+    plot.add_argument("--output", "-o", type=Path, default=None, metavar="PNG",
+                      help="where to write the PNG [default: RUN_DIR/progress.png]")
     for name, doc in (("status", "one table of every live process, from the controller: role, "
                                  "name, host, pid, uptime, heartbeat age, steps/s, queues, "
                                  "dropped, rejected, policy version and lag; exits 2 naming "
@@ -240,6 +250,13 @@ def main(argv: list[str] | None = None) -> int:
         print(reply.detail)
         return 0 if reply.ok else 1
     args = build_parser().parse_args(argv)
+    if args.command == "plot":
+        try:
+            print(stepbus_plot.plot(args.run_dir, args.output))
+        except stepbus_plot.NoMetrics as exc:
+            print(f"stepbus plot: {exc}", file=sys.stderr)
+            return 1
+        return 0
 
     if args.command in PROCESSES:
         cls, run, _ = PROCESSES[args.command]

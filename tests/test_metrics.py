@@ -1,18 +1,23 @@
 """What a run leaves in its directory: metrics.jsonl and TensorBoard scalars from the same
-records, with policy lag, episode length and link throughput; read back as TensorBoard would."""
+records, with policy lag, episode length and link throughput, read back as TensorBoard would;
+`stepbus plot` draws them; the learner's progress lines keep a steady beat."""
 
 from __future__ import annotations
 
 import collections
 import json
 import logging
+import shutil
 import struct
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import Cluster
+from PIL import Image
 from stepbus.bus import protocol as p
 from stepbus.trainer import metrics
 from tensorboardX.proto import event_pb2
@@ -33,6 +38,7 @@ def finished_run() -> Iterator[Path]:
         yield (cluster.runs_dir / "latest").resolve()
     finally:
         cluster.kill_all()
+        shutil.rmtree(cluster.dir, ignore_errors=True)
 
 
 def read_records(run_dir: Path) -> list[dict]:
@@ -137,3 +143,42 @@ def test_progress_lines_come_on_a_steady_five_second_beat_with_the_rate_over_the
     assert logged_at == [5.1, 11.9, 15.2, 20.0]
     assert caplog.records[0].getMessage() == (
         "progress: 6100 env steps, 1000 steps/s, mean return 12.5, policy version 7")
+
+
+def stepbus_plot(*args: str | Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stepbus", "plot", *map(str, args)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_stepbus_plot_draws_a_png_of_the_expected_size_from_a_real_run(finished_run: Path):
+    res = stepbus_plot(finished_run)
+    assert res.returncode == 0, res.stderr
+    png = finished_run / "progress.png"
+    assert res.stdout.strip() == str(png), "says where it wrote"
+    with Image.open(png) as image:
+        assert image.format == "PNG" and image.size == (1200, 800)
+        colours = image.convert("RGB").getcolors(maxcolors=1 << 16)
+    assert colours is None or len(colours) > 50, "lines and text, not a blank canvas"
+
+
+def test_stepbus_plot_draws_one_line_per_policy_to_the_output_given(finished_run: Path,
+                                                                    tmp_path: Path):
+    run = tmp_path / "run"
+    (run / "policy-red").mkdir(parents=True)
+    shutil.copy(finished_run / "metrics.jsonl", run / "metrics.jsonl")
+    shutil.copy(finished_run / "metrics.jsonl", run / "policy-red" / "metrics.jsonl")
+    res = stepbus_plot(run, "--output", tmp_path / "out.png")
+    assert res.returncode == 0, res.stderr
+    with Image.open(tmp_path / "out.png") as image:
+        assert image.format == "PNG" and image.size == (1200, 800)
+    assert not (run / "progress.png").exists()
+
+
+def test_stepbus_plot_of_a_directory_without_metrics_exits_1_saying_what_it_looked_for(
+        tmp_path: Path):
+    res = stepbus_plot(tmp_path)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert f"no metrics in {tmp_path}" in res.stderr and "metrics.jsonl" in res.stderr
+    (tmp_path / "metrics.jsonl").write_text('{"env_steps": 1, "ti')  # still being written
+    assert stepbus_plot(tmp_path).returncode == 1
+    assert stepbus_plot(tmp_path / "missing").returncode == 1
