@@ -78,6 +78,7 @@ class Config:
         "help": "agents to policies by name pattern, first match wins, e.g. "
                 "'adversary_*=red,*=default' (fnmatch; unmatched agents and a Gymnasium env's "
                 "unnamed agent: 'default'); each policy is served by its own trainer"})
+    security: wiring.Security = field(default_factory=wiring.Security)
 
 
 class Phase(enum.Enum):
@@ -145,7 +146,7 @@ def run(cfg: Config) -> int:
         log.error("%s", exc)
         return 2
     stop = node.StopFlag()
-    ctx = zmq.Context()
+    ctx = wiring.context(cfg.security)
     link = node.ControllerLink(ctx, role="broker", name="broker", controller=cfg.controller,
                                broadcast=cfg.broadcast, log=log)
     steps = wiring.socket(ctx, zmq.ROUTER, bind=cfg.steps)
@@ -543,4 +544,4 @@ def run(cfg: Config) -> int:
         return 0
     finally:
         link.close()
-        ctx.destroy(linger=wiring.LINGER_MS)
+        wiring.destroy(ctx, wiring.LINGER_MS)

@@ -28,6 +28,7 @@ class Config:
         "help": "a reset barrier the broker has not completed by then fails with an error"})
     shutdown_grace_s: float = field(default=3.0, metadata={
         "help": "after a shutdown broadcast, wait this long for processes to leave"})
+    security: wiring.Security = field(default_factory=wiring.Security)
 
 
 class StepRate:
@@ -125,7 +126,7 @@ SWAP_TIMEOUT_S = 30.0  # a slot stops its learner (<= 4 s) and watches the new o
 def run(cfg: Config) -> int:
     log = node.setup_logging("controller")
     stop = node.StopFlag()
-    ctx = zmq.Context()
+    ctx = wiring.context(cfg.security)
     # Control messages carry no arrays: a peer may not make us hold more than this for it.
     router = wiring.socket(ctx, zmq.ROUTER, bind=cfg.controller, max_message_bytes=1 << 20)
     pub = wiring.socket(ctx, zmq.PUB, bind=cfg.broadcast)
@@ -300,7 +301,7 @@ def run(cfg: Config) -> int:
                              "shutdown grace over; controller exiting")
                     return 0
     finally:
-        ctx.destroy(linger=wiring.LINGER_MS)
+        wiring.destroy(ctx, wiring.LINGER_MS)
 
 
 def _status_row(q: Peer, now: float, versions: VersionHistory) -> dict:

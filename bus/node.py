@@ -129,8 +129,12 @@ def send(sock: zmq.Socket, msg: p.Message, *, to: bytes | None = None,
 
 def recv(sock: zmq.Socket, rejects: RejectLog, *,
          routed: bool = False) -> tuple[bytes | None, p.Message | None]:
-    """Receive one message without blocking; a refused one is counted and returned as None."""
-    frames = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+    """Receive one message without blocking; a refused one is counted and returned as None,
+    as is none at all (poll's readable is a hint: with CURVE it can come before a message)."""
+    try:
+        frames = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+    except zmq.Again:
+        return None, None
     sender: bytes | None = None
     if routed:
         sender = frames[0].bytes

@@ -1,18 +1,31 @@
-"""Where every socket lives: endpoints, their environment variables, socket types and options.
+"""Where every socket lives: endpoints, their environment variables, socket types and options,
+and their security.
 
 Long-lived processes bind (controller, broker, assembler); processes that come and go connect
 (workers, trainer, the CLI). Every endpoint has one flag and one `STEPBUS_*` variable (honcho
 reads `.env`), defaulting to loopback so nothing listens on a network unless told to.
+
+Security: with a keys directory (`stepbus keys`, `--keys` / STEPBUS_KEYS) every socket uses
+CURVE: bound sockets are CURVE servers whose ZAP handler admits only client public keys in
+`KEYS/authorized/`, connecting sockets are CURVE clients that know the server's public key.
+Without keys, binding a TCP address other than loopback is refused unless `--insecure`.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import os
+import shutil
 import socket as pysocket
+import urllib.parse
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,186 @@ ENDPOINTS: dict[str, EndpointSpec] = {
 def endpoint(name: str, help: str) -> Any:
     """A Config field for endpoint `name`: its default comes from STEPBUS_* at construction."""
     return field(default_factory=ENDPOINTS[name].resolve, metadata={"help": help})
+
+
+KEYS_ENV = "STEPBUS_KEYS"
+INSECURE_ENV = "STEPBUS_INSECURE"
+SERVER, CLIENT, AUTHORIZED = "server", "client", "authorized"  # names in a keys directory
+
+
+@dataclass
+class Security:
+    """Every process's (and the CLI's) security flags."""
+
+    keys: str = field(default_factory=lambda: os.environ.get(KEYS_ENV, ""), metadata={
+        "help": "CURVE keys directory made by `stepbus keys` (env STEPBUS_KEYS); with it every "
+                "socket is encrypted and bound sockets admit only clients whose public key is "
+                "in KEYS/authorized/"})
+    insecure: bool = field(
+        default_factory=lambda: os.environ.get(INSECURE_ENV, "") not in ("", "0", "false"),
+        metadata={"help": "allow binding a non-loopback TCP address without --keys (env "
+                          "STEPBUS_INSECURE=1): anyone who can reach it can join the run"})
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    server_public: bytes
+    server_secret: bytes | None  # only where processes bind (a client-only directory lacks it)
+    client_public: bytes
+    client_secret: bytes
+    authorized: Path
+
+
+def load_keys(directory: str) -> CurveKeys:
+    """The keys `stepbus keys` made; SystemExit naming what is missing."""
+    root = Path(directory)
+
+    def load(name: str, secret: bool) -> tuple[bytes, bytes | None]:
+        path = root / (f"{name}.key_secret" if secret else f"{name}.key")
+        if not path.is_file():
+            raise SystemExit(f"--keys {directory}: no {path.name} there (make keys with "
+                             f"`stepbus keys --dir {directory}`)")
+        try:
+            return zmq.auth.load_certificate(path)
+        except (ValueError, OSError) as exc:
+            raise SystemExit(f"--keys {directory}: cannot read {path.name}: {exc}") from None
+
+    server_public, _ = load(SERVER, secret=False)
+    server_secret = None
+    if (root / f"{SERVER}.key_secret").is_file():
+        _, server_secret = load(SERVER, secret=True)
+    client_public, client_secret = load(CLIENT, secret=True)
+    assert client_secret is not None
+    return CurveKeys(server_public, server_secret, client_public, client_secret,
+                     root / AUTHORIZED)
+
+
+def make_keys(directory: str, client_of: str = "") -> list[str]:
+    """`stepbus keys`: a server keypair, a client keypair and the allow-list holding it; or,
+    with `client_of`, a client-only directory for another host: a new client keypair, the
+    server's public key, and the new key authorized in `client_of`. Never overwrites."""
+    root = Path(directory)
+    if (root / f"{CLIENT}.key_secret").exists():
+        raise SystemExit(f"{directory} already holds keys; not overwriting them")
+    made = []
+    root.mkdir(parents=True, exist_ok=True)
+    if client_of:
+        source = Path(client_of)
+        if not (source / f"{SERVER}.key_secret").is_file():
+            raise SystemExit(f"--client-of {client_of}: no {SERVER}.key_secret there (run "
+                             f"`stepbus keys --dir {client_of}` first)")
+        shutil.copy(source / f"{SERVER}.key", root / f"{SERVER}.key")
+        public, _ = zmq.auth.create_certificates(root, CLIENT)
+        label = root.resolve().name or "client"
+        (source / AUTHORIZED).mkdir(exist_ok=True)
+        shutil.copy(public, source / AUTHORIZED / f"{label}.key")
+        made += [str(root / f"{SERVER}.key"), public, f"{root / CLIENT}.key_secret",
+                 str(source / AUTHORIZED / f"{label}.key")]
+    else:
+        made += zmq.auth.create_certificates(root, SERVER)
+        public, secret = zmq.auth.create_certificates(root, CLIENT)
+        (root / AUTHORIZED).mkdir(exist_ok=True)
+        shutil.copy(public, root / AUTHORIZED / f"{CLIENT}.key")
+        made += [public, secret, str(root / AUTHORIZED / f"{CLIENT}.key")]
+    for path in root.glob("*.key_secret"):
+        path.chmod(0o600)
+    return made
+
+
+class AllowList:
+    """The ZAP handler's question "may this client key in?", answered from KEYS/authorized/,
+    read again whenever the directory changes, so a host authorized while the run goes on
+    can join without restarting anything. Denials are logged once per key."""
+
+    def __init__(self, directory: Path, log: logging.Logger) -> None:
+        self.directory, self.log = directory, log
+        self.mtime: float | None = None
+        self.keys: set[bytes] = set()
+        self.denied: set[bytes] = set()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        try:
+            mtime = self.directory.stat().st_mtime
+        except OSError:
+            mtime = None
+        if mtime != self.mtime:
+            self.mtime = mtime
+            self.keys = set(zmq.auth.load_certificates(self.directory)) if mtime else set()
+        if key in self.keys:
+            return True
+        if key not in self.denied and len(self.denied) < 1000:
+            self.denied.add(key)
+            self.log.warning("refused a CURVE client whose public key %s is not in %s",
+                             key.decode(errors="replace"), self.directory)
+        return False
+
+
+class Context(zmq.Context):
+    """A process's ZeroMQ context, carrying its security for `socket()`."""
+
+    curve: CurveKeys | None = None
+    insecure: bool = False
+    authenticator: ThreadAuthenticator | None = None
+
+
+def context(security: Security | None = None) -> Context:
+    ctx = Context()
+    if security is not None:
+        ctx.insecure = security.insecure
+        if security.keys:
+            ctx.curve = load_keys(security.keys)
+    return ctx
+
+
+def destroy(ctx: zmq.Context, linger_ms: int = 0) -> None:
+    """Stop the ZAP handler first: its thread's socket lives in this context."""
+    authenticator = getattr(ctx, "authenticator", None)
+    if authenticator is not None:
+        authenticator.stop()
+    ctx.destroy(linger=linger_ms)
+
+
+def _loopback(endpoint: str) -> bool:
+    """Whether binding `endpoint` keeps it on this host (ipc, inproc, loopback TCP)."""
+    if not endpoint.startswith("tcp://"):
+        return True
+    host = urllib.parse.urlsplit(endpoint).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # "*", an interface name or a host name
+
+
+def _secure(ctx: zmq.Context, sock: zmq.Socket, bind: str | None) -> None:
+    curve: CurveKeys | None = getattr(ctx, "curve", None)
+    if curve is None:
+        if bind is not None and not _loopback(bind) and not getattr(ctx, "insecure", False):
+            raise SystemExit(f"refusing to bind {bind} without encryption: anyone who can reach "
+                             f"it could join the run. Make keys with `stepbus keys --dir keys` "
+                             f"and give every process --keys keys (or STEPBUS_KEYS=keys), or "
+                             f"pass --insecure")
+        return
+    if bind is not None:
+        if curve.server_secret is None:
+            raise SystemExit(f"cannot bind {bind}: the keys directory has no "
+                             f"{SERVER}.key_secret (it is a client-only one, for hosts that "
+                             f"only connect)")
+        if ctx.authenticator is None:  # type: ignore[attr-defined]
+            log = logging.getLogger("stepbus.auth")
+            authenticator = ThreadAuthenticator(ctx, log=log)
+            authenticator.start()
+            authenticator.configure_curve_callback(ZAP_DOMAIN.decode(),
+                                                   AllowList(curve.authorized, log))
+            ctx.authenticator = authenticator  # type: ignore[attr-defined]
+        sock.curve_server = True
+        sock.curve_secretkey = curve.server_secret
+        sock.curve_publickey = curve.server_public
+    else:
+        sock.curve_serverkey = curve.server_public
+        sock.curve_secretkey = curve.client_secret
+        sock.curve_publickey = curve.client_public
 
 
 def free_tcp_ports(n: int) -> list[int]:
@@ -106,6 +299,11 @@ def socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str
         sock.setsockopt(zmq.IMMEDIATE, 1)
     if kind == zmq.SUB:
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        _secure(ctx, sock, bind)
+    except SystemExit:
+        sock.close(0)
+        raise
     if bind is not None:
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)

@@ -50,6 +50,7 @@ class Config:
     policy_endpoints: str = field(default="", metadata={
         "help": "PUSH endpoints to bind for policies other than 'default' (the broker's "
                 "--policy-map), e.g. 'red=tcp://127.0.0.1:7350,blue=tcp://127.0.0.1:7351'"})
+    security: wiring.Security = field(default_factory=wiring.Security)
 
 
 class AgentBuffer:
@@ -152,7 +153,7 @@ def run(cfg: Config) -> int:
         log.error("%s", exc)
         return 2
     stop = node.StopFlag()
-    ctx = zmq.Context()
+    ctx = wiring.context(cfg.security)
     link = node.ControllerLink(ctx, role="assembler", name="assembler",
                                controller=cfg.controller, broadcast=cfg.broadcast, log=log)
     # A short queue, so a paused intake soon pauses the broker.
@@ -421,4 +422,4 @@ def run(cfg: Config) -> int:
         for outlet in outlets.values():
             outlet.sock.disable_monitor()
         link.close()
-        ctx.destroy(linger=wiring.LINGER_MS)
+        wiring.destroy(ctx, wiring.LINGER_MS)

@@ -48,6 +48,10 @@ PROCESSES: dict[str, tuple[type, Callable[[Any], int], str]] = {
                 "checkpoints"),
 }
 STATUS_REPLY_MAX_BYTES = 64 << 20
+KEYS_HELP = ("create CURVE keys: a server keypair (for the processes that bind: controller, "
+             "broker, assembler), a client keypair, and KEYS/authorized/ holding the client "
+             "public keys allowed in; then run every process with --keys DIR (or "
+             "STEPBUS_KEYS=DIR). Never overwrites")
 PLOT_HELP = ("draw RUN_DIR's metrics.jsonl into one PNG: mean return vs env steps and vs wall "
              "time, env steps/s, policy lag p50/p99 (one line per policy); exits 1 if RUN_DIR "
              "has no metrics")
@@ -118,12 +122,12 @@ def _build_config(cls: type, args: argparse.Namespace) -> Any:
 UNREACHABLE_EXIT = 2  # the controller did not answer; 1 is "it answered no"
 
 
-def _ask(endpoint: str, request: p.Message, timeout_s: float) -> p.Message:
+def _ask(endpoint: str, request: p.Message, timeout_s: float, keys: str = "") -> p.Message:
     """One request to the controller; raises status.Unreachable naming the address if nobody
     answers within the timeout."""
     import zmq
 
-    ctx = zmq.Context()
+    ctx = wiring.context(wiring.Security(keys=keys))
     try:
         sock = wiring.socket(ctx, zmq.DEALER, connect=endpoint)
         node.send(sock, request)
@@ -142,7 +146,7 @@ def _ask(endpoint: str, request: p.Message, timeout_s: float) -> p.Message:
         raise status_view.Unreachable(f"controller unreachable at {endpoint} "
                                       f"(no reply within {timeout_s:g}s)")
     finally:
-        ctx.destroy(linger=0)
+        wiring.destroy(ctx)
 
 
 def _parse_option(text: str) -> tuple[str, Any]:
@@ -157,7 +161,7 @@ def _parse_option(text: str) -> tuple[str, Any]:
 
 def _status(args: argparse.Namespace) -> int:
     def fetch() -> dict:
-        reply = _ask(args.controller, p.StatusRequest(), args.timeout)
+        reply = _ask(args.controller, p.StatusRequest(), args.timeout, args.keys)
         assert isinstance(reply, p.StatusReply)
         return {"run_id": reply.run_id, "epoch": reply.epoch, "processes": reply.processes}
 
@@ -194,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="controller endpoint (env STEPBUS_CONTROLLER)")
         cmd.add_argument("--timeout", type=float, default=15.0 if name == "reset" else 5.0,
                          help="seconds to wait for the controller's answer")
+        _add_keys_flag(cmd)
         if name == "status":
             cmd.add_argument("--json", action="store_true",
                              help="print JSON for scripts: every figure of every process")
@@ -206,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
                              metavar="KEY=VALUE",
                              help="passed to env.reset(options=...); VALUE parsed as JSON "
                                   "when it is JSON, else a string; repeatable")
+    keys = sub.add_parser("keys", help=KEYS_HELP, description=KEYS_HELP)
+    keys.add_argument("--dir", default="keys", help="directory to create the keys in")
+    keys.add_argument("--client-of", default="", metavar="KEYS_DIR",
+                      help="make a client-only directory for another host instead: a new client "
+                           "keypair and the server's public key from KEYS_DIR, whose "
+                           "authorized/ gets the new public key")
     return parser
 
 
@@ -218,7 +229,13 @@ def swap_parser() -> argparse.ArgumentParser:
                         help="controller endpoint (env STEPBUS_CONTROLLER)")
     parser.add_argument("--timeout", type=float, default=30.0,
                         help="seconds to wait for the swap to be done")
+    _add_keys_flag(parser)
     return parser
+
+
+def _add_keys_flag(parser: argparse.ArgumentParser) -> None:
+    keys = next(f for f in dataclasses.fields(wiring.Security) if f.name == "keys")
+    parser.add_argument("--keys", default=wiring.Security().keys, help=keys.metadata["help"])
 
 
 def learner_flags_problem(flags: list[str]) -> str:
@@ -242,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"stepbus trainer swap: {problem}")
         try:
             reply = _ask(opts.controller, p.TrainerSwap(slot=opts.slot, args=flags),
-                         opts.timeout)
+                         opts.timeout, opts.keys)
         except status_view.Unreachable as exc:
             print(f"stepbus trainer swap: {exc}", file=sys.stderr)
             return UNREACHABLE_EXIT
@@ -271,13 +288,17 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    if args.command == "keys":
+        for path in wiring.make_keys(args.dir, args.client_of):
+            print(path)
+        return 0
     try:
         if args.command == "status":
             return _status(args)
         request: p.Message = (p.ResetRequest(options=dict(args.option))
                               if args.command == "reset"
                               else p.ShutdownRequest(reason="stepbus shutdown"))
-        reply = _ask(args.controller, request, args.timeout)
+        reply = _ask(args.controller, request, args.timeout, args.keys)
     except status_view.Unreachable as exc:
         print(f"stepbus {args.command}: {exc}", file=sys.stderr)
         return UNREACHABLE_EXIT

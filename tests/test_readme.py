@@ -43,7 +43,7 @@ def test_every_cli_flag_is_documented_in_its_command_section():
 
 def test_every_environment_variable_is_documented_in_the_readme():
     names = [spec.env_var for spec in wiring.ENDPOINTS.values()]
-    names += ["STEPBUS_RUNS_DIR", "STEPBUS_LOG_LEVEL"]
+    names += ["STEPBUS_RUNS_DIR", "STEPBUS_LOG_LEVEL", wiring.KEYS_ENV, wiring.INSECURE_ENV]
     assert [n for n in names if f"`{n}`" not in README] == []
 
 

@@ -76,6 +76,7 @@ class Config:
     algo: str = field(default="stepbus.trainer.ppo:PPO", metadata={
         "help": "learning algorithm, module:Class (interface: trainer/ppo.py's PPO)"})
     ppo: ppo.PPOConfig = field(default_factory=ppo.PPOConfig)
+    security: wiring.Security = field(default_factory=wiring.Security)
 
 
 @dataclass
@@ -237,7 +238,7 @@ def run(cfg: Config) -> int:
     # SIGUSR1 is the trainer slot's "hand over": checkpoint and leave at once (what this
     # learner has not learned from, the assembler sends to the next one).
     stop = node.StopFlag((signal.SIGINT, signal.SIGTERM, signal.SIGUSR1))
-    ctx = zmq.Context()
+    ctx = wiring.context(cfg.security)
     name = os.environ.get("HONCHO_PROCESS_NAME") or f"trainer-{pysocket.gethostname()}"
     link = node.ControllerLink(ctx, role="trainer", name=name, controller=cfg.controller,
                                broadcast=cfg.broadcast, log=log)
@@ -253,7 +254,7 @@ def run(cfg: Config) -> int:
     finally:
         intake.disable_monitor()
         link.close()
-        ctx.destroy(linger=wiring.LINGER_MS)
+        wiring.destroy(ctx, wiring.LINGER_MS)
 
 
 def _wait_for_setup(cfg: Config, io: Links) -> tuple[Path, p.EnvSpec] | None:

@@ -89,7 +89,7 @@ def run(cfg: learner.Config, learner_args: list[str],
     returns why a swap's flags are unusable (empty if they are fine)."""
     log = node.setup_logging("slot")
     stop = node.StopFlag()
-    ctx = zmq.Context()
+    ctx = wiring.context(cfg.security)
     name = (os.environ.get("HONCHO_PROCESS_NAME")
             or f"trainer-{pysocket.gethostname()}-{os.getpid()}")
     link = node.ControllerLink(ctx, role="slot", name=name, controller=cfg.controller,
@@ -233,7 +233,7 @@ def run(cfg: learner.Config, learner_args: list[str],
                 current.popen.wait(5)
             current.close()
         link.close()
-        ctx.destroy(linger=wiring.LINGER_MS)
+        wiring.destroy(ctx, wiring.LINGER_MS)
 
 
 def _poll(link: node.ControllerLink, current: Learner | None) -> list:

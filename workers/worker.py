@@ -77,6 +77,7 @@ class Config:
     max_env_restarts_per_minute: int = field(default=10, metadata={
         "help": "env recreations (after an env raised) allowed within 60 s; one more makes the "
                 "worker exit 1, since an env that keeps raising needs fixing, not retrying"})
+    security: wiring.Security = field(default_factory=wiring.Security)
 
 
 class EnvFailure(RuntimeError):
@@ -354,7 +355,7 @@ BUSY_BEATS = BusyBeats()
 def run(cfg: Config) -> int:
     log = node.setup_logging("worker")
     stop = node.StopFlag()
-    ctx = zmq.Context()
+    ctx = wiring.context(cfg.security)
     link = node.ControllerLink(ctx, role="worker", name=cfg.name, controller=cfg.controller,
                                broadcast=cfg.broadcast, log=log)
     # While no broker is connected, hellos are dropped rather than queued to flood it later.
@@ -380,7 +381,7 @@ def run(cfg: Config) -> int:
     except Exception as exc:  # a typo in --env deserves one clear line, not a traceback
         log.error("cannot create environment %r: %s: %s", cfg.env, type(exc).__name__, exc)
         link.close()
-        ctx.destroy(linger=wiring.LINGER_MS)
+        wiring.destroy(ctx, wiring.LINGER_MS)
         return 2
 
     def on_alarm(signum: int, frame: Any) -> None:
@@ -471,4 +472,4 @@ def run(cfg: Config) -> int:
     finally:
         link.close()
         envs.close()
-        ctx.destroy(linger=wiring.LINGER_MS)
+        wiring.destroy(ctx, wiring.LINGER_MS)
