@@ -148,7 +148,8 @@ def run(cfg: Config) -> int:
     stop = node.StopFlag()
     ctx = wiring.context(cfg.security)
     link = node.ControllerLink(ctx, role="broker", name="broker", controller=cfg.controller,
-                               broadcast=cfg.broadcast, log=log)
+                               broadcast=cfg.broadcast, log=log,
+                               binds={"steps": cfg.steps, "policy": cfg.policy})
     steps = wiring.socket(ctx, zmq.ROUTER, bind=cfg.steps)
     steps.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a departed worker is an error, not a silent drop
     policy_sock = wiring.socket(ctx, zmq.ROUTER, bind=cfg.policy)

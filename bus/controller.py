@@ -99,6 +99,7 @@ class Peer:
     first_seen: float
     last_seen: float
     figures: dict = field(default_factory=dict)
+    binds: dict[str, str] = field(default_factory=dict)  # where it bound which endpoint
     figures_at: float = 0.0  # when the figures were sent (its last heartbeat)
     rate: StepRate = field(default_factory=StepRate)
 
@@ -142,8 +143,11 @@ def run(cfg: Config) -> int:
     log.info("run %s: controller on %s, broadcasts on %s", run_id, cfg.controller, cfg.broadcast)
 
     def state() -> p.RunState:
+        endpoints = {"controller": cfg.controller, "broadcast": cfg.broadcast}
+        for peer in peers.values():
+            endpoints.update(peer.binds)
         return p.RunState(run_id=run_id, epoch=epoch, options=options,
-                          shutting_down=shutting_down_since is not None)
+                          shutting_down=shutting_down_since is not None, endpoints=endpoints)
 
     def begin_shutdown(reason: str) -> None:
         nonlocal shutting_down_since
@@ -165,6 +169,10 @@ def run(cfg: Config) -> int:
             log.info("%s %s joined (host %s, pid %d)", msg.role, msg.name, msg.host, msg.pid)
         peer.last_seen, peer.figures_at = now, now
         peer.figures = _scalar_figures(msg.figures)
+        if msg.binds:
+            peer.binds = {name: address for name, address in msg.binds.items()
+                          if name in wiring.ENDPOINTS and len(address) <= 256
+                          and address.startswith(("tcp://", "ipc://"))}
         peer.rate.add(now, peer.figures.get("env_steps"))
         versions.add(now, peer.figures)
         broker_epoch = peer.figures.get("epoch") if msg.role == "broker" else None

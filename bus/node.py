@@ -203,13 +203,20 @@ def drain(sock: zmq.Socket, handle: Callable[[], None], limit: int = 1000) -> No
 class ControllerLink:
     """A process's link to the controller: heartbeats (which register it), run state replies,
     and broadcasts. The heartbeat reply carries the run state, so a broadcast missed by a late
-    subscriber is still learned within one heartbeat."""
+    subscriber is still learned within one heartbeat. It also carries where the run's sockets
+    are bound (what binding processes declare as `binds`), so an empty `broadcast` is found
+    that way, and so is any endpoint a process asks `discover` for."""
 
     def __init__(self, ctx: zmq.Context, *, role: str, name: str, controller: str,
-                 broadcast: str, log: logging.Logger) -> None:
+                 broadcast: str, log: logging.Logger, binds: dict[str, str] | None = None
+                 ) -> None:
         self.role, self.name, self.log = role, name, log
+        self.controller, self.binds = controller, binds or {}
         self.dealer = wiring.socket(ctx, zmq.DEALER, connect=controller, sndhwm=10)
-        self.sub = wiring.socket(ctx, zmq.SUB, connect=broadcast)
+        self.sub = wiring.socket(ctx, zmq.SUB)
+        if broadcast:
+            self.sub.connect(broadcast)
+        self.broadcast = broadcast
         self.rejects = RejectLog(log)
         self.state: p.RunState | None = None
         self.shutdown_reason = ""
@@ -234,8 +241,8 @@ class ControllerLink:
                 figures["rejected"] = figures.get("rejected", 0) + self.rejects.total
             figures["uptime_s"] = round(now - self.started, 1)
             send(self.dealer, p.Heartbeat(role=self.role, name=self.name, host=self.host,
-                                          pid=self.pid, leaving=leaving, figures=figures),
-                 block=False)
+                                          pid=self.pid, leaving=leaving, figures=figures,
+                                          binds=self.binds), block=False)
             self._next_beat = now + HEARTBEAT_INTERVAL_S
         return self._next_beat
 
@@ -256,6 +263,11 @@ class ControllerLink:
                     if self.state is None:
                         self.log.info("registered with controller (run %s)", msg.run_id)
                     self.state = msg
+                    if not self.broadcast and self.advertised("broadcast"):
+                        self.broadcast = self.advertised("broadcast")
+                        self.sub.connect(self.broadcast)
+                        self.log.info("broadcasts from %s (the controller says)",
+                                      self.broadcast)
                     if msg.shutting_down:
                         self.shutdown_reason = self.shutdown_reason or "controller shutdown"
                 elif isinstance(msg, p.Shutdown):
@@ -263,6 +275,33 @@ class ControllerLink:
                 elif msg is not None:
                     out.append(msg)
         return out
+
+    def advertised(self, name: str) -> str:
+        """Where the controller says endpoint `name` is bound ("" if it has not said), as
+        reachable from here: a wildcard host is the host we reach the controller on."""
+        address = self.state.endpoints.get(name, "") if self.state is not None else ""
+        return wiring.reachable(address, via=self.controller)
+
+    def discover(self, name: str, stop: StopFlag) -> str:
+        """Wait (heartbeating) until the controller says where endpoint `name` is bound; ""
+        if the process is told to stop first."""
+        poller = zmq.Poller()
+        for sock in self.sockets():
+            poller.register(sock, zmq.POLLIN)
+        started, said = time.monotonic(), False
+        while not stop and not self.shutdown_reason:
+            now = time.monotonic()
+            next_beat = self.beat(now)
+            self.poll(dict(poller.poll(max(0, min(next_beat - now, 0.25)) * 1000)))
+            if address := self.advertised(name):
+                self.log.info("%s endpoint %s (the controller says)", name, address)
+                return address
+            if not said and now - started > 3.0:
+                said = True
+                self.log.info("waiting for the controller at %s to say where the %s endpoint is "
+                              "(the process that binds it registers there)", self.controller,
+                              name)
+        return ""
 
     def close(self) -> None:
         self.beat(time.monotonic(), leaving=True)

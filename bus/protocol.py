@@ -341,15 +341,21 @@ class Heartbeat(Message):
     pid: int
     leaving: bool
     figures: dict[str, Json]
+    binds: dict[str, str] = field(default_factory=dict)  # endpoint name -> address it bound
 
 
 @dataclass(frozen=True)
 class RunState(Message):
+    """The reply to every HEARTBEAT. `endpoints` are where the run's sockets are bound (endpoint
+    name -> address, as bound: a wildcard host means "the controller's host"), so a process on
+    another host needs only the controller's address."""
+
     KIND: ClassVar[Kind] = Kind.RUN_STATE
     run_id: str
     epoch: int
     options: dict[str, Json]
     shutting_down: bool
+    endpoints: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

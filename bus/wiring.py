@@ -244,6 +244,24 @@ def _secure(ctx: zmq.Context, sock: zmq.Socket, bind: str | None) -> None:
         sock.curve_publickey = curve.client_public
 
 
+def reachable(address: str, *, via: str) -> str:
+    """A bound `address` as a peer that reached the controller at `via` can connect to it: a
+    wildcard host (`*`, 0.0.0.0, ::) becomes the controller's host."""
+    parts = urllib.parse.urlsplit(address)
+    if parts.scheme != "tcp" or parts.hostname not in ("*", "0.0.0.0", "::", None):
+        return address
+    host = urllib.parse.urlsplit(via).hostname if via.startswith("tcp://") else None
+    host = host or "127.0.0.1"
+    return f"tcp://{'[' + host + ']' if ':' in host else host}:{parts.port}"
+
+
+def discovered(name: str, help: str) -> Any:
+    """A Config field for endpoint `name` that a process on any host can leave empty: then
+    the controller says where it is bound (see node.ControllerLink.discover)."""
+    return field(default_factory=lambda: os.environ.get(ENDPOINTS[name].env_var, ""),
+                 metadata={"help": help})
+
+
 def free_tcp_ports(n: int) -> list[int]:
     """n ports free on loopback right now (for tests and benchmarks)."""
     socks = [pysocket.socket() for _ in range(n)]

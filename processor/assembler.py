@@ -155,7 +155,10 @@ def run(cfg: Config) -> int:
     stop = node.StopFlag()
     ctx = wiring.context(cfg.security)
     link = node.ControllerLink(ctx, role="assembler", name="assembler",
-                               controller=cfg.controller, broadcast=cfg.broadcast, log=log)
+                               controller=cfg.controller, broadcast=cfg.broadcast, log=log,
+                               binds={"experience": cfg.experience,
+                                      "trajectories": cfg.trajectories,
+                                      "receipts": cfg.receipts})
     # A short queue, so a paused intake soon pauses the broker.
     intake = wiring.socket(ctx, zmq.PULL, bind=cfg.experience, rcvhwm=1000)
     outlets: dict[str, Outlet] = {}

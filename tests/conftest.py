@@ -71,11 +71,12 @@ class Cluster:
         return env
 
     def start(self, role: str, *args: str, name: str | None = None,
-              env: dict[str, str] | None = None) -> Proc:
+              env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()) -> Proc:
+        """`prefix`: a command that runs it, e.g. ("ip", "netns", "exec", NS)."""
         name = name or f"{role}{sum(p.name.startswith(role) for p in self.procs)}"
         log_path = self.dir / f"{name}.log"
         with open(log_path, "wb") as log:
-            popen = subprocess.Popen([sys.executable, "-m", "stepbus", role, *args],
+            popen = subprocess.Popen([*prefix, sys.executable, "-m", "stepbus", role, *args],
                                      stdout=log, stderr=subprocess.STDOUT, env=self.env(env),
                                      cwd=self.dir, start_new_session=True)
         proc = Proc(name, popen, log_path)

@@ -71,9 +71,11 @@ class Config:
         "help": "w in the seed derivation (default: from honcho's worker.N, else 0)"})
     name: str = field(default_factory=_default_name, metadata={
         "help": "unique worker name (default: honcho's process name, else host and pid)"})
-    steps: str = wiring.endpoint("steps", "broker endpoint to connect")
+    steps: str = wiring.discovered("steps", "broker endpoint to connect (default: where the "
+                                   "controller says the broker bound it)")
     controller: str = wiring.endpoint("controller", "controller endpoint to connect")
-    broadcast: str = wiring.endpoint("broadcast", "controller broadcast endpoint to connect")
+    broadcast: str = wiring.discovered("broadcast", "controller broadcast endpoint to connect "
+                                       "(default: where the controller says it bound it)")
     max_env_restarts_per_minute: int = field(default=10, metadata={
         "help": "env recreations (after an env raised) allowed within 60 s; one more makes the "
                 "worker exit 1, since an env that keeps raising needs fixing, not retrying"})
@@ -358,8 +360,14 @@ def run(cfg: Config) -> int:
     ctx = wiring.context(cfg.security)
     link = node.ControllerLink(ctx, role="worker", name=cfg.name, controller=cfg.controller,
                                broadcast=cfg.broadcast, log=log)
+    # On another host a worker needs only the controller's address: it says where the rest is.
+    steps = cfg.steps or link.discover("steps", stop)
+    if not steps:
+        link.close()
+        wiring.destroy(ctx, wiring.LINGER_MS)
+        return 0  # told to stop while waiting
     # While no broker is connected, hellos are dropped rather than queued to flood it later.
-    dealer = wiring.socket(ctx, zmq.DEALER, connect=cfg.steps, identity=cfg.name.encode(),
+    dealer = wiring.socket(ctx, zmq.DEALER, connect=steps, identity=cfg.name.encode(),
                            immediate=True)
     rejects = node.RejectLog(log)
     busy_beat = [0.0]
@@ -407,7 +415,7 @@ def run(cfg: Config) -> int:
     steps_done = 0
     acting_version = -1  # the policy version that chose the last actions (for status lag)
     log.info("%s: %d x %s%s, connecting to %s", cfg.name, cfg.envs_per_worker, cfg.env,
-             f" ({len(envs.agents)} agents each)" if envs.agents else "", cfg.steps)
+             f" ({len(envs.agents)} agents each)" if envs.agents else "", steps)
 
     def reply(result: p.StepResult) -> None:
         node.send(dealer, dataclasses.replace(result, incarnation=incarnation, epoch=epoch,

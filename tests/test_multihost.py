@@ -1,0 +1,85 @@
+"""Two hosts for real: the broker's side in one Linux network namespace, a worker in another,
+joined by a veth pair, CURVE on, the worker told nothing but the controller's address."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import REPO, Cluster
+from stepbus.bus import wiring
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+
+@pytest.fixture
+def two_hosts() -> Iterator[tuple[tuple[str, ...], tuple[str, ...], str]]:
+    """(prefix running a command on host A, on host B, host A's address)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2's `ip` to make network namespaces")
+    tag = uuid.uuid4().hex[:6]
+    a, b = f"sb-a-{tag}", f"sb-b-{tag}"
+    subnet = f"10.{int(tag[:2], 16) % 200 + 20}.{int(tag[2:4], 16)}"
+    try:
+        ip("netns", "add", a)
+        ip("netns", "add", b)
+        ip("link", "add", f"sba{tag}", "type", "veth", "peer", "name", f"sbb{tag}")
+    except (subprocess.CalledProcessError, OSError) as exc:
+        for ns in (a, b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+        pytest.skip(f"cannot make network namespaces here: {exc}")
+    try:
+        for ns, end, host in ((a, f"sba{tag}", 1), (b, f"sbb{tag}", 2)):
+            ip("link", "set", end, "netns", ns)
+            ip("-n", ns, "addr", "add", f"{subnet}.{host}/24", "dev", end)
+            ip("-n", ns, "link", "set", end, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        yield ("ip", "netns", "exec", a), ("ip", "netns", "exec", b), f"{subnet}.1"
+    finally:
+        for ns in (a, b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+
+def test_a_worker_on_another_host_needs_only_the_controller_address_and_keys(
+        cluster: Cluster, two_hosts: tuple[tuple[str, ...], tuple[str, ...], str]):
+    on_a, on_b, address = two_hosts
+    # Host A binds its real address (not loopback): that is refused without keys.
+    cluster.endpoints = {name: f"tcp://{address}:{7340 + i}"
+                         for i, name in enumerate(wiring.ENDPOINTS)}
+    keys, worker_keys = cluster.dir / "keys", cluster.dir / "worker-keys"
+    assert cluster.cli("keys", "--dir", str(keys)).returncode == 0
+    assert cluster.cli("keys", "--dir", str(worker_keys), "--client-of", str(keys)).returncode == 0
+    on_host_a = {"STEPBUS_KEYS": str(keys)}
+    refused = cluster.start("controller", env={}, prefix=on_a)
+    assert refused.wait(30) != 0 and "refusing to bind" in refused.output()
+    procs = {role: cluster.start(role, env=on_host_a, prefix=on_a)
+             for role in ("controller", "broker", "assembler", "trainer")}
+    # Host B runs the README's worker-host Procfile, knowing only the controller's address
+    # and its own client keys.
+    env = {k: v for k, v in cluster.env().items() if not k.startswith("STEPBUS_")}
+    env |= {"STEPBUS_CONTROLLER": cluster.endpoints["controller"],
+            "STEPBUS_KEYS": str(worker_keys),
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])}
+    shutil.copy(REPO / "Procfile.workers", cluster.dir)
+    with open(cluster.dir / "b.out", "wb") as out:
+        honcho = subprocess.Popen([*on_b, shutil.which("honcho", path=env["PATH"]) or "honcho",
+                                   "start", "-f", "Procfile.workers", "-c", "worker=2"],
+                                  cwd=cluster.dir, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    # The default trainer target: CartPole solved ends the whole run, every process exit 0.
+    codes = {name: proc.wait(120) for name, proc in procs.items()}
+    assert codes == dict.fromkeys(procs, 0), cluster.dump()
+    assert honcho.wait(30) == 0
+    host_b = (cluster.dir / "b.out").read_text()
+    assert host_b.count(f"steps endpoint {cluster.endpoints['steps']} (the controller says)") == 2
+    assert f"broadcasts from {cluster.endpoints['broadcast']}" in host_b
+    assert host_b.count("stopped (rc=0)") == 2, host_b[-3000:]
+    assert "solved: mean return" in procs["trainer"].output(), procs["trainer"].output()[-2000:]
