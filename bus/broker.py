@@ -171,6 +171,7 @@ def run(cfg: Config) -> int:
               "determinism_lost": 0}
     rate_steps, rate_t0, steps_per_s = 0, time.monotonic(), 0.0
     assembler_blocked, look_again = False, None
+    held_by = ""  # with several policies: the one whose weights or window holds stepping
     barrier_lost: set[str] = set()  # workers that died during the current barrier
     barrier_errors: list[str] = []  # env errors workers reported during it
     started = time.monotonic()
@@ -436,14 +437,17 @@ def run(cfg: Config) -> int:
     def dispatch(now: float) -> float | None:
         """Act on the ready results if nothing holds us back; returns when to look again
         (None: when the next message arrives)."""
-        nonlocal rate_steps, assembler_blocked
+        nonlocal rate_steps, assembler_blocked, held_by
         assembler_blocked = False  # only true while it is what holds ready work back
         ready = [w for w in workers.values() if w.result is not None]
         acting = [pol for pol in pols if pol.rows]
-        if not ready or action_space is None or any(
-                pol.params is None and not pol.due for pol in acting):
+        if not ready or action_space is None:
             return None
-        if any(pol.credit.outstanding() >= window(pol) for pol in acting):
+        held_by = next((f"{pol.name}: no weights" for pol in acting
+                        if pol.params is None and not pol.due), "") or next(
+            (f"{pol.name}: credit window" for pol in acting
+             if pol.credit.outstanding() >= window(pol)), "")
+        if held_by:
             return None  # that trainer's next WEIGHTS message wakes us
         assembler_blocked = not experience.poll(0, zmq.POLLOUT)
         if assembler_blocked:
@@ -490,10 +494,14 @@ def run(cfg: Config) -> int:
                    "outstanding_steps": default.credit.outstanding(),
                    "credit_window": window(default), "credit_topups": default.credit.topups,
                    "assembler_blocked": assembler_blocked, **rejects.figures(), **counts}
+        figures["held_by"] = held_by
         if len(pols) > 1:  # the figures above are the default policy's; these, each one's
             for pol in pols:
                 figures[f"policy_version_{pol.name}"] = pol.version
-                figures[f"policy_agents_{pol.name}"] = pol.rows
+                figures[f"policy_rows_{pol.name}"] = pol.rows
+                figures[f"outstanding_steps_{pol.name}"] = pol.credit.outstanding()
+                figures[f"credit_window_{pol.name}"] = window(pol)
+                figures[f"credit_topups_{pol.name}"] = pol.credit.topups
         return figures
 
     worker_handlers = {p.WorkerHello: on_hello, p.StepResult: on_result,

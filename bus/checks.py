@@ -113,9 +113,10 @@ def experience_problem(m: p.Experience) -> str:
     if m.action is not None and (m.action.ndim < 1 or m.action.shape[0] != k or any(
             o.shape != (k,) for o in (m.logp, m.value))):
         return "policy outputs need one row per env"
-    if m.policy_versions is not None and (m.policy_versions.shape != (k,)
-                                          or m.policy_versions.dtype.kind not in "iu"):
-        return "policy_versions need one integer per row"
+    if m.policy_versions is not None and (
+            m.policy_versions.shape != (k,) or m.policy_versions.dtype.kind not in "iu"
+            or m.policy_versions.min() < -1 or m.policy_versions.max() >= 2**53):
+        return "policy_versions need one integer in [-1, 2**53) per row"
     if m.agent_policies and (len(m.agent_policies) != max(1, len(m.agents))
                              or k % len(m.agent_policies)
                              or not all(policies.NAME.fullmatch(n) for n in m.agent_policies)):

@@ -284,6 +284,7 @@ class Receipt(Message):
     assembler: str
     taken: np.ndarray  # int64 trajectory numbers taken in
     learned: np.ndarray  # ... used in an update, or discarded on purpose (stale, after solving)
+    policy: str = "default"  # the policy the learner trains: learners are told apart per policy
 
 
 @dataclass(frozen=True)

@@ -149,6 +149,9 @@ def run(cfg: Config) -> int:
     try:
         endpoints = {policies.DEFAULT: cfg.trajectories,
                      **policies.parse_endpoints(cfg.policy_endpoints)}
+        if len(set(endpoints.values())) < len(endpoints):  # an ipc path bound twice is taken over
+            raise ValueError(f"--policy-endpoints: each policy needs its own endpoint, not "
+                             f"--trajectories' or another's: {cfg.policy_endpoints}")
     except ValueError as exc:
         log.error("%s", exc)
         return 2
@@ -173,8 +176,9 @@ def run(cfg: Config) -> int:
     tracks: dict[str, WorkerTrack] = {}
     unlearned: collections.OrderedDict[int, p.Trajectory] = collections.OrderedDict()  # sent
     untaken: set[int] = set()  # sent, and no learner has said it took them in
-    learners: set[str] = set()  # learner incarnations that sent receipts
-    last_receipt = 0.0
+    # Per policy: learner incarnations that sent receipts, and when the last receipt came.
+    learners: dict[str, set[str]] = {policy: set() for policy in outlets}
+    last_receipt = dict.fromkeys(outlets, 0.0)
     counts = {"steps": 0, "trajectories": 0, "episodes": 0, "closed_truncated": 0, "gaps": 0,
               "resent": 0, "trainer_swaps": 0, "joined_mid_episode": 0, "steps_lost": 0,
               "agents_vanished": 0, "unrouted": 0}
@@ -339,28 +343,33 @@ def run(cfg: Config) -> int:
             outlet.connected = max(0, outlet.connected - 1)
 
     def on_receipt(m: p.Receipt) -> None:
-        nonlocal last_swap_gap_s, last_receipt
+        nonlocal last_swap_gap_s
         if m.assembler != incarnation:
             return  # meant for the assembler this one replaced
+        if m.policy not in outlets:
+            rejects.refuse(m.trainer, p.ProtocolError("bad receipt", f"policy {m.policy[:64]!r}"))
+            return
         for arr in (m.taken, m.learned):
             if arr.dtype.kind not in "iu" or arr.ndim != 1:
                 rejects.refuse(m.trainer,
                                p.ProtocolError("bad receipt", f"{arr.dtype} {arr.shape}"))
                 return
         now = time.monotonic()
-        if m.incarnation not in learners:
-            if learners:
+        known = learners[m.policy]
+        of = "" if len(outlets) == 1 else f" of policy {m.policy!r}"
+        if m.incarnation not in known:
+            if known:
                 counts["trainer_swaps"] += 1
-                last_swap_gap_s = round(now - last_receipt, 3)
-                log.info("learner %s (incarnation %s) took over; %.2fs without a learner taking "
-                         "trajectories", m.trainer, m.incarnation, last_swap_gap_s)
+                last_swap_gap_s = round(now - last_receipt[m.policy], 3)
+                log.info("learner %s (incarnation %s)%s took over; %.2fs without a learner "
+                         "taking trajectories", m.trainer, m.incarnation, of, last_swap_gap_s)
             else:
-                log.info("learner %s (incarnation %s) taking trajectories", m.trainer,
-                         m.incarnation)
-            if len(learners) > 1000:  # a flood of fake incarnations cannot grow memory
-                learners.clear()
-            learners.add(m.incarnation)
-        last_receipt = now
+                log.info("learner %s (incarnation %s)%s taking trajectories", m.trainer,
+                         m.incarnation, of)
+            if len(known) > 1000:  # a flood of fake incarnations cannot grow memory
+                known.clear()
+            known.add(m.incarnation)
+        last_receipt[m.policy] = now
         untaken.difference_update(m.taken.tolist())
         for seq in m.learned.tolist():
             unlearned.pop(seq, None)

@@ -272,7 +272,7 @@ WEIGHT_FIELDS = {"trainer": "t", "incarnation": "i", "policy": "p", "version": 1
                  "consumed_steps": 0, "batch_steps": 1, "starving": False}
 TRAJ_FIELDS = {"agent": "a", "epoch": 0, "terminated": False, "truncated": False,
                "episode_return": None, "episode_length": None, "assembler": "", "seq": 0,
-               "episode": -1, "episode_seed": -1, "episode_step": -1}
+               "episode": -1, "episode_seed": -1, "episode_step": -1, "policy": "default"}
 TRAJ_ARRAYS = ["obs", "actions", "logp", "values", "rewards", "policy_versions", "bootstrap_obs"]
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import zmq
 from conftest import Cluster, recv_message, send_message, status_rows, wait_for
-from stepbus.bus import policies
+from stepbus.bus import checks, policies
 from stepbus.bus import protocol as p
 from stepbus.trainer import model
 
@@ -27,6 +27,18 @@ def test_a_policy_map_picks_the_first_matching_pattern_and_falls_back_to_default
             policies.parse_map(bad)
     with pytest.raises(ValueError, match="--trajectories"):
         policies.parse_endpoints("default=ipc:///tmp/x")
+
+
+def test_per_row_policy_versions_out_of_range_are_refused():
+    def experience(versions: np.ndarray) -> p.Experience:
+        return p.Experience(worker="w", incarnation="i", epoch=0, seq=1, first=True,
+                            policy_version=0, obs=np.zeros((2, 2), np.float32),
+                            reward=np.zeros(2, np.float32), terminated=np.zeros(2, bool),
+                            truncated=np.zeros(2, bool), final_obs=np.zeros((0, 2), np.float32),
+                            policy_versions=versions)
+    assert checks.experience_problem(experience(np.array([0, 7]))) == ""
+    for bad in (np.array([2**64 - 1, 0], np.uint64), np.array([-2, 0]), np.array([0])):
+        assert "policy_versions" in checks.experience_problem(experience(bad))
 
 
 def weights(policy: str, version: int, favourite: int) -> p.Weights:
@@ -63,6 +75,9 @@ def test_each_policy_acts_for_its_agents_and_its_trajectories_reach_only_its_lea
     send_message(trainers, weights("default", 3, favourite=0))
     # Red's agents have no weights yet: nobody steps (red's learner would be starved of them).
     assert not default_pull.poll(2000), "stepping waits for every policy that has agents"
+    broker = wait_for(lambda: next((r for r in status_rows(cluster) if r["role"] == "broker"
+                                    and r.get("held_by")), None), 10, "the broker's status")
+    assert broker["held_by"] == "red: no weights"
     send_message(trainers, weights("red", 7, favourite=1))
 
     seen: dict[str, set[str]] = {"default": set(), "red": set()}
@@ -84,7 +99,7 @@ def test_each_policy_acts_for_its_agents_and_its_trajectories_reach_only_its_lea
     broker = wait_for(lambda: next((r for r in status_rows(cluster) if r["role"] == "broker"
                                     and "policy_version_red" in r), None), 10, "broker status")
     assert (broker["policy_version_default"], broker["policy_version_red"]) == (3, 7)
-    assert (broker["policy_agents_default"], broker["policy_agents_red"]) == (4, 4)
+    assert (broker["policy_rows_default"], broker["policy_rows_red"]) == (4, 4)
 
 
 def test_a_learner_of_an_unknown_policy_is_refused_by_name(cluster: Cluster,
@@ -115,6 +130,8 @@ def test_two_learners_each_train_their_own_policy_and_shut_down_clean(cluster: C
                               for name in ("default", "red")) >= 5
 
     wait_for(versions, 60, "both policies to be updated a few times")
+    assembler_row = next(r for r in status_rows(cluster) if r["role"] == "assembler")
+    assert assembler_row["trainer_swaps"] == 0, "two policies' learners are not a swap"
     run = cluster.runs_dir / "latest"
     for metrics in (run / "metrics.jsonl", run / "policy-red" / "metrics.jsonl"):
         records = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -163,6 +180,7 @@ def test_a_learner_on_another_policys_endpoint_refuses_its_trajectories_by_name(
 @pytest.mark.parametrize(("role", "args", "says"), [
     ("broker", ("--policy-map", "adversary_*"), "is not KEY=VALUE"),
     ("assembler", ("--policy-endpoints", "red=ipc:///tmp/a,red=ipc:///tmp/b"), "given twice"),
+    ("assembler", ("--policy-endpoints", "red=ipc:///tmp/a,blue=ipc:///tmp/a"), "its own"),
     ("learner", ("--policy-name", "red team"), "--policy-name"),
 ])
 def test_bad_policy_flags_exit_2_with_one_line_saying_why(cluster: Cluster, role: str,

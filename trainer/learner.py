@@ -126,14 +126,15 @@ class Receipts:
         self.learned.extend(seq for assembler, seq in ids
                             if assembler and assembler == self.assembler)
 
-    def message(self, trainer: str, incarnation: str, now: float) -> p.Receipt | None:
+    def message(self, trainer: str, incarnation: str, policy: str,
+                now: float) -> p.Receipt | None:
         if not (self.taken or self.learned):
             return None
         if self.pending_since is None:
             self.pending_since = now
         return p.Receipt(trainer=trainer, incarnation=incarnation, assembler=self.assembler,
                          taken=np.asarray(self.taken, np.int64),
-                         learned=np.asarray(self.learned, np.int64))
+                         learned=np.asarray(self.learned, np.int64), policy=policy)
 
     def delivered(self) -> None:
         self.taken.clear()
@@ -388,7 +389,7 @@ def _learn(cfg: Config, io: Links) -> int:
 
     def send_receipts() -> None:
         now = time.monotonic()
-        msg = receipt.message(name, incarnation, now)
+        msg = receipt.message(name, incarnation, cfg.policy_name, now)
         if msg is None:
             return
         if node.send(receipts, msg, block=False):
