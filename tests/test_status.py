@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import threading
 import time
 
 import zmq
@@ -73,19 +74,38 @@ def test_a_broker_acting_with_old_weights_shows_how_many_versions_it_lags(cluste
         cluster.start(role)
     cluster.start("worker", "--envs-per-worker", "2", "--name", "w")
     trainer, pull = act_as_trainer(cluster, obs_dim=4)  # the broker acts with version 1
-    # ...while a learner tells the controller it has made version 5 (weights not sent yet).
-    learner = cluster.socket(zmq.DEALER, cluster.endpoints["controller"])
+    # ...while a learner tells the controller, every heartbeat, it has made version 5 (its
+    # weights not sent yet): from its own thread, so a slow CLI start cannot let it expire.
+    stop = threading.Event()
 
-    def lags() -> dict[str, int]:
-        send_message(learner, p.Heartbeat(role="trainer", name="fake", host="h", pid=1,
-                                          leaving=False, figures={"policy_version": 5}))
+    def fake_learner() -> None:
+        learner = cluster.socket(zmq.DEALER, cluster.endpoints["controller"])
+        while not stop.wait(0.25):
+            send_message(learner, p.Heartbeat(role="trainer", name="fake", host="h", pid=1,
+                                              leaving=False, figures={"policy_version": 5}))
+        learner.close()
+
+    beats = threading.Thread(target=fake_learner)
+    beats.start()
+    expected = {"broker": 4, "worker": 4, "trainer": 0}
+    seen: list[dict] = []
+
+    def lags() -> bool:
         rows = status_rows(cluster)
-        found = {r["role"]: r.get("policy_lag") for r in rows if r.get("policy_version", -1) > 0}
-        return found if len(found) == 3 else {}
+        seen.append({r["role"]: r.get("policy_lag") for r in rows
+                     if r.get("policy_version", -1) > 0})
+        return seen[-1] == expected
 
-    assert wait_for(lags, 30, "the broker and the worker acting with version 1") == {
-        "broker": 4, "worker": 4, "trainer": 0}
-    for sock in (trainer, pull, learner):
+    try:
+        # (until the broker's and worker's next heartbeats, newer than the learner's first
+        # one, their lag is measured against what was known then)
+        wait_for(lags, 30, f"lags {expected}")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last seen {seen[-1:]}") from None
+    finally:
+        stop.set()
+        beats.join()
+    for sock in (trainer, pull):
         sock.close()
 
 
