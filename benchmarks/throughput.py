@@ -337,6 +337,14 @@ def measure_stepbus(env: str, setup: Setup, args: argparse.Namespace,
         window = t1 - t0
         cpu = {k: round(100 * (cpu1[k] - cpu0[k]) / window)
                for k in pids if cpu0[k] is not None and cpu1[k] is not None}
+        rate = rates.get("assembler") or 0.0
+        by_role: dict[str, float] = {}  # CPU % of one core, all processes of a role together
+        for key, percent in cpu.items():
+            role = key.split(":")[0]
+            by_role[role] = by_role.get(role, 0) + percent
+        # CPU per step: how far each role is from saturating its core(s), even on a busy machine
+        us_per_step = {role: round(1e4 * percent / rate, 1) if rate else None
+                       for role, percent in by_role.items()}
         busiest = sorted(cpu.items(), key=lambda kv: -kv[1])[:2]
         broker = _row(rows1, "broker") or {}
         return Row("", "stepbus", setup.label(), setup.workers * setup.envs_per_worker,
@@ -346,6 +354,7 @@ def measure_stepbus(env: str, setup: Setup, args: argparse.Namespace,
                    {"other_load_percent": round(other),
                     "learner_steps_per_s": round(rates.get("trainer", 0.0)),
                     "broker_steps_per_s": broker.get("steps_per_s"), "cpu_percent": cpu,
+                    "cpu_us_per_step": us_per_step,
                     "outstanding": broker.get("outstanding_steps"),
                     "credit_window": broker.get("credit_window")})
     except (RuntimeError, TimeoutError) as exc:
@@ -394,12 +403,16 @@ def profile(args: argparse.Namespace, label: str, rows: list[dict]) -> Callable[
     return window_closed
 
 
+IDLE_LEAVES = ("Poller.poll ", "select ", "Condition.wait ", "sleep ", "Event.wait ")
+
+
 def summarise(role: str, path: Path, top: int = 12) -> str:
-    """Top functions of one py-spy raw profile: % of samples spent in each function itself
-    (self) and with it on the stack (inclusive)."""
+    """Top functions of one py-spy raw profile (main thread and any other Python thread), as
+    shares of the samples where the process was not waiting (a leaf in IDLE_LEAVES): spent in
+    the function itself (self) and with it on the stack (inclusive)."""
     own: dict[str, int] = {}
     inclusive: dict[str, int] = {}
-    total = 0
+    total = idle = 0
     with contextlib.suppress(OSError):
         for line in path.read_text().splitlines():
             stack, _, count_text = line.rpartition(" ")
@@ -408,19 +421,25 @@ def summarise(role: str, path: Path, top: int = 12) -> str:
             count = int(count_text)
             frames = [f for f in stack.split(";") if not f.startswith(("process ", "thread "))]
             total += count
-            if frames:
-                own[frames[-1]] = own.get(frames[-1], 0) + count
+            if not frames or frames[-1].startswith(IDLE_LEAVES):
+                idle += count
+                continue
+            own[frames[-1]] = own.get(frames[-1], 0) + count
             for frame in set(frames):
                 inclusive[frame] = inclusive.get(frame, 0) + count
-    if not total:
-        return f"{role}: no samples ({path})"
-    lines = [f"{role}: {total} samples ({path.name})", "  self%  incl%  function"]
+    busy = total - idle
+    if not busy:
+        return f"{role}: no busy samples of {total} ({path})"
+    lines = [f"{role}: {total} samples ({path.name}), {100 * idle / total:.0f}% waiting; "
+             f"shares of the {busy} busy ones:", "  self%  incl%  function"]
     for frame, count in sorted(own.items(), key=lambda kv: -kv[1])[:top]:
-        lines.append(f"  {100 * count / total:5.1f}  {100 * inclusive[frame] / total:5.1f}  "
+        lines.append(f"  {100 * count / busy:5.1f}  {100 * inclusive[frame] / busy:5.1f}  "
                      f"{frame}")
-    lines.append("  inclusive, top:")
-    for frame, count in sorted(inclusive.items(), key=lambda kv: -kv[1])[:top]:
-        lines.append(f"  {'':5}  {100 * count / total:5.1f}  {frame}")
+    lines.append("  inclusive, top (below the entry point):")
+    entry = ("<module> ", "_run_code ", "_run_module_as_main ", "main ")
+    for frame, count in sorted(inclusive.items(), key=lambda kv: -kv[1])[:top + 5]:
+        if not frame.startswith(entry):
+            lines.append(f"  {'':5}  {100 * count / busy:5.1f}  {frame}")
     return "\n".join(lines)
 
 
@@ -616,8 +635,10 @@ def measure_peers(scenario: str, plan: Plan, args: argparse.Namespace) -> list[R
 
 def progress(row: Row) -> None:
     """One line per figure as it comes (stderr), so a long run shows it is alive."""
+    costs = row.detail.get("cpu_us_per_step")
     print(f"# {row.scenario} {row.system} {row.config}: {row.steps_per_s or 0:.0f} steps/s "
-          f"{row.note}", file=sys.stderr, flush=True)
+          f"{row.note}" + (f"; cpu us/step {costs}" if costs else ""), file=sys.stderr,
+          flush=True)
 
 
 def machine() -> dict[str, Any]:
