@@ -84,6 +84,18 @@ class Plan:
     others: bool = True  # SB3 / PufferLib / EnvPool when importable
 
 
+def parse_grid(text: str) -> list[Setup]:
+    """`1x8,2x128:1` -> setups (workers x envs per worker[:hidden widths])."""
+    setups = []
+    for item in text.split(","):
+        size, _, hidden = item.strip().partition(":")
+        workers, x, envs = size.partition("x")
+        if not (x and workers.isdigit() and envs.isdigit()):
+            raise argparse.ArgumentTypeError(f"expected WxK[:hidden], got {item!r}")
+        setups.append(Setup(int(workers), int(envs), hidden))
+    return setups
+
+
 def plans(mode: str) -> dict[str, Plan]:
     """The grids per scenario; `mode` is full, quick or smoke."""
     if mode == "smoke":
@@ -166,6 +178,25 @@ def cpu_seconds(pid: int) -> float | None:
     """User + system CPU time of a process so far (None once it is gone)."""
     fields = _stat(pid)
     return None if fields is None else (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def threads_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per thread name of a process (libzmq's I/O threads are `ZMQbg/...`)."""
+    out: dict[str, float] = {}
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                text = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except OSError:
+                continue
+            name = text[text.index("(") + 1:text.rindex(")")]
+            fields = text.rsplit(")", 1)[1].split()
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return out
+
+
+def _zmq_threads(pid: int) -> float:
+    return sum(v for k, v in threads_cpu(pid).items() if k.startswith("ZMQbg"))
 
 
 def groups_cpu(pgids: set[int]) -> float:
@@ -322,12 +353,14 @@ def measure_stepbus(env: str, setup: Setup, args: argparse.Namespace,
         pids = {f"{r['role']}:{r['name']}": r["pid"] for r in rows0 if isinstance(r.get("pid"),
                                                                                    int)}
         cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()}
+        zmq0 = {k: _zmq_threads(pid) for k, pid in pids.items()}
         meter = LoadMeter({proc.pid for proc in group.procs})
         window_closed = on_running(rows0) if on_running is not None else None
         time.sleep(args.seconds)
         pipeline.check_alive()
         t1, rows1 = pipeline.status()
         cpu1 = {k: cpu_seconds(pid) for k, pid in pids.items()}
+        zmq1 = {k: _zmq_threads(pid) for k, pid in pids.items()}
         other = meter.other_percent()
         if window_closed is not None:
             window_closed()
@@ -337,6 +370,8 @@ def measure_stepbus(env: str, setup: Setup, args: argparse.Namespace,
         window = t1 - t0
         cpu = {k: round(100 * (cpu1[k] - cpu0[k]) / window)
                for k in pids if cpu0[k] is not None and cpu1[k] is not None}
+        # of which libzmq's I/O threads (the rest is the Python thread)
+        zmq_io = {k: round(100 * (zmq1[k] - zmq0[k]) / window) for k in cpu}
         rate = rates.get("assembler") or 0.0
         by_role: dict[str, float] = {}  # CPU % of one core, all processes of a role together
         for key, percent in cpu.items():
@@ -354,7 +389,7 @@ def measure_stepbus(env: str, setup: Setup, args: argparse.Namespace,
                    {"other_load_percent": round(other),
                     "learner_steps_per_s": round(rates.get("trainer", 0.0)),
                     "broker_steps_per_s": broker.get("steps_per_s"), "cpu_percent": cpu,
-                    "cpu_us_per_step": us_per_step,
+                    "cpu_us_per_step": us_per_step, "zmq_io_thread_percent": zmq_io,
                     "outstanding": broker.get("outstanding_steps"),
                     "credit_window": broker.get("credit_window")})
     except (RuntimeError, TimeoutError) as exc:
@@ -661,7 +696,7 @@ def heavy_ideal(cores: int) -> float:
 
 
 def table(rows: list[Row], cores: int) -> str:
-    lines = [f"{'scenario':<9} {'system':<18} {'config':<22} {'envs':>5} {'steps/s':>10} "
+    lines = [f"{'scenario':<9} {'system':<18} {'config':<24} {'envs':>5} {'steps/s':>10} "
              f"{'vs AVE best':>11}  note"]
     for scenario in dict.fromkeys(r.scenario for r in rows):
         group = [r for r in rows if r.scenario == scenario]
@@ -678,7 +713,7 @@ def table(rows: list[Row], cores: int) -> str:
                 note = f"{100 * r.steps_per_s / heavy_ideal(cores):.0f}% of ideal; {note}"
             if scenario == "scaling" and r.system == "stepbus" and r.steps_per_s and stepbus_one:
                 note = f"{r.steps_per_s / stepbus_one:.2f}x 1 worker; {note}"
-            lines.append(f"{r.scenario:<9} {r.system:<18} {r.config:<22} {r.envs:>5} {rate} "
+            lines.append(f"{r.scenario:<9} {r.system:<18} {r.config:<24} {r.envs:>5} {rate} "
                          f"{ratio}  {note}".rstrip())
     return "\n".join(lines)
 
@@ -702,6 +737,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="py-spy (if installed) records the broker, one worker, the "
                              "assembler and the learner over each stepbus window: raw stacks "
                              "and a summary of the top functions go to DIR")
+    parser.add_argument("--grid", type=parse_grid, default=None, metavar="WxK[:H],...",
+                        help="stepbus setups instead of the scenario's grid: workers x envs per "
+                             "worker, optionally :hidden widths (e.g. 1x8,2x128,1x32:1)")
+    parser.add_argument("--no-peers", action="store_true",
+                        help="stepbus only (with --profile, or to try one setup)")
     parser.add_argument("--peer", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.peer:
@@ -719,7 +759,10 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for scenario in scenarios:
         plan = chosen[scenario]
-        rows.extend(measure_peers(scenario, plan, args))
+        if args.grid:
+            plan = dataclasses.replace(plan, stepbus=args.grid)
+        if not args.no_peers:
+            rows.extend(measure_peers(scenario, plan, args))
         for setup in plan.stepbus:
             profiler = (functools.partial(profile, args, f"{scenario}-{setup.label()}")
                         if args.profile else None)
