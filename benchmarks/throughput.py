@@ -438,7 +438,10 @@ def profile(args: argparse.Namespace, label: str, rows: list[dict]) -> Callable[
     return window_closed
 
 
-IDLE_LEAVES = ("Poller.poll ", "select ", "Condition.wait ", "sleep ", "Event.wait ")
+# Leaf frames of a thread that waits: poll loops, and pyzmq's zero-copy garbage collector
+# thread blocked in its recv.
+IDLE_LEAVES = ("Poller.poll ", "select ", "Condition.wait ", "sleep ", "Event.wait ",
+               "GarbageCollectorThread.run ")
 
 
 def summarise(role: str, path: Path, top: int = 12) -> str:
