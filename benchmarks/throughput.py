@@ -84,6 +84,14 @@ class Plan:
     others: bool = True  # SB3 / PufferLib / EnvPool when importable
 
 
+def parse_flags(text: str) -> tuple[str, list[str]]:
+    """`broker=--batch-wait-ms 0.2` -> ("broker", ["--batch-wait-ms", "0.2"])."""
+    role, eq, flags = text.partition("=")
+    if not eq or role not in ("controller", "broker", "worker", "assembler", "trainer"):
+        raise argparse.ArgumentTypeError(f"expected ROLE=FLAGS with a stepbus role, got {text!r}")
+    return role, shlex.split(flags)
+
+
 def parse_grid(text: str) -> list[Setup]:
     """`1x8,2x128:1` -> setups (workers x envs per worker[:hidden widths])."""
     setups = []
@@ -240,7 +248,7 @@ class Pipeline:
     """The five stepbus roles as real processes on ipc:// (or TCP loopback) endpoints."""
 
     def __init__(self, group: Group, env: str, setup: Setup, transport: str,
-                 batch_steps: int) -> None:
+                 batch_steps: int, flags: dict[str, list[str]] | None = None) -> None:
         from stepbus.bus import wiring
 
         self.dir = Path(tempfile.mkdtemp(prefix="sb-tp-"))
@@ -257,6 +265,7 @@ class Pipeline:
         env_vars["STEPBUS_RUNS_DIR"] = str(self.dir / "runs")
         env_vars["STEPBUS_LOG_LEVEL"] = "WARNING"
         self.group, self.env_vars, self.workers = group, env_vars, setup.workers
+        self.flags = flags or {}
         self.start("controller")
         self.start("broker")
         self.start("assembler")
@@ -270,7 +279,8 @@ class Pipeline:
     def start(self, role: str, *args: str) -> None:
         log = open(self.dir / f"{role}-{len(self.group.procs)}.log", "wb")  # noqa: SIM115
         with log:
-            self.group.start([sys.executable, "-m", "stepbus", role, *args], stdout=log,
+            self.group.start([sys.executable, "-m", "stepbus", role, *args,
+                              *self.flags.get(role, [])], stdout=log,
                              stderr=subprocess.STDOUT, env=self.env_vars, cwd=self.dir)
 
     def status(self, timeout_s: float = 3.0) -> tuple[float, list[dict]]:
@@ -295,6 +305,18 @@ class Pipeline:
             raise TimeoutError(f"the controller at {self.endpoints['controller']} did not answer")
         finally:
             sock.close(0)
+
+    def full_status(self, tries: int = 10) -> tuple[float, list[dict]]:
+        """Status with a row for every role: a process busy draining a long queue on a loaded
+        machine can miss heartbeats and drop out of the controller's table for a moment."""
+        for _ in range(tries):
+            t, rows = self.status()
+            roles = [r.get("role") for r in rows]
+            if (all(role in roles for role in ("broker", "assembler", "trainer"))
+                    and roles.count("worker") == self.workers):
+                return t, rows
+            time.sleep(0.1)  # until the next heartbeats (every 0.5 s)
+        return t, rows
 
     def check_alive(self) -> None:
         dead = [proc for proc in self.group.procs if proc.poll() is not None]
@@ -346,10 +368,10 @@ def measure_stepbus(env: str, setup: Setup, args: argparse.Namespace,
     group = Group()
     pipeline = None
     try:
-        pipeline = Pipeline(group, env, setup, args.transport, args.batch_steps)
+        pipeline = Pipeline(group, env, setup, args.transport, args.batch_steps, args.flags)
         pipeline.wait_ready(30 + 3 * setup.workers)
         time.sleep(args.warmup)
-        t0, rows0 = pipeline.status()
+        t0, rows0 = pipeline.full_status()
         pids = {f"{r['role']}:{r['name']}": r["pid"] for r in rows0 if isinstance(r.get("pid"),
                                                                                    int)}
         cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()}
@@ -358,7 +380,7 @@ def measure_stepbus(env: str, setup: Setup, args: argparse.Namespace,
         window_closed = on_running(rows0) if on_running is not None else None
         time.sleep(args.seconds)
         pipeline.check_alive()
-        t1, rows1 = pipeline.status()
+        t1, rows1 = pipeline.full_status()
         cpu1 = {k: cpu_seconds(pid) for k, pid in pids.items()}
         zmq1 = {k: _zmq_threads(pid) for k, pid in pids.items()}
         other = meter.other_percent()
@@ -372,7 +394,8 @@ def measure_stepbus(env: str, setup: Setup, args: argparse.Namespace,
                for k in pids if cpu0[k] is not None and cpu1[k] is not None}
         # of which libzmq's I/O threads (the rest is the Python thread)
         zmq_io = {k: round(100 * (zmq1[k] - zmq0[k]) / window) for k in cpu}
-        rate = rates.get("assembler") or 0.0
+        # The assembler's count; the learner's if the assembler's row was missing both times.
+        rate = rates.get("assembler") or rates.get("trainer") or 0.0
         by_role: dict[str, float] = {}  # CPU % of one core, all processes of a role together
         for key, percent in cpu.items():
             role = key.split(":")[0]
@@ -383,7 +406,7 @@ def measure_stepbus(env: str, setup: Setup, args: argparse.Namespace,
         busiest = sorted(cpu.items(), key=lambda kv: -kv[1])[:2]
         broker = _row(rows1, "broker") or {}
         return Row("", "stepbus", setup.label(), setup.workers * setup.envs_per_worker,
-                   rates.get("assembler"),
+                   rate or None,
                    f"other load {other:.0f}%; cpu " + ", ".join(
                        f"{k.split(':')[0]} {v}%" for k, v in busiest),
                    {"other_load_percent": round(other),
@@ -743,12 +766,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grid", type=parse_grid, default=None, metavar="WxK[:H],...",
                         help="stepbus setups instead of the scenario's grid: workers x envs per "
                              "worker, optionally :hidden widths (e.g. 1x8,2x128,1x32:1)")
+    parser.add_argument("--flags", type=parse_flags, action="append", default=[],
+                        metavar="ROLE=FLAGS", help="extra flags for one stepbus role, to try a "
+                        "setting (repeatable): --flags 'broker=--batch-wait-ms 0.2'")
     parser.add_argument("--no-peers", action="store_true",
                         help="stepbus only (with --profile, or to try one setup)")
     parser.add_argument("--peer", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.peer:
         return peer_main(json.loads(args.peer))
+    flags: dict[str, list[str]] = {}
+    for role, more in args.flags:
+        flags.setdefault(role, []).extend(more)
+    args.flags = flags
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     args.seconds = args.seconds or {"smoke": 1.0, "quick": 3.0, "full": 5.0}[mode]
     args.warmup = args.warmup if args.warmup is not None else (0.5 if args.smoke else 2.0)
@@ -782,7 +812,8 @@ def main(argv: list[str] | None = None) -> int:
     print("load average (1, 5, 15 min): before {:.2f} {:.2f} {:.2f}, after {:.2f} {:.2f} {:.2f}"
           .format(*info["load"], *load_after))
     print(f"command: {shlex.join([Path(sys.executable).name, *sys.argv])}")
-    print(f"stepbus: {args.transport} endpoints, learner {CONSUME}, batch {args.batch_steps}; "
+    print(f"stepbus: {args.transport} endpoints, learner {CONSUME}, batch {args.batch_steps}"
+          + "".join(f", {role} {shlex.join(more)}" for role, more in args.flags.items()) + "; "
           f"window {args.seconds:g} s after {args.warmup:g} s warm-up; "
           f"heavy ideal {heavy_ideal(cores):.0f} steps/s")
     print(table(rows, cores))
