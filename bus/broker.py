@@ -2,7 +2,9 @@
 policy inference, stamps actions with the policy version, and forwards experience.
 
 Never waits for the slowest worker: a result is acted on as soon as every other worker has also
-replied, or `batch_wait_ms` after it arrived, whichever is first.
+replied, or `batch_wait_ms` after it arrived, whichever is first, and at once when no worker
+still stepping is expected back within that bound (each worker's step round trip is tracked), so
+a worker is not kept idle waiting for one that is mid-way through a long batch.
 
 Flow control is a credit window: the broker steps at most `window` env steps beyond what the
 trainer reports as received (in each WEIGHTS message). That bounds policy lag and memory, and
@@ -65,7 +67,8 @@ class Config:
     controller: str = wiring.endpoint("controller", "controller endpoint to connect")
     broadcast: str = wiring.endpoint("broadcast", "controller broadcast endpoint to connect")
     batch_wait_ms: float = field(default=2.0, metadata={
-        "help": "longest wait for more workers to fill one inference batch"})
+        "help": "longest wait for more workers to fill one inference batch (only for "
+                "workers expected back within it)"})
     max_steps_ahead: int = field(default=0, metadata={
         "help": "credit window in env steps beyond what the trainer received "
                 "(0: two trainer batches + 34 per env)"})
@@ -98,6 +101,8 @@ class Worker:
     in_flight: bool = True  # a RESET or STEP was sent and its reply has not arrived
     result: p.StepResult | None = None  # a reply waiting for inference
     ready_since: float = 0.0
+    sent_at: float = 0.0  # when its current STEP was sent
+    round_trip_s: float = 0.0  # moving average of STEP -> STEP_RESULT (0: not known yet)
     epoch: int = -1  # the epoch the worker has reset into
     agent_policies: list[str] = field(default_factory=list)  # per agent; [] without a map
     row_policy: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))  # per row
@@ -307,6 +312,9 @@ def run(cfg: Config) -> int:
             reset_worker(w)
             return
         w.epoch, w.result, w.ready_since = msg.epoch, msg, now
+        if not msg.first:  # the reply to a STEP: how long this worker takes
+            trip = now - w.sent_at
+            w.round_trip_s = trip if not w.round_trip_s else 0.8 * w.round_trip_s + 0.2 * trip
 
     def on_worker_error(ident: bytes, msg: p.RemoteError, now: float) -> None:
         if phase is Phase.BARRIER and ident in workers:
@@ -457,10 +465,12 @@ def run(cfg: Config) -> int:
             if waiting or not all([take_due_weights(pol, now) for pol in acting]):
                 return None  # every live worker's reply, and the versions due at this count
             ready.sort(key=lambda w: w.name)  # one inference batch, in a fixed order
-        else:
-            oldest = min(w.ready_since for w in ready)
-            if waiting and now - oldest < cfg.batch_wait_ms / 1000:
-                return oldest + cfg.batch_wait_ms / 1000
+        elif waiting:
+            # Wait (up to the bound) only for a worker expected back within it.
+            deadline = min(w.ready_since for w in ready) + cfg.batch_wait_ms / 1000
+            soonest = min(w.sent_at + w.round_trip_s for w in workers.values() if w.in_flight)
+            if now < deadline and soonest < deadline:
+                return deadline
         obs = np.concatenate([w.result.obs for w in ready])  # type: ignore[union-attr]
         row_policy = np.concatenate([w.row_policy for w in ready])
         actions, logp, value, versions = act(obs, row_policy)
@@ -479,7 +489,7 @@ def run(cfg: Config) -> int:
                     pols[k].credit.produced += n
                     rate_steps += n
             w.seq, w.in_flight, w.result = r.seq + 1, True, None
-            w.ready_since = now
+            w.ready_since = w.sent_at = now
             send_worker(w, p.Step(epoch=epoch, seq=w.seq, policy_version=int(versions[start]),
                                   actions=actions[start:end]))
             forward(w, r, (actions[start:end], logp[start:end], value[start:end],
