@@ -116,8 +116,11 @@ def send(sock: zmq.Socket, msg: p.Message, *, to: bytes | None = None,
     frames = p.encode(msg)
     if to is not None:
         frames = [to, *frames]
+    # Zero-copy only pays for big frames (observation frames): pyzmq copies small ones anyway,
+    # after building a Frame object for each, which costs more than the copy.
+    copy = all(memoryview(f).nbytes < wiring.ZERO_COPY_FROM for f in frames)
     try:
-        sock.send_multipart(frames, copy=False, flags=0 if block else zmq.NOBLOCK)
+        sock.send_multipart(frames, copy=copy, flags=0 if block else zmq.NOBLOCK)
     except zmq.Again:
         return False
     except zmq.ZMQError as exc:

@@ -275,6 +275,7 @@ def free_tcp_ports(n: int) -> list[int]:
 
 # Socket options. LINGER is bounded everywhere so no process can hang in ctx.term().
 LINGER_MS = 500
+ZERO_COPY_FROM = 1 << 16  # bytes: smaller frames are sent by copy (pyzmq's own threshold)
 MAX_MESSAGE_BYTES = 256 << 20  # bound sockets refuse a peer declaring a larger frame
 HWM = 10_000
 RECONNECT_IVL_MS = 100
