@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,9 +14,8 @@ import pytest
 from conftest import REPO, Cluster
 from stepbus.bus import wiring
 
-
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+sys.path.insert(0, str(REPO / "benchmarks"))
+import two_hosts as two_hosts_bench  # the namespaces, made in one place
 
 
 @pytest.fixture
@@ -25,27 +23,11 @@ def two_hosts() -> Iterator[tuple[tuple[str, ...], tuple[str, ...], str]]:
     """(prefix running a command on host A, on host B, host A's address)."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("needs root and iproute2's `ip` to make network namespaces")
-    tag = uuid.uuid4().hex[:6]
-    a, b = f"sb-a-{tag}", f"sb-b-{tag}"
-    subnet = f"10.{int(tag[:2], 16) % 200 + 20}.{int(tag[2:4], 16)}"
     try:
-        ip("netns", "add", a)
-        ip("netns", "add", b)
-        ip("link", "add", f"sba{tag}", "type", "veth", "peer", "name", f"sbb{tag}")
+        with two_hosts_bench.two_namespaces() as hosts:
+            yield hosts
     except (subprocess.CalledProcessError, OSError) as exc:
-        for ns in (a, b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
         pytest.skip(f"cannot make network namespaces here: {exc}")
-    try:
-        for ns, end, host in ((a, f"sba{tag}", 1), (b, f"sbb{tag}", 2)):
-            ip("link", "set", end, "netns", ns)
-            ip("-n", ns, "addr", "add", f"{subnet}.{host}/24", "dev", end)
-            ip("-n", ns, "link", "set", end, "up")
-            ip("-n", ns, "link", "set", "lo", "up")
-        yield ("ip", "netns", "exec", a), ("ip", "netns", "exec", b), f"{subnet}.1"
-    finally:
-        for ns in (a, b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
 
 
 def test_a_worker_on_another_host_needs_only_the_controller_address_and_keys(

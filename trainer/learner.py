@@ -44,6 +44,7 @@ SLOT_BEAT_FD_ENV = "STEPBUS_SLOT_BEAT_FD"  # the pipe a trainer slot watches (se
 RECEIPTS_WARN_S = 5.0  # receipts undelivered this long: say so (a wrong --receipts?)
 SEEN_LIMIT = 200_000  # trajectory numbers remembered, to ignore ones sent again
 SHUTDOWN_DRAIN_MAX_S = 1.5  # at shutdown, take the assembler's flush for at most this long
+RECEIPT_INTERVAL_S = 0.02  # receipts go out this often at most (the assembler's bound waits)
 
 
 @dataclass
@@ -369,6 +370,7 @@ def _learn(cfg: Config, io: Links) -> int:
         done = f"the run made --max-updates {cfg.max_updates} policy updates already"
     digest = hashlib.blake2b(digest_size=8)  # of every trajectory taken in, in arrival order
     last_shutdown_request = 0.0
+    last_receipts = 0.0
     progress_log = ProgressLog(log, progress.env_steps)  # a line every 5 s, on a fixed beat
 
     def publish(starving: bool = False) -> None:
@@ -388,11 +390,17 @@ def _learn(cfg: Config, io: Links) -> int:
         progress.recent_returns = list(returns)
         checkpoint.save(ckpt_path, params, algo.optimizer_state(), progress.__dict__)
 
-    def send_receipts() -> None:
+    def send_receipts(now_or_never: bool = False) -> None:
+        """At most every RECEIPT_INTERVAL_S (one message per trajectory was a third of this
+        process's time), unless `now_or_never` (shutdown)."""
+        nonlocal last_receipts
         now = time.monotonic()
+        if now - last_receipts < RECEIPT_INTERVAL_S and not now_or_never:
+            return
         msg = receipt.message(name, incarnation, cfg.policy_name, now)
         if msg is None:
             return
+        last_receipts = now
         if node.send(receipts, msg, block=False):
             receipt.delivered()
         elif not receipt.warned and now - (receipt.pending_since or now) > RECEIPTS_WARN_S:
@@ -546,11 +554,12 @@ def _learn(cfg: Config, io: Links) -> int:
     drainer.register(io.assembler_events, zmq.POLLIN)
     node.drain(io.assembler_events, io.assembler_events.recv_multipart)  # old news
     before, drain_end = counts["trajectories"], "nothing to wait for"
+    send_receipts(now_or_never=True)  # what the interval held back
     while (left := deadline - time.monotonic()) > 0:
         drain_end = "the assembler did not finish"
         events = dict(drainer.poll(left * 1000))
         node.drain(intake, take_one)
-        send_receipts()
+        send_receipts(now_or_never=True)
         if io.assembler_events in events:
             drain_end = "the assembler finished"
             break

@@ -1,0 +1,166 @@
+"""Steps per second across a network link vs over loopback, in one invocation (as root).
+
+    sudo python benchmarks/two_hosts.py [--seconds 8] [--workers 2] [--envs-per-worker 32]
+
+Two Linux network namespaces joined by a veth pair stand for two hosts: host A runs the
+controller, broker, assembler and a consume-only learner, host B the workers, which know only
+the controller's address and their client keys. Measured next to the same pipeline with
+everything on loopback in one namespace, with and without CURVE, so the link's cost and the
+encryption's cost show apart. The figure is the assembler's step count over the window, read
+from the controller's status (run inside host A).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+CONSUME = "stepbus.trainer.consume:ConsumeOnly"
+ROLES_A = ("controller", "broker", "assembler", "trainer")
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+
+@contextlib.contextmanager
+def two_namespaces() -> Iterator[tuple[tuple[str, ...], tuple[str, ...], str]]:
+    """(prefix running a command on host A, on host B, host A's address); needs root and
+    iproute2. Raises OSError or CalledProcessError where namespaces cannot be made."""
+    tag = uuid.uuid4().hex[:6]
+    a, b = f"sb-a-{tag}", f"sb-b-{tag}"
+    subnet = f"10.{int(tag[:2], 16) % 200 + 20}.{int(tag[2:4], 16)}"
+    try:
+        ip("netns", "add", a)
+        ip("netns", "add", b)
+        ip("link", "add", f"sba{tag}", "type", "veth", "peer", "name", f"sbb{tag}")
+        for ns, end, host in ((a, f"sba{tag}", 1), (b, f"sbb{tag}", 2)):
+            ip("link", "set", end, "netns", ns)
+            ip("-n", ns, "addr", "add", f"{subnet}.{host}/24", "dev", end)
+            ip("-n", ns, "link", "set", end, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        yield ("ip", "netns", "exec", a), ("ip", "netns", "exec", b), f"{subnet}.1"
+    finally:
+        for ns in (a, b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+
+def measure(label: str, args: argparse.Namespace, address: str, on_a: tuple[str, ...],
+            on_b: tuple[str, ...], keys: bool) -> dict:
+    workdir = Path(tempfile.mkdtemp(prefix="sb-2h-"))
+    procs: list[subprocess.Popen] = []
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STEPBUS_", "HONCHO_"))}
+    env |= {"STEPBUS_LOG_LEVEL": "WARNING", "STEPBUS_RUNS_DIR": str(workdir / "runs")}
+    endpoints = {f"STEPBUS_{name}": f"tcp://{address}:{7340 + i}" for i, name in enumerate(
+        ("CONTROLLER", "BROADCAST", "STEPS", "POLICY", "EXPERIENCE", "TRAJECTORIES", "RECEIPTS"))}
+    stepbus = [sys.executable, "-m", "stepbus"]
+    try:
+        worker_env = env | {"STEPBUS_CONTROLLER": endpoints["STEPBUS_CONTROLLER"]}
+        host_env = env | endpoints
+        if keys:
+            subprocess.run([*stepbus, "keys", "--dir", str(workdir / "k")], check=True,
+                           capture_output=True, env=env)
+            subprocess.run([*stepbus, "keys", "--dir", str(workdir / "kw"), "--client-of",
+                            str(workdir / "k")], check=True, capture_output=True, env=env)
+            host_env["STEPBUS_KEYS"], worker_env["STEPBUS_KEYS"] = (str(workdir / "k"),
+                                                                    str(workdir / "kw"))
+        else:
+            host_env["STEPBUS_INSECURE"] = "1"
+
+        def start(prefix: tuple[str, ...], role: str, *flags: str, env: dict) -> None:
+            with open(workdir / f"{role}-{len(procs)}.log", "wb") as log:
+                procs.append(subprocess.Popen([*prefix, *stepbus, role, *flags], env=env,
+                                              cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+
+        for role in ROLES_A:
+            flags = ("--algo", CONSUME, "--target-return", "0", "--batch-steps", "2048",
+                     "--checkpoint-interval-s", "3600") if role == "trainer" else ()
+            start(on_a, role, *flags, env=host_env)
+        for i in range(args.workers):
+            start(on_b, "worker", "--name", f"b{i}", "--worker-index", str(i),
+                  "--envs-per-worker", str(args.envs_per_worker), env=worker_env)
+
+        def assembler_steps() -> tuple[float, int] | None:
+            res = subprocess.run([*on_a, *stepbus, "status", "--json", "--timeout", "2"],
+                                 capture_output=True, text=True, env=host_env, timeout=10)
+            if res.returncode:
+                return None
+            rows = json.loads(res.stdout)["processes"]
+            row = next((r for r in rows if r["role"] == "assembler"), None)
+            if row is None or not isinstance(row.get("steps"), int):
+                return None
+            return time.monotonic() - float(row.get("last_heartbeat_s", 0.0)), row["steps"]
+
+        deadline = time.monotonic() + 60
+        while (first := assembler_steps()) is None or first[1] == 0:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                logs = "\n".join(p.read_text()[-800:] for p in workdir.glob("*.log"))
+                raise RuntimeError(f"{label}: the pipeline did not start stepping\n{logs}")
+            time.sleep(0.3)  # a benchmark waiting for start-up, not a test's synchronisation
+        time.sleep(args.warmup)
+        start_t = assembler_steps()
+        time.sleep(args.seconds)
+        end_t = assembler_steps()
+        if start_t is None or end_t is None:
+            raise RuntimeError(f"{label}: the controller stopped answering")
+        rate = (end_t[1] - start_t[1]) / (end_t[0] - start_t[0])
+        return {"setup": label, "steps_per_s": round(rate)}
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=8.0, help="measured window")
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds before the window")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--envs-per-worker", type=int, default=32)
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        print("needs root and iproute2's `ip` (network namespaces)", file=sys.stderr)
+        return 2
+    print(f"date: {datetime.datetime.now().isoformat(timespec='seconds')}; machine: "
+          f"{os.cpu_count()} cores, Python {platform.python_version()}; command: "
+          f"python benchmarks/two_hosts.py {' '.join(argv or sys.argv[1:])}")
+    print(f"CartPole-v1, {args.workers} workers x {args.envs_per_worker} envs, consume-only "
+          f"learner, {args.seconds:g} s window")
+    rows = []
+    with two_namespaces() as (on_a, on_b, address):
+        for label, b, keys in (("loopback, one namespace, no keys", on_a, False),
+                               ("loopback, one namespace, CURVE", on_a, True),
+                               ("TCP across veth, two namespaces, CURVE", on_b, True)):
+            where = "127.0.0.1" if b == on_a else address
+            rows.append(measure(label, args, where, on_a, b, keys))
+            print(f"{rows[-1]['setup']:<42} {rows[-1]['steps_per_s']:>8} steps/s", flush=True)
+    base = rows[0]["steps_per_s"] or 1
+    for row in rows[1:]:
+        print(f"{row['setup']}: {row['steps_per_s'] / base:.2f}x loopback without keys")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
