@@ -750,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=None,
                         help="measured window per figure (default 5; --quick 3; --smoke 1)")
     parser.add_argument("--warmup", type=float, default=None,
-                        help="seconds of stepping before each window (default 2; --smoke 0.5)")
+                        help="seconds of stepping before each window (default 2; --smoke 0.25)")
     parser.add_argument("--quick", action="store_true", help="smaller grids")
     parser.add_argument("--smoke", action="store_true",
                         help="about 10 s in all: CartPole, tiny counts, to prove it still works")
@@ -781,7 +781,7 @@ def main(argv: list[str] | None = None) -> int:
     args.flags = flags
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     args.seconds = args.seconds or {"smoke": 1.0, "quick": 3.0, "full": 5.0}[mode]
-    args.warmup = args.warmup if args.warmup is not None else (0.5 if args.smoke else 2.0)
+    args.warmup = args.warmup if args.warmup is not None else (0.25 if args.smoke else 2.0)
     signal.signal(signal.SIGTERM, _exit_on_signal)  # so every `finally` kills what it started
 
     info = machine()
