@@ -241,6 +241,7 @@ def run(cfg: Config) -> int:
     # SIGUSR1 is the trainer slot's "hand over": checkpoint and leave at once (what this
     # learner has not learned from, the assembler sends to the next one).
     stop = node.StopFlag((signal.SIGINT, signal.SIGTERM, signal.SIGUSR1))
+    MetricsFiles.preload()
     ctx = wiring.context(cfg.security)
     name = os.environ.get("HONCHO_PROCESS_NAME") or f"trainer-{pysocket.gethostname()}"
     link = node.ControllerLink(ctx, role="trainer", name=name, controller=cfg.controller,

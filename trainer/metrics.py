@@ -55,6 +55,12 @@ class MetricsFiles:
     event file in the same directory (`tensorboard --logdir RUN_DIR`). Each learner generation
     opens a new event file; TensorBoard shows them as one run, on the env-steps axis."""
 
+    @staticmethod
+    def preload() -> None:
+        """Import the TensorBoard writer (over a second on a busy machine) before the learner
+        registers with the controller, which would otherwise take the silence for death."""
+        import tensorboardX  # noqa: F401
+
     def __init__(self, directory: Path) -> None:
         from tensorboardX import SummaryWriter  # here: the CLI imports this module, too
 
