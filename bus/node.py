@@ -195,10 +195,16 @@ def _sender_name(sender: bytes | None, sock: zmq.Socket, frames: Any = ()) -> st
     return f"{address} on {endpoint}" if address else f"peer of {endpoint}"
 
 
+DRAIN_BUDGET_S = 0.05  # one drain may not keep a loop from its heartbeats longer than this
+
+
 def drain(sock: zmq.Socket, handle: Callable[[], None], limit: int = 1000) -> None:
-    """Handle up to `limit` queued messages from a socket that poll said is readable."""
+    """Handle up to `limit` queued messages from a socket that poll said is readable, for at
+    most DRAIN_BUDGET_S: on a busy machine 1000 messages took long enough for the controller to
+    take the silent process for dead; the rest waits for the next pass of the loop."""
+    deadline = time.monotonic() + DRAIN_BUDGET_S
     for _ in range(limit):
-        if not sock.poll(0, zmq.POLLIN):
+        if not sock.poll(0, zmq.POLLIN) or time.monotonic() > deadline:
             return
         handle()
 

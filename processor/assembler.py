@@ -414,7 +414,9 @@ def run(cfg: Config) -> int:
                     flush_held(outlet)
             if intake in events:
                 node.drain(intake, take_one, limit=min(1000, max(1, room)))
-        node.drain(intake, take_one)  # what the broker already sent is not lost
+        deadline = time.monotonic() + SHUTDOWN_FLUSH_S  # what the broker sent is not lost
+        while intake.poll(0, zmq.POLLIN) and time.monotonic() < deadline:
+            node.drain(intake, take_one)
         for name in list(tracks):
             close(name, "shutdown")
         # The learner keeps taking trajectories in for a moment after the shutdown broadcast.

@@ -501,9 +501,10 @@ def _learn(cfg: Config, io: Links) -> int:
             node.drain(broker, lambda: node.recv(broker, rejects))  # late EnvSpec replies
         if intake in events:
             # Up to a full batch only: the rest waits for the next batch (see the docstring).
+            drain_until = time.monotonic() + node.DRAIN_BUDGET_S  # and the heartbeats wait not
             for _ in range(1000):
                 if ((batch_steps >= cfg.ppo.batch_steps and not done)
-                        or not intake.poll(0, zmq.POLLIN)):
+                        or not intake.poll(0, zmq.POLLIN) or time.monotonic() > drain_until):
                     break
                 take_one()
             last_data = time.monotonic()
