@@ -53,10 +53,10 @@ RL_ZOO_CARTPOLE: dict[str, Any] = {
 
 # ----------------------------------------------------------------------------- processes
 
-def tagged(tag: str) -> list[int]:
+def tagged(tag: str, var: str = TAG_VAR) -> list[int]:
     """Live processes whose environment carries this run's tag: honcho starts each of its
     children in a session of its own, so a process group cannot reach them all."""
-    needle = f"{TAG_VAR}={tag}".encode()
+    needle = f"{var}={tag}".encode()
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():

@@ -10,34 +10,32 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import numpy as np
+from conftest import REPO
 from stepbus.bus import checks
 from stepbus.trainer import consume, ppo, spaces
 from stepbus.workers import bench_envs
 from stepbus.workers.envs import make_env, space_spec
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import solve_time  # the benchmarks' own search for the processes they started
+
 TAG_VAR = "STEPBUS_BENCH_TEST_TAG"
 
 
 def tagged_processes(tag: str) -> list[int]:
-    """Live (non-zombie) processes whose environment carries our tag: everything the benchmark
-    started inherits it, so this finds them however they were reparented."""
-    needle = f"{TAG_VAR}={tag}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if state != "Z" and needle in environ.split(b"\0"):
-            found.append(int(entry.name))
-    return found
+    """Live processes whose environment carries our tag: everything the benchmark started
+    inherits it, so this finds them however they were reparented."""
+    return solve_time.tagged(tag, var=TAG_VAR)
+
+
+def assert_none_left(tag: str) -> None:
+    """Every process the benchmark started is gone (SIGKILLed ones vanish once reaped)."""
+    deadline = time.monotonic() + 5
+    while tagged_processes(tag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tagged_processes(tag) == [], "the benchmark left processes behind"
 
 
 def figure(out: str, system: str) -> float:
@@ -60,10 +58,7 @@ def test_throughput_smoke_prints_positive_stepbus_and_async_vector_env_figures()
         assert figure(proc.stdout, "stepbus") > 0, proc.stdout
         assert figure(proc.stdout, "AsyncVectorEnv") > 0, proc.stdout
         assert "command: " in proc.stdout and "cores" in proc.stdout
-        deadline = time.monotonic() + 5  # SIGKILLed processes vanish once reaped
-        while tagged_processes(tag) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert tagged_processes(tag) == [], "the benchmark left processes behind"
+        assert_none_left(tag)
     finally:
         for pid in tagged_processes(tag):
             os.kill(pid, 9)

@@ -7,11 +7,10 @@ import os
 import re
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
-from test_benchmarks import TAG_VAR, tagged_processes
+from test_benchmarks import TAG_VAR, assert_none_left, tagged_processes
 
 REPO = Path(__file__).resolve().parents[1]
 ROLES = ("controller", "broker", "worker", "assembler", "slot", "trainer")
@@ -31,10 +30,7 @@ def test_memory_benchmark_prints_a_row_per_process_and_leaves_nothing_behind() -
         assert sorted({row[0] for row in rows}) == sorted(ROLES), proc.stdout
         assert all(float(row[3]) > 1 and row[-1] in ("PASS", "FAIL") for row in rows), proc.stdout
         assert re.search(r"steps/s over the run: [1-9]\d*", proc.stdout), proc.stdout
-        deadline = time.monotonic() + 5  # SIGKILLed processes vanish once reaped
-        while tagged_processes(tag) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert tagged_processes(tag) == [], "the benchmark left processes behind"
+        assert_none_left(tag)
     finally:
         for pid in tagged_processes(tag):
             os.kill(pid, 9)
