@@ -420,7 +420,7 @@ def run(cfg: Config) -> int:
             _, pol.version, pol.params = pol.due.popleft()
         return pol.params is not None
 
-    def act(obs: np.ndarray, row_policy: np.ndarray) -> tuple[np.ndarray, ...]:
+    def act(obs: np.ndarray, ready: list[Worker]) -> tuple[np.ndarray, ...]:
         """Every policy's outputs on its own rows of one batch, and each row's version."""
         if len(pols) == 1:
             pol = pols[0]
@@ -429,6 +429,7 @@ def run(cfg: Config) -> int:
                     np.full(len(obs), pol.version, np.int64))
         actions = logp = value = None
         versions = np.empty(len(obs), np.int64)
+        row_policy = np.concatenate([w.row_policy for w in ready])
         for k, pol in enumerate(pols):
             rows = np.flatnonzero(row_policy == k)
             if not len(rows):
@@ -472,8 +473,7 @@ def run(cfg: Config) -> int:
             if now < deadline and soonest < deadline:
                 return deadline
         obs = np.concatenate([w.result.obs for w in ready])  # type: ignore[union-attr]
-        row_policy = np.concatenate([w.row_policy for w in ready])
-        actions, logp, value, versions = act(obs, row_policy)
+        actions, logp, value, versions = act(obs, ready)
         start = 0
         for w in ready:
             r, end = w.result, start + w.num_envs
