@@ -42,7 +42,10 @@ from stepbus import imports
 
 SLOT_BEAT_FD_ENV = "STEPBUS_SLOT_BEAT_FD"  # the pipe a trainer slot watches (see SlotBeat)
 RECEIPTS_WARN_S = 5.0  # receipts undelivered this long: say so (a wrong --receipts?)
-SEEN_LIMIT = 200_000  # trajectory numbers remembered, to ignore ones sent again
+# Numbers receipted as learned that are still recognised if sent again: well above what a
+# resend can put ahead of one (twice the assembler's default --max-buffered of 10,000, plus a
+# batch). 512 KiB.
+LEARNED_KEPT = 1 << 16
 SHUTDOWN_DRAIN_MAX_S = 1.5  # at shutdown, take the assembler's flush for at most this long
 RECEIPT_INTERVAL_S = 0.02  # receipts go out this often at most (the assembler's bound waits)
 
@@ -94,20 +97,38 @@ class Progress:
 
 
 class Receipts:
-    """Trajectory numbers taken in and learned from since the last RECEIPT, and the numbers
-    seen from the current assembler, so one sent again after a disconnect is not taken twice."""
+    """Trajectory numbers taken in and learned from since the last RECEIPT, and what it takes
+    to ignore a trajectory the assembler sends again (after a learner connects) that this
+    learner has taken in already.
+
+    What can come back is what the assembler still held as unlearned when it resent: numbers
+    taken in whose "learned" receipt it had not yet read. So this keeps, exactly, the numbers
+    taken in and not yet receipted as learned (`open`: at most a batch and a receipt interval),
+    plus the last LEARNED_KEPT numbers receipted as learned (`recent`, a fixed ring). Bounded
+    by counting, not time: the assembler sends each policy's trajectories in ascending numbers
+    and puts resent ones ahead of the rest, so a copy resent before our receipt was read comes
+    in ahead of what was then queued or unlearned, which its --max-buffered bounds; a copy
+    cannot wait behind more than that. A number above every one taken in was never taken in
+    (numbers rise), so only lower ones are looked up, and those come only with a resend."""
 
     def __init__(self) -> None:
+        self.recent = np.full(LEARNED_KEPT, -1, np.int64)  # allocated once: RSS stays flat
         self._start("")
 
     def _start(self, assembler: str) -> None:
         self.assembler = assembler
         self.taken: list[int] = []
         self.learned: list[int] = []
-        self.seen: set[int] = set()
-        self.seen_order: collections.deque[int] = collections.deque()
+        self.open: set[int] = set()  # taken in, "learned" not yet receipted
+        self.recent.fill(-1)
+        self.recent_next = 0  # where the next receipted number goes in the ring
+        self.highest = -1  # of the numbers taken in
         self.pending_since: float | None = None
         self.warned = False
+
+    def had(self, seq: int) -> bool:
+        """Whether `seq` was taken in (as far as it can come back)."""
+        return seq <= self.highest and (seq in self.open or bool((self.recent == seq).any()))
 
     def take(self, assembler: str, seq: int) -> bool:
         """Note a trajectory taken in; False if it was taken in already."""
@@ -115,12 +136,10 @@ class Receipts:
             return True  # not numbered by an assembler: nothing to receipt
         if assembler != self.assembler:
             self._start(assembler)  # a new assembler numbers afresh
-        if seq in self.seen:
+        if self.had(seq):
             return False
-        self.seen.add(seq)
-        self.seen_order.append(seq)
-        if len(self.seen_order) > SEEN_LIMIT:
-            self.seen.discard(self.seen_order.popleft())
+        self.highest = max(self.highest, seq)
+        self.open.add(seq)
         self.taken.append(seq)
         return True
 
@@ -139,6 +158,10 @@ class Receipts:
                          learned=np.asarray(self.learned, np.int64), policy=policy)
 
     def delivered(self) -> None:
+        for seq in self.learned:  # from `open` into the ring, over the oldest
+            self.open.discard(seq)
+            self.recent[self.recent_next] = seq
+            self.recent_next = (self.recent_next + 1) % LEARNED_KEPT
         self.taken.clear()
         self.learned.clear()
         self.pending_since, self.warned = None, False
