@@ -355,8 +355,10 @@ def run(cfg: Config) -> int:
                 rejects.refuse(msg.trainer, p.ProtocolError("bad weights", problem))
                 return
             pol.newest = msg.version
+            # Inference params: a wide (pixel) input's first layer in float32 (see model).
+            params = model.for_inference(msg.params)
             if not cfg.deterministic:
-                pol.params, pol.version = dict(msg.params), msg.version
+                pol.params, pol.version = params, msg.version
             else:
                 # The first message of a version is the one the trainer sent right after making
                 # it, so its consumed_steps are the steps the version was made from.
@@ -364,7 +366,7 @@ def run(cfg: Config) -> int:
                          else credit.produced - msg.consumed_steps)
                 if len(pol.due) >= MAX_PENDING_VERSIONS:
                     pol.due.popleft()
-                pol.due.append((start + msg.consumed_steps, msg.version, dict(msg.params)))
+                pol.due.append((start + msg.consumed_steps, msg.version, params))
         if msg.incarnation != credit.trainer:
             credit.trainer, credit.baseline = msg.incarnation, credit.produced - msg.consumed_steps
             credit.start, credit.extra = credit.baseline, 0
@@ -472,7 +474,9 @@ def run(cfg: Config) -> int:
             soonest = min(w.sent_at + w.round_trip_s for w in workers.values() if w.in_flight)
             if now < deadline and soonest < deadline:
                 return deadline
-        obs = np.concatenate([w.result.obs for w in ready])  # type: ignore[union-attr]
+        # One worker's observations are the batch as they came: no copy of its frames.
+        obs = (ready[0].result.obs if len(ready) == 1  # type: ignore[union-attr]
+               else np.concatenate([w.result.obs for w in ready]))  # type: ignore[union-attr]
         actions, logp, value, versions = act(obs, ready)
         start = 0
         for w in ready:

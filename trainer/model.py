@@ -132,10 +132,35 @@ def infer_action_space(
 # --------------------------------------------------------------------------------------------
 
 
-def _flat_obs(obs: np.ndarray) -> np.ndarray:
-    """(B, *obs_shape) of any numeric dtype -> (B, obs_dim) float64."""
+def _flat_obs(obs: np.ndarray, dtype: type = np.float64) -> np.ndarray:
+    """(B, *obs_shape) of any numeric dtype -> (B, obs_dim) float64 (or `dtype`)."""
     obs = np.asarray(obs)
-    return obs.reshape(obs.shape[0], math.prod(obs.shape[1:])).astype(np.float64, copy=False)
+    return obs.reshape(obs.shape[0], math.prod(obs.shape[1:])).astype(dtype, copy=False)
+
+
+WIDE_INPUT = 1024
+"""Inputs at least this wide (pixels: 84x84x4 is 28,224) meet the first layer in float32 when
+acting with ``for_inference`` params. There that one matrix product is nearly all of the cost
+(a uint8 frame converts to half the bytes, and sgemm runs about twice as fast as dgemm); every
+later layer, the log-softmax and the sampling stay float64. The outputs leave as float32 anyway,
+and on Atari-sized frames the learner's float64 log-probs differ from the broker's by ~1e-6
+(``tests/test_ppo_gradients.py``), far inside PPO's clip range."""
+
+
+def for_inference(params: Mapping[str, np.ndarray]) -> Params:
+    """``params`` as ``act`` should get them where it runs often (the broker): the first layers'
+    weights in float32 when the input is at least WIDE_INPUT wide, the rest as they are. Made once
+    per weights version, not per call."""
+    out = dict(params)
+    if params["pi.0.w"].shape[0] >= WIDE_INPUT:
+        for prefix in ("pi", "vf"):
+            out[f"{prefix}.0.w"] = np.ascontiguousarray(params[f"{prefix}.0.w"], np.float32)
+    return out
+
+
+def _input_dtype(params: Mapping[str, np.ndarray]) -> type:
+    """float32 for ``for_inference`` params of a wide input, else float64."""
+    return np.float32 if params["pi.0.w"].dtype == np.float32 else np.float64
 
 
 def _mlp(
@@ -151,6 +176,8 @@ def _mlp(
         if inputs is not None:
             inputs.append(h)
         z = h @ params[f"{prefix}.{i}.w"]
+        if z.dtype != np.float64:  # a float32 first layer (for_inference): float64 from here on
+            z = z.astype(np.float64)
         z += params[f"{prefix}.{i}.b"]
         h = np.tanh(z, out=z) if i < n - 1 else z
     return h
@@ -175,13 +202,13 @@ def _mlp_backward(
 
 def forward(params: Mapping[str, np.ndarray], obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """obs (B, *obs_shape) -> (logits or Gaussian mean (B, dim), value (B,)), float64."""
-    x = _flat_obs(obs)
+    x = _flat_obs(obs, _input_dtype(params))
     return _mlp(params, "pi", x), _mlp(params, "vf", x)[:, 0]
 
 
 def value(params: Mapping[str, np.ndarray], obs: np.ndarray) -> np.ndarray:
     """Critic only, (B,) float64: half the cost of ``forward`` when the policy isn't needed."""
-    return _mlp(params, "vf", _flat_obs(obs))[:, 0]
+    return _mlp(params, "vf", _flat_obs(obs, _input_dtype(params)))[:, 0]
 
 
 # --------------------------------------------------------------------------------------------
