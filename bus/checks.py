@@ -14,6 +14,8 @@ from stepbus.trainer import model, spaces
 
 MAX_ENVS_PER_WORKER = 65_536
 MAX_BATCH_STEPS = 10_000_000
+MAX_TRAJECTORY_STEPS = 1_000_000
+MAX_TRAJECTORIES_PER_MESSAGE = 4096
 
 
 def rows_problem(m: p.StepResult | p.Experience, rows: int) -> str:
@@ -127,18 +129,53 @@ def experience_problem(m: p.Experience) -> str:
 def trajectory_problem(t: p.Trajectory, spec: dict, action: model.ActionSpace) -> str:
     """Why a trajectory cannot be trained on (empty if it can)."""
     n = t.rewards.shape[0]
-    obs_shape = tuple(spec["obs_shape"])
-    if not 1 <= n <= 1_000_000 or t.rewards.ndim != 1:
+    if not 1 <= n <= MAX_TRAJECTORY_STEPS or t.rewards.ndim != 1:
         return f"{t.rewards.shape} rewards"
+    return (_episode_problem(t.episode_return, t.episode_length)
+            or _steps_problem(t, n, (), spec, action))
+
+
+def trajectories_problem(b: p.Trajectories, spec: dict, action: model.ActionSpace) -> str:
+    """Why a batch of trajectories cannot be trained on (empty if it can): checked as a whole,
+    so a batch costs a few array operations, not a few per trajectory."""
+    count = len(b.seqs)
+    if not 1 <= count <= MAX_TRAJECTORIES_PER_MESSAGE:
+        return f"{count} trajectories in one message"
+    lists = (b.agents, b.epochs, b.lengths, b.terminated, b.truncated, b.episode_returns,
+             b.episode_lengths, b.episodes, b.episode_seeds, b.episode_steps)
+    if any(len(values) != count for values in lists):
+        return f"per-trajectory lists of lengths {[len(values) for values in lists]}, not {count}"
+    if not all(1 <= n <= MAX_TRAJECTORY_STEPS for n in b.lengths):
+        return f"trajectory lengths outside [1, {MAX_TRAJECTORY_STEPS}]"
+    rows = sum(b.lengths)
+    if b.rewards.shape != (rows,):
+        return f"{b.rewards.shape} rewards for lengths summing to {rows}"
+    for ret, length in zip(b.episode_returns, b.episode_lengths, strict=True):
+        problem = _episode_problem(ret, length)
+        if problem:
+            return problem
+    if len(set(b.seqs)) != count:
+        return "a trajectory number twice in one message"
+    return _steps_problem(b, rows, (count,), spec, action)
+
+
+def _episode_problem(ret: float | None, length: int | None) -> str:
+    if ret is not None and not (np.isfinite(ret) and length is not None
+                                and 1 <= length <= 2**53):
+        return f"episode statistics {ret}, {length}"
+    return ""
+
+
+def _steps_problem(t: p.Trajectory | p.Trajectories, n: int, bootstraps: tuple[int, ...],
+                   spec: dict, action: model.ActionSpace) -> str:
+    """The step arrays: `n` rows each, fitting the spaces; `bootstraps` leads the bootstrap
+    observations' shape (one trajectory: none)."""
+    obs_shape = tuple(spec["obs_shape"])
     if any(a.shape != (n,) for a in (t.logp, t.values, t.policy_versions)):
         return "logp, values and policy_versions need one entry per step"
     if t.policy_versions.dtype.kind not in "iu":
         return f"policy_versions of dtype {t.policy_versions.dtype}"
-    if t.episode_return is not None and not (
-            np.isfinite(t.episode_return) and t.episode_length is not None
-            and 1 <= t.episode_length <= 2**53):
-        return f"episode statistics {t.episode_return}, {t.episode_length}"
-    if t.obs.shape != (n, *obs_shape) or t.bootstrap_obs.shape != obs_shape:
+    if t.obs.shape != (n, *obs_shape) or t.bootstrap_obs.shape != (*bootstraps, *obs_shape):
         return f"obs {t.obs.shape} / bootstrap {t.bootstrap_obs.shape}, spaces say {obs_shape}"
     if action.kind == "discrete":
         if t.actions.shape != (n,) or t.actions.dtype.kind not in "iu":

@@ -20,6 +20,7 @@ Who sends what (sender -> receiver, socket pair):
     STEP_RESULT       worker -> broker          DEALER -> ROUTER   one reply per action batch
     EXPERIENCE        broker -> assembler       PUSH   -> PULL     a step result + policy outputs
     TRAJECTORY        assembler -> trainer      PUSH   -> PULL     one agent's contiguous steps
+    TRAJECTORIES      assembler -> trainer      PUSH   -> PULL     several of one policy, batched
     TRAINER_HELLO     trainer -> broker         DEALER -> ROUTER   asks for the env spec
     ENV_SPEC          broker -> trainer         ROUTER -> DEALER   spaces the workers declared
     WEIGHTS           trainer -> broker         DEALER -> ROUTER   versioned policy parameters
@@ -112,6 +113,7 @@ class Kind(enum.IntEnum):
     WORKER_LOST = 22
     RECEIPT = 23
     TRAINER_SWAP = 24
+    TRAJECTORIES = 25
 
 
 # A JSON-like value (str keys, scalars, lists, maps) of bounded depth: options, figures, status.
@@ -269,6 +271,81 @@ class Trajectory(Message):
     episode_seed: int = -1
     episode_step: int = -1
     policy: str = "default"  # the policy that acted (and so the learner it is for)
+
+
+@dataclass(frozen=True)
+class Trajectories(Message):
+    """Trajectories of one policy in one message, their steps concatenated in order: at one
+    message each, sending and receiving them was the largest cost of small-observation envs
+    (issue 6). Trajectory i is steps `sum(lengths[:i])` to `sum(lengths[:i + 1])` of every step
+    array and row i of `bootstrap_obs`; the lists hold each one's fields as in `Trajectory`."""
+
+    KIND: ClassVar[Kind] = Kind.TRAJECTORIES
+    assembler: str
+    policy: str
+    seqs: list[int]
+    agents: list[str]
+    epochs: list[int]
+    lengths: list[int]
+    terminated: list[bool]
+    truncated: list[bool]
+    episode_returns: list[float | None]
+    episode_lengths: list[int | None]
+    episodes: list[int]
+    episode_seeds: list[int]
+    episode_steps: list[int]
+    obs: np.ndarray
+    actions: np.ndarray
+    logp: np.ndarray
+    values: np.ndarray
+    rewards: np.ndarray
+    policy_versions: np.ndarray
+    bootstrap_obs: np.ndarray  # one row per trajectory
+
+    @classmethod
+    def of(cls, trajs: Sequence[Trajectory]) -> Trajectories:
+        """One message for trajectories of one assembler and policy. A single trajectory's
+        arrays are used as they are (no copy: observation frames stay zero-copy)."""
+        first = trajs[0]
+
+        def steps(name: str) -> np.ndarray:
+            if len(trajs) == 1:
+                return getattr(first, name)
+            return np.concatenate([getattr(t, name) for t in trajs])
+
+        bootstrap = (first.bootstrap_obs[np.newaxis] if len(trajs) == 1
+                     else np.stack([t.bootstrap_obs for t in trajs]))
+        return cls(
+            assembler=first.assembler, policy=first.policy, seqs=[t.seq for t in trajs],
+            agents=[t.agent for t in trajs], epochs=[t.epoch for t in trajs],
+            lengths=[len(t.rewards) for t in trajs], terminated=[t.terminated for t in trajs],
+            truncated=[t.truncated for t in trajs],
+            episode_returns=[t.episode_return for t in trajs],
+            episode_lengths=[t.episode_length for t in trajs],
+            episodes=[t.episode for t in trajs], episode_seeds=[t.episode_seed for t in trajs],
+            episode_steps=[t.episode_step for t in trajs], obs=steps("obs"),
+            actions=steps("actions"), logp=steps("logp"), values=steps("values"),
+            rewards=steps("rewards"), policy_versions=steps("policy_versions"),
+            bootstrap_obs=bootstrap)
+
+    def split(self) -> list[Trajectory]:
+        """The trajectories, as views of this message's arrays. Only on a message that
+        `checks.trajectories_problem` passed: lengths and list sizes are trusted here."""
+        out = []
+        end = 0
+        for i, n in enumerate(self.lengths):
+            start, end = end, end + n
+            out.append(Trajectory(
+                agent=self.agents[i], epoch=self.epochs[i], terminated=self.terminated[i],
+                truncated=self.truncated[i], episode_return=self.episode_returns[i],
+                episode_length=self.episode_lengths[i], obs=self.obs[start:end],
+                actions=self.actions[start:end], logp=self.logp[start:end],
+                values=self.values[start:end], rewards=self.rewards[start:end],
+                policy_versions=self.policy_versions[start:end],
+                bootstrap_obs=self.bootstrap_obs[i], assembler=self.assembler,
+                seq=self.seqs[i], episode=self.episodes[i], episode_seed=self.episode_seeds[i],
+                episode_step=self.episode_steps[i], policy=self.policy))
+        return out
 
 
 @dataclass(frozen=True)
@@ -439,7 +516,7 @@ MESSAGE_TYPES: dict[Kind, type[Message]] = {
         WorkerHello, Reset, Step, StepResult, Experience, Trajectory, TrainerHello, EnvSpec,
         Weights, Heartbeat, RunState, StatusRequest, StatusReply, ResetRequest,
         ShutdownRequest, Reply, Barrier, BarrierDone, Shutdown, RemoteError, WorkerLost,
-        Receipt, TrainerSwap,
+        Receipt, TrainerSwap, Trajectories,
     )
 }
 assert set(MESSAGE_TYPES) == set(Kind), "every kind needs exactly one message class"

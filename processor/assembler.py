@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -34,6 +35,11 @@ from stepbus.bus import protocol as p
 from zmq.utils import monitor
 
 SHUTDOWN_FLUSH_S = 1.0  # how long shutdown waits for a trainer to take the last trajectories
+# Trajectories waiting for a learner go out together in one TRAJECTORIES message, up to this
+# many, and while their observations stay under this many bytes (larger ones go alone,
+# zero-copy: concatenating them would copy frames).
+MAX_TRAJECTORIES_PER_MESSAGE = 256
+MAX_BATCHED_OBS_BYTES = wiring.ZERO_COPY_FROM
 
 
 @dataclass
@@ -103,7 +109,10 @@ class AgentBuffer:
                 episode_length=self.episode_length if ended else None,
                 obs=a["obs"][:n], actions=a["actions"][:n], logp=a["logp"][:n],
                 values=a["values"][:n], rewards=a["rewards"][:n],
-                policy_versions=a["policy_versions"][:n], bootstrap_obs=bootstrap,
+                policy_versions=a["policy_versions"][:n],
+                # A copy: a view would pin the whole received message (libzmq's 8 KiB
+                # receive buffer, or the whole frame) for as long as this waits.
+                bootstrap_obs=bootstrap.copy(),
                 assembler="", seq=-1,  # numbered when sent
                 episode=self.origin[0], episode_seed=self.origin[1], episode_step=self.origin[2],
                 policy=self.policy)
@@ -112,6 +121,22 @@ class AgentBuffer:
         if episode_end or truncated:
             self.episode_return, self.episode_length, self.stats_valid = 0.0, 0, True
         return traj
+
+
+def next_batch(held: collections.deque[p.Trajectory]) -> list[p.Trajectory]:
+    """The held trajectories that go out in the next message, oldest first: small ones
+    together, within the bounds above; a large one alone."""
+    first = held[0]
+    batch, obs_bytes = [first], first.obs.nbytes
+    for traj in itertools.islice(held, 1, MAX_TRAJECTORIES_PER_MESSAGE):
+        obs_bytes += traj.obs.nbytes
+        if (obs_bytes > MAX_BATCHED_OBS_BYTES or traj.obs.dtype != first.obs.dtype
+                or traj.obs.shape[1:] != first.obs.shape[1:]
+                or traj.actions.dtype != first.actions.dtype
+                or traj.actions.shape[1:] != first.actions.shape[1:]):
+            break
+        batch.append(traj)
+    return batch
 
 
 def agent_ids(worker: str, agents: list[str], rows: int) -> list[str]:
@@ -213,8 +238,7 @@ def run(cfg: Config) -> int:
             return
         traj = dataclasses.replace(traj, assembler=incarnation, seq=next_seq)
         next_seq += 1
-        outlet.held.append(traj)
-        flush_held(outlet)
+        outlet.held.append(traj)  # sent with the others held, after this intake round
 
     def close(name: str, why: str) -> None:
         track = tracks.pop(name)
@@ -310,10 +334,14 @@ def run(cfg: Config) -> int:
         node.handle(intake, rejects, intake_handlers, "broker")
 
     def flush_held(outlet: Outlet) -> None:
-        while outlet.held and node.send(outlet.sock, outlet.held[0], block=False):
-            traj = outlet.held.popleft()
-            unlearned[traj.seq] = traj
-            untaken.add(traj.seq)
+        while outlet.held and outlet.sock.get(zmq.EVENTS) & zmq.POLLOUT:
+            batch = next_batch(outlet.held)
+            if not node.send(outlet.sock, p.Trajectories.of(batch), block=False):
+                return
+            for traj in batch:
+                outlet.held.popleft()
+                unlearned[traj.seq] = traj
+                untaken.add(traj.seq)
 
     def send_unlearned_again(outlet: Outlet) -> None:
         """A learner that disconnected took with it what was queued toward it and what it had
@@ -375,6 +403,10 @@ def run(cfg: Config) -> int:
             unlearned.pop(seq, None)
             untaken.discard(seq)
 
+    def flush_all() -> None:
+        for outlet in outlets.values():
+            flush_held(outlet)
+
     def take_receipts() -> None:
         node.handle(receipts, rejects, {p.Receipt: on_receipt}, "trainer")
 
@@ -409,11 +441,9 @@ def run(cfg: Config) -> int:
                     node.drain(outlet.events, lambda o=outlet: on_outlet_event(o))
             if receipts in events:
                 node.drain(receipts, take_receipts)
-            for outlet in outlets.values():
-                if outlet.sock in events:
-                    flush_held(outlet)
             if intake in events:
                 node.drain(intake, take_one, limit=min(1000, max(1, room)))
+            flush_all()  # what this round emitted, and what waited for room
         deadline = time.monotonic() + SHUTDOWN_FLUSH_S  # what the broker sent is not lost
         while intake.poll(0, zmq.POLLIN) and time.monotonic() < deadline:
             node.drain(intake, take_one)
@@ -422,8 +452,7 @@ def run(cfg: Config) -> int:
         # The learner keeps taking trajectories in for a moment after the shutdown broadcast.
         deadline = time.monotonic() + SHUTDOWN_FLUSH_S
         while waiting() and time.monotonic() < deadline:
-            for outlet in outlets.values():
-                flush_held(outlet)
+            flush_all()
             if receipts.poll(50, zmq.POLLIN):
                 node.drain(receipts, take_receipts)
         log.info("assembler stopping (%s): %d trajectories, %d episodes, %d resent, %d never "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -226,7 +227,7 @@ def act_as_trainer(cluster: Cluster, obs_dim: int) -> tuple[zmq.Socket, zmq.Sock
     send_message(trainer, p.Weights(trainer="t", incarnation="t1", policy="default", version=1,
                                     consumed_steps=0, batch_steps=256, starving=False,
                                     params=params))
-    return trainer, cluster.socket(zmq.PULL, cluster.endpoints["trajectories"])
+    return trainer, TrajectoryInbox(cluster.socket(zmq.PULL, cluster.endpoints["trajectories"]))
 
 
 def status_rows(cluster: Cluster) -> list[dict]:
@@ -240,6 +241,29 @@ def recv_message(sock: zmq.Socket, timeout: float = 5.0) -> p.Message:
     if not sock.poll(int(timeout * 1000)):
         raise AssertionError(f"no message within {timeout}s")
     return p.decode(sock.recv_multipart(copy=False))
+
+
+class TrajectoryInbox:
+    """A test's trajectories socket, read one trajectory at a time as a learner takes them in:
+    the assembler sends several in one TRAJECTORIES message."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self.queue: collections.deque[p.Trajectory] = collections.deque()
+
+    def poll(self, timeout_ms: int = 0) -> bool:
+        return bool(self.queue) or bool(self.sock.poll(timeout_ms))
+
+    def recv(self, timeout: float = 5.0) -> p.Trajectory:
+        """The next trajectory, or an assertion error after `timeout` seconds."""
+        if not self.queue:
+            msg = recv_message(self.sock, timeout)
+            assert isinstance(msg, p.Trajectories | p.Trajectory), msg
+            self.queue.extend(msg.split() if isinstance(msg, p.Trajectories) else [msg])
+        return self.queue.popleft()
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def send_message(sock: zmq.Socket, msg: p.Message) -> None:

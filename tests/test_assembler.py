@@ -8,7 +8,7 @@ import signal
 import numpy as np
 import pytest
 import zmq
-from conftest import Cluster, recv_message, send_message
+from conftest import Cluster, TrajectoryInbox, recv_message, send_message
 from stepbus.bus import protocol as p
 
 
@@ -57,7 +57,7 @@ class Script:
 def assembler(cluster: Cluster):
     proc = cluster.start("assembler", "--horizon", "4")
     push = cluster.socket(zmq.PUSH, cluster.endpoints["experience"])
-    pull = cluster.socket(zmq.PULL, cluster.endpoints["trajectories"])
+    pull = TrajectoryInbox(cluster.socket(zmq.PULL, cluster.endpoints["trajectories"]))
     yield proc, push, pull
     push.close()
     pull.close()
@@ -73,7 +73,7 @@ def test_a_running_episode_is_cut_at_the_horizon_and_bootstraps_from_the_next_ob
     s = Script()
     feed(push, s.first(), *[s.step(reward=1.0) for _ in range(9)])
     for start in (0, 4):
-        traj = recv_message(pull)
+        traj = pull.recv()
         assert isinstance(traj, p.Trajectory)
         assert traj.agent == "w/0"
         assert not traj.terminated and not traj.truncated
@@ -89,7 +89,7 @@ def test_truncation_keeps_the_final_observation_for_bootstrapping(assembler):
     _, push, pull = assembler
     s = Script()
     feed(push, s.first(), s.step(), s.step(), s.step(reward=2.0, truncated=[0]))
-    traj = recv_message(pull)
+    traj = pull.recv()
     assert traj.truncated and not traj.terminated
     assert traj.obs[:, 1].tolist() == [0, 1, 2]
     assert traj.bootstrap_obs.tolist() == [0, 1003], "the final obs, not the autoreset obs"
@@ -100,7 +100,7 @@ def test_termination_is_kept_apart_from_truncation(assembler):
     _, push, pull = assembler
     s = Script()
     feed(push, s.first(), s.step(), s.step(terminated=[0]), s.step(), s.step(terminated=[0]))
-    first, second = recv_message(pull), recv_message(pull)
+    first, second = pull.recv(), pull.recv()
     assert first.terminated and not first.truncated
     assert first.obs[:, 1].tolist() == [0, 1] and first.episode_length == 2
     assert second.terminated and second.obs[:, 1].tolist() == [0, 1], "a new episode from t=0"
@@ -111,7 +111,7 @@ def test_episode_statistics_span_horizon_cuts(assembler):
     s = Script()
     feed(push, s.first(), *[s.step(reward=0.5) for _ in range(5)], s.step(reward=0.5,
                                                                           terminated=[0]))
-    cut, end = recv_message(pull), recv_message(pull)
+    cut, end = pull.recv(), pull.recv()
     assert cut.episode_return is None and len(cut.rewards) == 4
     assert end.terminated and len(end.rewards) == 2
     assert end.episode_return == 3.0 and end.episode_length == 6
@@ -121,7 +121,7 @@ def test_agents_of_one_worker_have_their_own_trajectories(assembler):
     _, push, pull = assembler
     s = Script(k=3)
     feed(push, s.first(), s.step(terminated=[1]), s.step(truncated=[2]), s.step(), s.step())
-    got = [recv_message(pull) for _ in range(3)]
+    got = [pull.recv() for _ in range(3)]
     by_agent = {t.agent: t for t in got}
     assert set(by_agent) == {"w/0", "w/1", "w/2"}
     assert by_agent["w/1"].terminated and len(by_agent["w/1"].rewards) == 1
@@ -136,7 +136,7 @@ def test_a_new_worker_incarnation_closes_open_trajectories_as_truncated(assemble
     feed(push, s.first(), s.step(), s.step())
     restarted = Script(incarnation="i2")
     feed(push, restarted.first(), restarted.step())
-    traj = recv_message(pull)
+    traj = pull.recv()
     assert traj.truncated and not traj.terminated
     assert traj.obs[:, 1].tolist() == [0, 1]
     assert traj.bootstrap_obs.tolist() == [0, 2], "bootstrap from the last obs seen"
@@ -148,7 +148,7 @@ def test_a_reset_closes_open_trajectories_and_drained_steps_complete_them(assemb
     _, push, pull = assembler
     s = Script()
     feed(push, s.first(), s.step(), s.step(act=False), s.first(), s.step())
-    traj = recv_message(pull)
+    traj = pull.recv()
     assert traj.truncated and traj.obs[:, 1].tolist() == [0, 1]
     assert traj.bootstrap_obs.tolist() == [0, 2]
     assert not pull.poll(300)
@@ -158,10 +158,10 @@ def test_shutdown_flushes_partial_trajectories_as_truncated(assembler):
     proc, push, pull = assembler
     s = Script(k=2)
     feed(push, s.first(), s.step(), s.step(), s.step(terminated=[0]))
-    ended = recv_message(pull)  # proves every step so far reached the assembler
+    ended = pull.recv()  # proves every step so far reached the assembler
     assert ended.agent == "w/0" and ended.terminated
     proc.signal(signal.SIGTERM)
-    flushed = recv_message(pull)
+    flushed = pull.recv()
     assert flushed.agent == "w/1" and flushed.truncated and not flushed.terminated
     assert len(flushed.rewards) == 3 and flushed.bootstrap_obs.tolist() == [1, 3]
     assert proc.wait(5) == 0
@@ -174,7 +174,7 @@ def test_garbage_is_counted_and_the_assembler_keeps_serving(assembler):
     push.send_multipart([b"not msgpack at all \xff\xfe"])
     s = Script()
     feed(push, s.first(), *[s.step() for _ in range(4)])
-    assert isinstance(recv_message(pull), p.Trajectory)
+    assert isinstance(pull.recv(), p.Trajectory)
     assert proc.popen.poll() is None
     assert "dropped message" in proc.output()
 
@@ -186,7 +186,7 @@ def test_a_lost_worker_has_its_open_trajectories_closed_as_truncated(assembler):
     send_message(push, p.WorkerLost(worker="w", incarnation="other", reason="not this one"))
     assert not pull.poll(300), "a lost message for another incarnation changes nothing"
     send_message(push, p.WorkerLost(worker="w", incarnation="i1", reason="silent"))
-    got = sorted((recv_message(pull) for _ in range(2)), key=lambda t: t.agent)
+    got = sorted((pull.recv() for _ in range(2)), key=lambda t: t.agent)
     assert all(t.truncated and len(t.rewards) == 3 for t in got)
     assert [t.bootstrap_obs.tolist() for t in got] == [[0, 3], [1, 3]]
     assert not pull.poll(300), "nothing is emitted twice"
@@ -199,9 +199,9 @@ def test_a_lost_experience_message_closes_open_trajectories_instead_of_joining_e
     feed(push, s.first(), s.step(), s.step())
     s.step(terminated=[0])  # lost on the way: this step ended the episode
     feed(push, s.step(), s.step(), s.step(), s.step(), s.step())
-    cut = recv_message(pull)
+    cut = pull.recv()
     assert cut.truncated and cut.obs[:, 1].tolist() == [0, 1], "closed at the gap"
-    after = recv_message(pull)
+    after = pull.recv()
     assert after.obs[:, 1].tolist() == [1, 2, 3, 4], "a fresh trajectory after the gap"
     assert after.episode_return is None, "a partly seen episode is no statistic"
 
@@ -221,9 +221,32 @@ def test_well_formed_but_inconsistent_experience_is_refused_and_serving_goes_on(
     ]
     feed(push, *broken)
     feed(push, s.first(), s.step(), s.step(), s.step(), s.step(terminated=[0, 1]))
-    got = [recv_message(pull) for _ in range(2)]
+    got = [pull.recv() for _ in range(2)]
     assert all(t.terminated and len(t.rewards) == 4 for t in got)
     assert proc.popen.poll() is None
     proc.signal(signal.SIGTERM)
     assert proc.wait(5) == 0
     assert f"{len(broken)} messages refused" in proc.output()
+
+
+def test_trajectories_cut_together_go_out_in_one_message_and_each_keeps_its_fields(
+        cluster: Cluster):
+    """Batching is what made small-observation envs fast (issue 6); nothing may blur in it."""
+    cluster.start("assembler", "--horizon", "4")
+    push = cluster.socket(zmq.PUSH, cluster.endpoints["experience"])
+    pull = cluster.socket(zmq.PULL, cluster.endpoints["trajectories"])
+    s = Script(k=3)
+    feed(push, s.first(), s.step(), s.step(), s.step(reward=[1.0, 2.0, 3.0], terminated=[1]))
+    msg = recv_message(pull)
+    assert isinstance(msg, p.Trajectories), "env 1's end alone: or all three at the horizon?"
+    assert msg.agents == ["w/1"] and msg.lengths == [3] and msg.terminated == [True]
+    assert msg.episode_returns == [4.0] and msg.episode_lengths == [3]
+    feed(push, s.step(reward=[5.0, 6.0, 7.0]))  # envs 0 and 2 reach the horizon
+    msg = recv_message(pull)
+    assert isinstance(msg, p.Trajectories) and msg.agents == ["w/0", "w/2"]
+    first, second = msg.split()
+    assert (first.seq, second.seq) == (1, 2) and msg.lengths == [4, 4]
+    assert first.obs[:, 0].tolist() == [0] * 4 and second.obs[:, 0].tolist() == [2] * 4
+    assert first.rewards.tolist() == [1, 1, 1, 5] and second.rewards.tolist() == [1, 1, 3, 7]
+    assert first.bootstrap_obs.tolist() == [0, 4] and second.bootstrap_obs.tolist() == [2, 4]
+    assert not (first.terminated or first.truncated) and first.episode_return is None

@@ -28,7 +28,9 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from stepbus.bus import checks
 from stepbus.bus import protocol as p
+from stepbus.trainer import model
 
 
 def fast(max_examples: int) -> settings:
@@ -168,6 +170,28 @@ def test_zero_dimensional_arrays_keep_their_shape() -> None:
     got = p.decode(p.encode(msg))
     assert got.obs.shape == () and got.obs.dtype == np.float32 and got.obs == 1.5
     assert got.actions.shape == () and got.bootstrap_obs.shape == ()
+
+
+def test_trajectories_travel_together_and_split_back_exactly() -> None:
+    def one(seq: int, n: int, ret: float | None) -> p.Trajectory:
+        rng = np.random.default_rng(seq)
+        return p.Trajectory(
+            agent=f"w/{seq}", epoch=seq, terminated=ret is not None, truncated=False,
+            episode_return=ret, episode_length=None if ret is None else n + seq,
+            obs=rng.normal(size=(n, 3)).astype(np.float32), actions=rng.integers(0, 2, n),
+            logp=rng.normal(size=n).astype(np.float32), values=np.zeros(n, np.float32),
+            rewards=np.ones(n, np.float32), policy_versions=np.full(n, seq, np.int64),
+            bootstrap_obs=rng.normal(size=3).astype(np.float32), assembler="a1", seq=seq,
+            episode=seq, episode_seed=10 * seq, episode_step=seq, policy="red")
+
+    trajs = [one(4, 5, None), one(5, 1, 2.5), one(9, 3, None)]
+    batch = p.decode([bytes(f) for f in p.encode(p.Trajectories.of(trajs))])
+    spec = {"obs_shape": [3]}
+    assert checks.trajectories_problem(batch, spec, model.ActionSpace("discrete", n=2)) == ""
+    for got, want in zip(batch.split(), trajs, strict=True):
+        assert_same_message(want, got)
+    alone = p.Trajectories.of(trajs[:1])
+    assert alone.obs is trajs[0].obs, "a trajectory alone is sent without copying its obs"
 
 
 def test_optional_arrays_may_be_absent_or_present() -> None:
@@ -876,7 +900,10 @@ def sample(cls: type[p.Message]) -> p.Message:
         elif origin in (Union, types.UnionType):
             fields[f.name] = values[next(a for a in args if a is not type(None))]
         elif origin is list:
-            fields[f.name] = [values[args[0]]]
+            item = args[0]
+            if typing.get_origin(item) in (Union, types.UnionType):  # list[float | None]
+                item = next(a for a in typing.get_args(item) if a is not type(None))
+            fields[f.name] = [values[item]]
         elif origin is dict:
             fields[f.name] = {"k": values[args[1]]}
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pickle
@@ -150,7 +151,19 @@ def test_the_trainer_refuses_trajectories_it_cannot_train_on_and_keeps_learning(
         trajectory(logp=np.zeros(31, np.float32)),
         trajectory(n=0),
     ]
-    for t in [*bad, *[trajectory() for _ in range(9)]]:
+    pair = p.Trajectories.of([trajectory(seq=1), trajectory(seq=2)])
+    bad += [  # batches: each refused whole
+        dataclasses.replace(pair, lengths=[32, 31]),
+        dataclasses.replace(pair, lengths=[64, 0]),
+        dataclasses.replace(pair, seqs=[1, 1]),
+        dataclasses.replace(pair, agents=["w/0"]),
+        dataclasses.replace(pair, bootstrap_obs=np.zeros((1, 4), np.float32)),
+        dataclasses.replace(pair, episode_returns=[float("nan"), None], episode_lengths=[3, None]),
+        dataclasses.replace(pair, seqs=[], agents=[], epochs=[], lengths=[], terminated=[],
+                            truncated=[], episode_returns=[], episode_lengths=[], episodes=[],
+                            episode_seeds=[], episode_steps=[]),
+    ]
+    for t in [*bad, *[trajectory() for _ in range(7)], pair]:
         send_message(assembler, t)
 
     versions: list[int] = []

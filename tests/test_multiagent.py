@@ -7,7 +7,7 @@ import logging
 
 import numpy as np
 import pytest
-from conftest import Cluster, act_as_trainer, recv_message, wait_for
+from conftest import Cluster, act_as_trainer, wait_for
 from stepbus.bus import protocol as p
 from stepbus.workers.worker import Config, EnvSet
 
@@ -62,7 +62,7 @@ def relay(cluster: Cluster):
 def test_agents_that_appear_finish_and_vanish_get_their_own_trajectories(relay):
     first: dict[str, p.Trajectory] = {}
     while len(first) < 4:
-        traj = recv_message(relay, timeout=30)
+        traj = relay.recv(timeout=30)
         assert isinstance(traj, p.Trajectory)
         first.setdefault(traj.agent, traj)
     a, b, c, d = (first[f"w/0/{name}"] for name in "abcd")

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import zmq
-from conftest import Cluster, recv_message, send_message, status_rows, wait_for
+from conftest import Cluster, TrajectoryInbox, send_message, status_rows, wait_for
 from stepbus.bus import checks, policies
 from stepbus.bus import protocol as p
 from stepbus.trainer import model
@@ -62,8 +62,8 @@ def relay_two_policies(cluster: Cluster):
     cluster.start("worker", "--env", "scripted_envs:relay_team", "--envs-per-worker", "2",
                   "--name", "w")
     trainers = cluster.socket(zmq.DEALER, cluster.endpoints["policy"])
-    default_pull = cluster.socket(zmq.PULL, cluster.endpoints["trajectories"])
-    red_pull = cluster.socket(zmq.PULL, red)
+    default_pull = TrajectoryInbox(cluster.socket(zmq.PULL, cluster.endpoints["trajectories"]))
+    red_pull = TrajectoryInbox(cluster.socket(zmq.PULL, red))
     yield trainers, default_pull, red_pull
     for sock in (trainers, default_pull, red_pull):
         sock.close()
@@ -84,7 +84,7 @@ def test_each_policy_acts_for_its_agents_and_its_trajectories_reach_only_its_lea
     while min(len(agents) for agents in seen.values()) < 4:  # two envs x two agents each
         for policy, pull in (("default", default_pull), ("red", red_pull)):
             if pull.poll(0):
-                traj = recv_message(pull)
+                traj = pull.recv()
                 assert isinstance(traj, p.Trajectory)
                 version, action = (7, 1) if policy == "red" else (3, 0)
                 assert traj.policy == policy

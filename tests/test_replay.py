@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 
 import numpy as np
-from conftest import Cluster, act_as_trainer, recv_message
+from conftest import Cluster, act_as_trainer
 from stepbus.bus import protocol as p
 from stepbus.workers.replay import replay_episode
 
@@ -19,7 +19,7 @@ def test_a_recorded_episode_replays_alone_bit_for_bit(cluster: Cluster):
     pieces: dict[tuple[str, int], list[p.Trajectory]] = collections.defaultdict(list)
     episode = None
     while episode is None:  # the first episode whose every piece arrived
-        traj = recv_message(pull, timeout=30)
+        traj = pull.recv(timeout=30)
         assert isinstance(traj, p.Trajectory) and traj.episode >= 0 and traj.episode_seed >= 0
         key = (traj.agent, traj.episode)
         pieces[key].append(traj)

@@ -384,6 +384,7 @@ def _learn(cfg: Config, io: Links) -> int:
     batch: list[ppo.Trajectory] = []
     batch_steps = received = 0  # received: env steps this incarnation took in (the credit)
     batch_ids: list[tuple[str, int]] = []  # (assembler, seq) of what is in `batch`
+    pending: collections.deque[p.Trajectory] = collections.deque()  # received, not yet taken in
     counts = {"stale_dropped": 0, "updates": 0, "trajectories": 0, "duplicates": 0}
     receipt = Receipts()
     t_start = last_record_t = time.monotonic()
@@ -448,17 +449,41 @@ def _learn(cfg: Config, io: Links) -> int:
             **{k: round(v, 6) for k, v in stats.items()},
         })
 
+    def wrong_policy(policy: str) -> bool:
+        """Another policy's trajectories are refused, not receipted: the assembler keeps them
+        for their own learner."""
+        if policy != cfg.policy_name:
+            rejects.refuse("assembler", p.ProtocolError(
+                "wrong policy", f"a trajectory of policy {policy[:64]!r}; this learner trains "
+                f"{cfg.policy_name!r}: is --trajectories the assembler's endpoint for it?"))
+        return policy != cfg.policy_name
+
     def on_trajectory(t: p.Trajectory) -> None:
-        nonlocal batch_steps, received
         problem = checks.trajectory_problem(t, spec, action)
         if problem:
             rejects.refuse("assembler", p.ProtocolError("bad trajectory", problem))
-            return
-        if t.policy != cfg.policy_name:  # not receipted: the assembler keeps it for its learner
-            rejects.refuse("assembler", p.ProtocolError(
-                "wrong policy", f"a trajectory of policy {t.policy[:64]!r}; this learner trains "
-                f"{cfg.policy_name!r}: is --trajectories the assembler's endpoint for it?"))
-            return
+        elif not wrong_policy(t.policy):
+            take_in(t)
+
+    def on_trajectories(b: p.Trajectories) -> None:
+        problem = checks.trajectories_problem(b, spec, action)
+        if problem:
+            rejects.refuse("assembler", p.ProtocolError("bad trajectories", problem))
+        elif not wrong_policy(b.policy):
+            pending.extend(b.split())
+            take_pending()
+
+    def full() -> bool:
+        return batch_steps >= cfg.ppo.batch_steps and not done
+
+    def take_pending(*, all_of_them: bool = False) -> None:
+        """Trajectories of a message are taken in one by one up to a full batch, like those
+        sent alone, so a batch's content never depends on how the assembler grouped them."""
+        while pending and (all_of_them or not full()):
+            take_in(pending.popleft())
+
+    def take_in(t: p.Trajectory) -> None:
+        nonlocal batch_steps, received
         if not receipt.take(t.assembler, t.seq):
             counts["duplicates"] += 1  # sent again after a disconnect; we have it already
             return
@@ -502,7 +527,7 @@ def _learn(cfg: Config, io: Links) -> int:
         if options is not None:
             curriculum.want(options)
 
-    intake_handlers = {p.Trajectory: on_trajectory}
+    intake_handlers = {p.Trajectory: on_trajectory, p.Trajectories: on_trajectories}
 
     def take_one() -> None:
         node.handle(intake, rejects, intake_handlers, "assembler")
@@ -515,23 +540,24 @@ def _learn(cfg: Config, io: Links) -> int:
     while io.running():
         now = time.monotonic()
         io.beat(now, figures)
-        events = dict(poller.poll(node.MAX_POLL_MS))
+        events = dict(poller.poll(0 if pending and not full() else node.MAX_POLL_MS))
         for msg in link.poll(events):
             if isinstance(msg, p.Reply) and curriculum.asked:  # the barrier it asked for
                 curriculum.answered(msg, time.monotonic())
         curriculum.send_due(time.monotonic())
         if broker in events:
             node.drain(broker, lambda: node.recv(broker, rejects))  # late EnvSpec replies
+        take_pending()
         if intake in events:
             # Up to a full batch only: the rest waits for the next batch (see the docstring).
             drain_until = time.monotonic() + node.DRAIN_BUDGET_S  # and the heartbeats wait not
             for _ in range(1000):
-                if ((batch_steps >= cfg.ppo.batch_steps and not done)
-                        or not intake.poll(0, zmq.POLLIN) or time.monotonic() > drain_until):
+                if (full() or pending or not intake.poll(0, zmq.POLLIN)
+                        or time.monotonic() > drain_until):
                     break
                 take_one()
             last_data = time.monotonic()
-        if batch_steps >= cfg.ppo.batch_steps and not done:
+        if full():
             stats = algo.update(batch, tick=lambda: io.beat(time.monotonic()))
             receipt.learn(batch_ids)  # only now may the assembler forget them
             batch, batch_ids, batch_steps = [], [], 0
@@ -579,11 +605,14 @@ def _learn(cfg: Config, io: Links) -> int:
     drainer.register(io.assembler_events, zmq.POLLIN)
     node.drain(io.assembler_events, io.assembler_events.recv_multipart)  # old news
     before, drain_end = counts["trajectories"], "nothing to wait for"
+    if draining:
+        take_pending(all_of_them=True)
     send_receipts(now_or_never=True)  # what the interval held back
     while (left := deadline - time.monotonic()) > 0:
         drain_end = "the assembler did not finish"
         events = dict(drainer.poll(left * 1000))
         node.drain(intake, take_one)
+        take_pending(all_of_them=True)
         send_receipts(now_or_never=True)
         if io.assembler_events in events:
             drain_end = "the assembler finished"
