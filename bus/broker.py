@@ -1,10 +1,11 @@
 """The step broker: serves whichever workers are ready, batches their observations for one
 policy inference, stamps actions with the policy version, and forwards experience.
 
-Never waits for the slowest worker: a result is acted on as soon as every other worker has also
-replied, or `batch_wait_ms` after it arrived, whichever is first, and at once when no worker
-still stepping is expected back within that bound (each worker's step round trip is tracked), so
-a worker is not kept idle waiting for one that is mid-way through a long batch.
+Never waits for the slowest worker: by default the results at hand are acted on at once (those
+that arrived during the last inference batch together). With `batch_wait_ms`, a result waits
+until every other worker has also replied or that long, whichever is first, and only for a
+worker expected back within that bound (each worker's step round trip is tracked). Waiting
+measured slower on every benchmark here (issue 6), so it is off by default.
 
 Flow control is a credit window: the broker steps at most `window` env steps beyond what the
 trainer reports as received (in each WEIGHTS message). That bounds policy lag and memory, and
@@ -66,9 +67,9 @@ class Config:
     experience: str = wiring.endpoint("experience", "assembler endpoint to PUSH experience to")
     controller: str = wiring.endpoint("controller", "controller endpoint to connect")
     broadcast: str = wiring.endpoint("broadcast", "controller broadcast endpoint to connect")
-    batch_wait_ms: float = field(default=2.0, metadata={
+    batch_wait_ms: float = field(default=0.0, metadata={
         "help": "longest wait for more workers to fill one inference batch (only for "
-                "workers expected back within it)"})
+                "workers expected back within it; 0: act on whoever is ready)"})
     max_steps_ahead: int = field(default=0, metadata={
         "help": "credit window in env steps beyond what the trainer received "
                 "(0: two trainer batches + 34 per env)"})
