@@ -64,14 +64,16 @@ class Setup:
     workers: int
     envs_per_worker: int
     hidden: str = ""  # the policy MLP's widths (`--hidden`); "" for the default 64,64
+    shm_frames: bool = False  # workers with --shm-frames
 
     def label(self) -> str:
         return f"{self.workers}w x {self.envs_per_worker}" + (
-            f", mlp {self.hidden}" if self.hidden else "")
+            f", mlp {self.hidden}" if self.hidden else "") + (", shm" if self.shm_frames else "")
 
 
-def grid(workers: tuple[int, ...], envs: tuple[int, ...], hidden: str = "") -> list[Setup]:
-    return [Setup(w, k, hidden) for w in workers for k in envs]
+def grid(workers: tuple[int, ...], envs: tuple[int, ...], hidden: str = "",
+         shm_frames: bool = False) -> list[Setup]:
+    return [Setup(w, k, hidden, shm_frames) for w in workers for k in envs]
 
 
 @dataclasses.dataclass
@@ -96,14 +98,18 @@ def parse_flags(text: str) -> tuple[str, list[str]]:
 
 
 def parse_grid(text: str) -> list[Setup]:
-    """`1x8,2x128:1` -> setups (workers x envs per worker[:hidden widths])."""
+    """`1x8,2x128:1,1x64:1+shm` -> setups (workers x envs per worker[:hidden widths], `+shm`:
+    workers with --shm-frames)."""
     setups = []
     for item in text.split(","):
-        size, _, hidden = item.strip().partition(":")
+        item, plus, shm_flag = item.strip().partition("+")
+        if plus and shm_flag != "shm":
+            raise argparse.ArgumentTypeError(f"expected WxK[:hidden][+shm], got {item!r}")
+        size, _, hidden = item.partition(":")
         workers, x, envs = size.partition("x")
         if not (x and workers.isdigit() and envs.isdigit()):
             raise argparse.ArgumentTypeError(f"expected WxK[:hidden], got {item!r}")
-        setups.append(Setup(int(workers), int(envs), hidden))
+        setups.append(Setup(int(workers), int(envs), hidden, bool(plus)))
     return setups
 
 
@@ -115,13 +121,14 @@ def plans(mode: str) -> dict[str, Plan]:
     # Frames: the default 64-64 MLP's first layers (28,224 inputs each, for the policy and the
     # value) cost the broker ~0.18 ms per observation (float32), more than moving the frame; a
     # 1-unit MLP measures the pipeline's data path, the default one what a pixel MLP costs.
-    # One worker with 64 envs sends fewer, larger batches: the best data path measured.
+    # One worker with 64 envs sends fewer, larger batches: the best data path measured; `shm`:
+    # the same with --shm-frames (frames through shared memory to the broker and assembler).
     if mode == "quick":
         return {"cartpole": Plan(stepbus=grid((1,), (8, 32)) + grid((2,), (32,)),
                                  async_envs=[4, 16], methods=["fork"]),
                 "heavy": Plan(stepbus=grid((2,), (1, 8)), async_envs=[2, 16], methods=["fork"]),
                 "frames": Plan(stepbus=grid((1, 2), (8,), "1") + grid((1,), (64,), "1")
-                               + grid((2,), (8,)),
+                               + grid((1,), (64,), "1", shm_frames=True) + grid((2,), (8,)),
                                async_envs=[4, 16], methods=["fork"]),
                 "scaling": Plan(stepbus=grid((1, 2, 4, 16), (8,)), async_envs=[],
                                 methods=["fork"], others=False)}
@@ -133,7 +140,7 @@ def plans(mode: str) -> dict[str, Plan]:
             "heavy": Plan(stepbus=grid((2, 4), (1, 8)) + grid((2,), (128,)),
                           async_envs=[2, 4, 8, 16], methods=["fork"]),
             "frames": Plan(stepbus=grid((1, 2), (8, 32), "1") + grid((1,), (64,), "1")
-                           + grid((2,), (8,)),
+                           + grid((1,), (64,), "1", shm_frames=True) + grid((2,), (8,)),
                            async_envs=[2, 4, 8, 16], methods=["fork", "forkserver"]),
             "scaling": Plan(stepbus=grid((1, 2, 4, 8, 16), (8,)), async_envs=[2, 16],
                             methods=["fork"], others=False)}
@@ -280,7 +287,8 @@ class Pipeline:
         self.start("assembler")
         for i in range(setup.workers):
             self.start("worker", "--name", f"w{i}", "--worker-index", str(i), "--env", env,
-                       "--envs-per-worker", str(setup.envs_per_worker))
+                       "--envs-per-worker", str(setup.envs_per_worker),
+                       *(("--shm-frames",) if setup.shm_frames else ()))
         self.start("trainer", "--algo", CONSUME, "--target-return", "0", "--batch-steps",
                    str(batch_steps), "--checkpoint-interval-s", "3600",
                    *(("--hidden", setup.hidden) if setup.hidden else ()))
@@ -766,7 +774,8 @@ def main(argv: list[str] | None = None) -> int:
                              "and a summary of the top functions go to DIR")
     parser.add_argument("--grid", type=parse_grid, default=None, metavar="WxK[:H],...",
                         help="stepbus setups instead of the scenario's grid: workers x envs per "
-                             "worker, optionally :hidden widths (e.g. 1x8,2x128,1x32:1)")
+                             "worker, optionally :hidden widths, +shm for workers with "
+                             "--shm-frames (e.g. 1x8,2x128,1x32:1,1x64:1+shm)")
     parser.add_argument("--flags", type=parse_flags, action="append", default=[],
                         metavar="ROLE=FLAGS", help="extra flags for one stepbus role, to try a "
                         "setting (repeatable): --flags 'broker=--batch-wait-ms 0.2'")

@@ -30,13 +30,14 @@ have weights, and pauses while any of them is a window ahead of its trainer.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
-from stepbus.bus import checks, node, policies, wiring
+from stepbus.bus import checks, node, policies, shm, wiring
 from stepbus.bus import protocol as p
 from stepbus.trainer import model, spaces
 
@@ -107,6 +108,8 @@ class Worker:
     epoch: int = -1  # the epoch the worker has reset into
     agent_policies: list[str] = field(default_factory=list)  # per agent; [] without a map
     row_policy: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))  # per row
+    segment: shm.Reader | None = None  # its --shm-frames segment, if we could map it
+    shm_nonce: str = ""
 
 
 @dataclass
@@ -174,7 +177,8 @@ def run(cfg: Config) -> int:
     action_space: model.ActionSpace | None = None
     phase, epoch, options = Phase.RUNNING, 0, {}
     counts = {"stale_dropped": 0, "experience_dropped": 0, "workers_lost": 0, "spec_refused": 0,
-              "determinism_lost": 0}
+              "determinism_lost": 0, "shm_refused": 0, "shm_slots_forwarded": 0,
+              "shm_rows_forwarded": 0, "shm_segments_removed": 0}
     rate_steps, rate_t0, steps_per_s = 0, time.monotonic(), 0.0
     assembler_blocked, look_again = False, None
     held_by = ""  # with several policies: the one whose weights or window holds stepping
@@ -201,8 +205,33 @@ def run(cfg: Config) -> int:
         if not node.send(steps, msg, to=w.ident, block=False):
             forget(w, "unreachable")
 
+    def detach(w: Worker) -> None:
+        """Drop our mapping of w's segment, and the segment itself if its worker is dead."""
+        if w.segment is not None:
+            counts["shm_segments_removed"] += w.segment.remove_if_orphaned()
+            w.segment = None
+
+    def attach(w: Worker, msg: p.WorkerHello) -> None:
+        """Map w's shared-memory segment if it has one we can read: same host, same uid, the
+        hello's nonce. Otherwise its observations keep coming on the socket."""
+        if not msg.shm:
+            return
+        try:
+            w.segment, w.shm_nonce = shm.Reader(msg.shm, msg.shm_nonce), msg.shm_nonce
+        except shm.Refused as exc:
+            counts["shm_refused"] += 1
+            log.warning("worker %s: not mapping its shared-memory segment (%s); its "
+                        "observations come on the socket", msg.worker, exc)
+            return
+        if w.segment.rows != w.num_envs:
+            counts["shm_refused"] += 1
+            log.warning("worker %s: its segment has %d rows per slot, not %d; observations come "
+                        "on the socket", msg.worker, w.segment.rows, w.num_envs)
+            w.segment = None
+
     def forget(w: Worker, why: str) -> None:
         if workers.pop(w.ident, None) is not None:
+            detach(w)
             count_rows()
             if len(highest_seq) < MAX_REMEMBERED_WORKERS:
                 highest_seq[w.name] = w.seq
@@ -217,14 +246,25 @@ def run(cfg: Config) -> int:
         action, logp, value, versions = outputs if outputs is not None else (None,) * 4
         version = -1 if versions is None else pols[0].version if len(pols) == 1 else int(
             versions.min())
+        obs, slot, segment = r.obs, r.obs_slot, w.segment
+        if slot >= 0 and segment is not None:
+            if segment.reader_fresh():  # the assembler maps it too: the slot number will do
+                obs = r.obs[:0]
+                counts["shm_slots_forwarded"] += 1
+            else:  # no (live) assembler on this host maps it: the rows go on the socket
+                obs, slot = r.obs.copy(), -1
+                segment.release(r.obs_slot, r.seq)
+                counts["shm_rows_forwarded"] += 1
         msg = p.Experience(worker=w.name, incarnation=w.incarnation, epoch=r.epoch, seq=r.seq,
-                           first=r.first, policy_version=version, obs=r.obs,
+                           first=r.first, policy_version=version, obs=obs,
                            reward=r.reward, terminated=r.terminated, truncated=r.truncated,
                            final_obs=r.final_obs, action=action, logp=logp, value=value,
                            alive=r.alive, agents=w.agents,
                            episode=r.episode, episode_seed=r.episode_seed,
                            agent_policies=w.agent_policies,
-                           policy_versions=versions if len(pols) > 1 else None)
+                           policy_versions=versions if len(pols) > 1 else None,
+                           obs_slot=slot, shm=segment.name if segment is not None else "",
+                           shm_nonce=w.shm_nonce if segment is not None else "")
         if not node.send(experience, msg, block=False):
             counts["experience_dropped"] += 1
             rejects.refuse("assembler", p.ProtocolError(
@@ -235,6 +275,8 @@ def run(cfg: Config) -> int:
             forward(w, w.result, None)
             w.result = None
         w.seq, w.in_flight = w.seq + 1, True
+        if w.segment is not None:
+            w.segment.mark()  # we map it: the worker may send slot numbers after this reset
         send_worker(w, p.Reset(epoch=epoch, seq=w.seq, options=options))
 
     def on_hello(ident: bytes, msg: p.WorkerHello, now: float) -> None:
@@ -278,6 +320,7 @@ def run(cfg: Config) -> int:
             rejects.refuse(msg.worker, p.ProtocolError(
                 "spec mismatch", f"{msg.env_id} {msg.spec} differs from {env_id} {spec}"))
             return
+        old = w
         if w is not None:
             log.info("worker %s restarted (incarnation %s)", msg.worker, msg.incarnation)
         else:
@@ -294,6 +337,9 @@ def run(cfg: Config) -> int:
             log.info("worker %s: %s", msg.worker, ", ".join(
                 f"{agent or '(agent)'} -> {name}"
                 for agent, name in zip(msg.agents or [""], agent_policies, strict=True)))
+        if old is not None:
+            detach(old)
+        attach(w, msg)
         count_rows()
         reset_worker(w)
 
@@ -303,6 +349,17 @@ def run(cfg: Config) -> int:
             counts["stale_dropped"] += 1
             return
         w.last_seen, w.in_flight = now, False
+        if msg.obs_slot != -1:  # the rows are in its segment: read them in place
+            view = None
+            if w.segment is not None and spec is not None and msg.obs.shape[0] == 0:
+                view = w.segment.view(msg.obs_slot, np.dtype(spec["obs_dtype"]),
+                                      tuple(spec["obs_shape"]))
+            if view is None or not w.segment.holds(msg.obs_slot, msg.seq):  # type: ignore
+                rejects.refuse(w.name, p.ProtocolError(
+                    "bad step result", f"obs_slot {msg.obs_slot} is not a batch we can read"))
+                reset_worker(w)
+                return
+            msg = dataclasses.replace(msg, obs=view)
         problem = checks.result_problem(msg, w.num_envs, spec)
         if problem:
             rejects.refuse(w.name, p.ProtocolError("bad step result", problem))

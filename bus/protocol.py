@@ -152,6 +152,9 @@ class WorkerHello(Message):
     seq: int  # the last sequence number it answered; a new broker continues above it
     # Multi-agent envs: each env's possible agents, in row order (rows = num_envs x agents).
     agents: list[str] = field(default_factory=list)
+    # --shm-frames: its observation segment (bus/shm.py) and the segment's nonce, in hex.
+    shm: str = ""
+    shm_nonce: str = ""
 
 
 @dataclass(frozen=True)
@@ -202,6 +205,9 @@ class StepResult(Message):
     # reset with, so any episode can be replayed alone from its seed and actions.
     episode: np.ndarray | None = None
     episode_seed: np.ndarray | None = None
+    # >= 0: obs are in this slot of the worker's shared-memory segment and `obs` holds no rows
+    # (its shape after the first dimension and its dtype say how to read them).
+    obs_slot: int = -1
 
 
 @dataclass(frozen=True)
@@ -236,6 +242,11 @@ class Experience(Message):
     episode_seed: np.ndarray | None = None
     agent_policies: list[str] = field(default_factory=list)
     policy_versions: np.ndarray | None = None  # int64 per row; None: all `policy_version`
+    # As in STEP_RESULT; `shm`/`shm_nonce` name the worker's segment whenever the broker maps
+    # it (also when the rows travel here), so the assembler can map it too.
+    obs_slot: int = -1
+    shm: str = ""
+    shm_nonce: str = ""
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
-from stepbus.bus import checks, node, policies, wiring
+from stepbus.bus import checks, node, policies, shm, wiring
 from stepbus.bus import protocol as p
 from zmq.utils import monitor
 
@@ -206,7 +206,11 @@ def run(cfg: Config) -> int:
     last_receipt = dict.fromkeys(outlets, 0.0)
     counts = {"steps": 0, "trajectories": 0, "episodes": 0, "closed_truncated": 0, "gaps": 0,
               "resent": 0, "trainer_swaps": 0, "joined_mid_episode": 0, "steps_lost": 0,
-              "agents_vanished": 0, "unrouted": 0}
+              "agents_vanished": 0, "unrouted": 0, "shm_read": 0, "shm_unreadable": 0,
+              "shm_mismatch": 0}
+    segments: dict[str, shm.Reader] = {}  # worker -> its --shm-frames segment, mapped
+    refused_segments: set[str] = set()  # names we could not map (each tried once)
+    last_stamp = 0.0
     unrouted: set[str] = set()  # policies without an endpoint, logged once each
     tracks_seen: set[str] = set()  # workers this assembler has had a track for
     last_swap_gap_s: float | None = None
@@ -250,7 +254,70 @@ def run(cfg: Config) -> int:
             emit(agent.take(track.epoch, track.last_obs[i], truncated=True))
         log.debug("closed %s's trajectories: %s", name, why)
 
+    def segment_of(m: p.Experience) -> shm.Reader | None:
+        """The worker's segment, mapped on first sight (the broker names it in every message
+        once it maps it) and stamped, which tells the broker to send slot numbers."""
+        seg = segments.get(m.worker)
+        if seg is not None and seg.name == m.shm:
+            return seg
+        segments.pop(m.worker, None)
+        if m.shm in refused_segments:
+            return None
+        try:
+            seg = shm.Reader(m.shm, m.shm_nonce)
+        except shm.Refused as exc:
+            if len(refused_segments) < 10_000:
+                refused_segments.add(m.shm)
+            log.warning("worker %s: not mapping its shared-memory segment (%s); the broker sends "
+                        "its observations on the socket", m.worker, exc)
+            return None
+        seg.stamp()
+        segments[m.worker] = seg
+        return seg
+
+    def read_slot(m: p.Experience) -> p.Experience | None:
+        """m with its observations copied out of the worker's segment, and the slot released;
+        None (counted, the worker's trajectories cut) if they cannot be read intact."""
+        seg = segment_of(m) if m.shm else None
+        if seg is None:
+            counts["shm_unreadable"] += 1
+            rejects.refuse(m.worker, p.ProtocolError(
+                "shm unreadable", f"slot {m.obs_slot} of a segment we do not map"))
+            if m.worker in tracks:
+                close(m.worker, "observations we cannot read")
+            return None
+        s = m.obs_slot
+        view = (seg.view(s, m.obs.dtype, m.obs.shape[1:])
+                if m.obs.ndim >= 1 and m.obs.shape[0] == 0 else None)
+        if view is None:
+            rejects.refuse(m.worker, p.ProtocolError("bad experience", f"obs_slot {s}"))
+            if m.worker in tracks:
+                close(m.worker, "bad obs_slot")
+            return None
+        intact = seg.holds(s, m.seq)
+        obs = view.copy()
+        if not (intact and seg.holds(s, m.seq)):  # rewritten before or while we copied
+            counts["shm_mismatch"] += 1
+            rejects.refuse(m.worker, p.ProtocolError(
+                "shm mismatch", f"slot {s} no longer holds batch {m.seq}"))
+            if m.worker in tracks:
+                close(m.worker, "shared-memory slot rewritten")
+            return None
+        seg.release(s, m.seq)
+        seg.stamp()
+        counts["shm_read"] += 1
+        return dataclasses.replace(m, obs=obs)
+
     def on_experience(m: p.Experience) -> None:
+        if m.obs_slot != -1:
+            read = read_slot(m)
+            if read is None:
+                return
+            m = read
+        elif m.shm:
+            seg = segment_of(m)  # map it now: the broker sends slot numbers once we stamp it
+            if seg is not None:
+                seg.stamp()  # a long intake round must not let the stamp go stale
         problem = checks.experience_problem(m)
         if problem:
             rejects.refuse(m.worker, p.ProtocolError("bad experience", problem))
@@ -327,6 +394,9 @@ def run(cfg: Config) -> int:
         track = tracks.get(msg.worker)
         if track is not None and track.incarnation == msg.incarnation:
             close(msg.worker, f"worker lost: {msg.reason}")
+        seg = segments.get(msg.worker)
+        if seg is not None and seg.name == shm.segment_name(msg.worker, msg.incarnation):
+            del segments[msg.worker]
 
     intake_handlers = {p.Experience: on_experience, p.WorkerLost: on_worker_lost}
 
@@ -429,6 +499,10 @@ def run(cfg: Config) -> int:
         while not stop and not link.shutdown_reason:
             now = time.monotonic()
             next_beat = link.beat(now, figures)
+            if segments and now - last_stamp >= shm.READER_STAMP_S:
+                last_stamp = now
+                for seg in segments.values():
+                    seg.stamp()  # idle or not, we still read these: slots, not bytes, please
             # Backpressure: while too much waits for a learner, stop taking experience in.
             room = cfg.max_buffered - waiting()
             poller.register(intake, zmq.POLLIN if room > 0 else 0)
@@ -457,9 +531,11 @@ def run(cfg: Config) -> int:
                 node.drain(receipts, take_receipts)
         log.info("assembler stopping (%s): %d trajectories, %d episodes, %d resent, %d never "
                  "taken in by a learner, %d taken in but not learned from (a learner's last "
-                 "partial batch), %d messages refused", link.shutdown_reason or stop.reason,
+                 "partial batch), %d messages refused%s", link.shutdown_reason or stop.reason,
                  counts["trajectories"], counts["episodes"], counts["resent"], waiting(),
-                 len(unlearned) - len(untaken), rejects.total)
+                 len(unlearned) - len(untaken), rejects.total,
+                 f"; {counts['shm_read']} observation batches read from shared memory"
+                 if counts["shm_read"] else "")
         return 0
     finally:
         for outlet in outlets.values():

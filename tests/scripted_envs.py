@@ -237,3 +237,35 @@ class PickyAndFlaky(gym.Wrapper):
 
 def picky_and_flaky() -> gym.Env:
     return PickyAndFlaky(gym.make("CartPole-v1"))
+
+
+STAMP_SHAPE = (32, 32, 4)
+
+
+def stamp(seed: int, t: int) -> np.ndarray:
+    """Observation t of the episode reset with `seed`: what `StampFrames` returns, so a test can
+    check every observation a trajectory carries, bit for bit."""
+    frame = np.full(STAMP_SHAPE, (seed * 7 + t) % 256, np.uint8)
+    frame.reshape(-1)[:16] = np.frombuffer(np.array([seed, t], np.int64).tobytes(), np.uint8)
+    return frame
+
+
+class StampFrames(gym.Env):
+    """uint8 frames that say which episode (reset seed) and step they are; 50-step episodes."""
+
+    def __init__(self) -> None:
+        self.observation_space = gym.spaces.Box(0, 255, STAMP_SHAPE, np.uint8)
+        self.action_space = gym.spaces.Discrete(2)
+        self.seed, self.t = 0, 0
+
+    def reset(self, *, seed=None, options=None):
+        self.seed, self.t = int(seed or 0), 0
+        return stamp(self.seed, 0), {}
+
+    def step(self, action):
+        self.t += 1
+        return stamp(self.seed, self.t), 1.0, False, self.t >= 50, {}
+
+
+def stamp_frames() -> StampFrames:
+    return StampFrames()

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import zmq
-from stepbus.bus import node, wiring
+from stepbus.bus import node, shm, wiring
 from stepbus.bus import protocol as p
 from stepbus.workers.envs import (
     agents_of,
@@ -79,6 +79,11 @@ class Config:
     max_env_restarts_per_minute: int = field(default=10, metadata={
         "help": "env recreations (after an env raised) allowed within 60 s; one more makes the "
                 "worker exit 1, since an env that keeps raising needs fixing, not retrying"})
+    shm_frames: bool = field(default=False, metadata={
+        "help": "observations through a shared-memory segment in /dev/shm when the broker "
+                "(and the assembler) run on this host and can map it; ZeroMQ then carries only "
+                "a slot number. Otherwise, and whenever the assembler lags 8 batches behind, "
+                "they go on the socket as without this flag"})
     security: wiring.Security = field(default_factory=wiring.Security)
 
 
@@ -136,11 +141,13 @@ class EnvSet:
         self.last_obs = obs
         return obs
 
-    def step(self, actions: np.ndarray, options: dict) -> p.StepResult:
+    def step(self, actions: np.ndarray, options: dict,
+             out: np.ndarray | None = None) -> p.StepResult:
+        """`out`: where the observations go (a shared-memory slot), not a new array."""
         if self.agents:
-            return self._step_parallel(actions, options)
+            return self._step_parallel(actions, options, out)
         k = len(self.envs)
-        obs = np.empty_like(self.last_obs)
+        obs = np.empty_like(self.last_obs) if out is None else out
         reward = np.zeros(k, np.float32)
         terminated = np.zeros(k, bool)
         truncated = np.zeros(k, bool)
@@ -204,8 +211,14 @@ class EnvSet:
         self.last_obs, self.alive = obs, alive
         return obs
 
-    def _step_parallel(self, actions: np.ndarray, options: dict) -> p.StepResult:
-        obs, alive = np.zeros_like(self.last_obs), np.zeros(self.rows, bool)
+    def _step_parallel(self, actions: np.ndarray, options: dict,
+                       out: np.ndarray | None = None) -> p.StepResult:
+        if out is None:
+            obs = np.zeros_like(self.last_obs)
+        else:
+            out.fill(0)
+            obs = out
+        alive = np.zeros(self.rows, bool)
         reward = np.zeros(self.rows, np.float32)
         terminated, truncated = np.zeros(self.rows, bool), np.zeros(self.rows, bool)
         finals: list[np.ndarray] = []  # in row order, as the ended rows
@@ -408,9 +421,24 @@ def run(cfg: Config) -> int:
     # with EINTR; Python-level sleeps still run the handler (PEP 475).
     signal.siginterrupt(signal.SIGALRM, False)
     incarnation = uuid.uuid4().hex[:8]
+    segment: shm.Writer | None = None
+    if cfg.shm_frames:
+        try:
+            if shm.remove_orphans(cfg.name):
+                log.info("removed shared-memory segments of earlier, dead incarnations")
+            segment = shm.Writer(shm.segment_name(cfg.name, incarnation), envs.rows,
+                                 tuple(envs.spec.obs_shape), envs.obs_dtype)
+        except OSError as exc:
+            log.warning("--shm-frames: cannot create a segment in %s (%s); observations go on "
+                        "the socket", shm.DIR, exc)
     hello = p.WorkerHello(worker=cfg.name, incarnation=incarnation, env_id=cfg.env,
                           num_envs=cfg.envs_per_worker, seed=cfg.seed,
-                          spec=dataclasses.asdict(envs.spec), seq=0, agents=envs.agents)
+                          spec=dataclasses.asdict(envs.spec), seq=0, agents=envs.agents,
+                          shm=segment.name if segment else "",
+                          shm_nonce=segment.nonce.hex() if segment else "")
+    use_shm = False  # the broker marked our segment (before its RESET) as mapped
+    shm_counts = {"shm_batches": 0, "shm_full": 0}
+    no_rows = np.zeros((0, *envs.spec.obs_shape), envs.obs_dtype)
     epoch, options, seq = -1, {}, 0
     steps_done = 0
     acting_version = -1  # the policy version that chose the last actions (for status lag)
@@ -424,7 +452,8 @@ def run(cfg: Config) -> int:
     def figures() -> dict:
         return {"env_steps": steps_done, "env_errors": envs.errors,
                 "policy_version": acting_version,
-                "agents_vanished": envs.agents_vanished, **rejects.figures()}
+                "agents_vanished": envs.agents_vanished, **rejects.figures(),
+                **(shm_counts | {"shm_reclaimed": segment.reclaimed} if segment else {})}
 
     poller = zmq.Poller()
     poller.register(dealer, zmq.POLLIN)
@@ -456,13 +485,22 @@ def run(cfg: Config) -> int:
                         continue
                     seq, acting_version = msg.seq, msg.policy_version
                     acting = int(envs.alive.sum())  # agent steps this batch takes
+                    slot = segment.acquire() if segment is not None and use_shm else -1
                     with BUSY_BEATS:
-                        result = envs.step(msg.actions, options)
+                        result = envs.step(msg.actions, options,
+                                           None if slot < 0 else segment.views[slot])
+                    if slot >= 0:
+                        segment.publish(slot, seq)
+                        result = dataclasses.replace(result, obs=no_rows, obs_slot=slot)
+                        shm_counts["shm_batches"] += 1
+                    elif use_shm:
+                        shm_counts["shm_full"] += 1  # every slot still read: the socket it is
                     reply(result)
                     steps_done += acting
                     last_heard = time.monotonic()
                 elif isinstance(msg, p.Reset):
                     epoch, options, seq = msg.epoch, msg.options, msg.seq
+                    use_shm = segment is not None and segment.take_broker_mark()
                     with BUSY_BEATS:
                         obs = envs.reset(options)
                     k = envs.rows
@@ -478,6 +516,8 @@ def run(cfg: Config) -> int:
         log.error("%s; worker exiting", exc)
         return 1
     finally:
+        if segment is not None:
+            segment.close()
         link.close()
         envs.close()
         wiring.destroy(ctx, wiring.LINGER_MS)

@@ -1,0 +1,241 @@
+"""`stepbus worker --shm-frames`: observations through shared memory on one host, with every
+observation checked against what the env produced, and the socket whenever shared memory
+cannot be used (a broker that cannot map the segment, a stopped assembler)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import time
+
+import numpy as np
+from conftest import (
+    Cluster,
+    TrajectoryInbox,
+    act_as_trainer,
+    send_message,
+    status_rows,
+    wait_for,
+)
+from scripted_envs import STAMP_SHAPE, stamp
+from stepbus.bus import protocol as p
+from stepbus.bus import shm
+from stepbus.trainer import model
+from test_deterministic import TIMING, cluster_of_its_own
+
+ENV = ("--env", "scripted_envs:stamp_frames", "--envs-per-worker", "8")
+OBS_DIM = int(np.prod(STAMP_SHAPE))
+
+
+def worker_name(tag: str) -> str:
+    """Names of our own, so segments of other test runs on this machine are never ours."""
+    return f"shm{os.getpid()}-{tag}"
+
+
+def segments(name: str) -> list[str]:
+    return glob.glob(f"{shm.DIR}/{shm.segment_name(name, '')}*")
+
+
+def figures(c: Cluster, role: str) -> dict:
+    return next((r for r in status_rows(c) if r["role"] == role), {})
+
+
+class Checker:
+    """The test as trainer: takes trajectories in, checks each observation bit for bit against
+    the env's stamp and each agent's trajectories for continuity, and hands out credit."""
+
+    def __init__(self, c: Cluster) -> None:
+        self.weights, self.inbox = act_as_trainer(c, OBS_DIM)
+        self.params = model.init_params(OBS_DIM, model.ActionSpace("discrete", n=2), (8,),
+                                        np.random.default_rng(0))
+        self.steps = 0
+        self.next_step: dict[str, tuple[int, int]] = {}  # agent -> (episode seed, next step)
+
+    def take(self, inbox: TrajectoryInbox) -> p.Trajectory:
+        t = inbox.recv(10)
+        seed, start = t.episode_seed, t.episode_step
+        assert seed != -1 and start >= 0, t.agent
+        for j, frame in enumerate(t.obs):
+            assert np.array_equal(frame, stamp(seed, start + j)), (t.agent, seed, start + j)
+        assert np.array_equal(t.bootstrap_obs, stamp(seed, start + len(t.obs)))
+        expected = self.next_step.get(t.agent)
+        if expected is not None and expected[0] == seed:  # nothing of the episode lost
+            assert start == expected[1], (t.agent, expected, start)
+        self.next_step[t.agent] = (seed, start + len(t.obs))
+        self.steps += len(t.obs)
+        return t
+
+    def run_until(self, steps: int, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while self.steps < steps:
+            assert time.monotonic() < deadline, f"{self.steps} of {steps} steps"
+            self.take(self.inbox)
+            send_message(self.weights, p.Weights(  # credit for what we took in
+                trainer="t", incarnation="t1", policy="default", version=1,
+                consumed_steps=self.steps, batch_steps=256, starving=False, params=self.params))
+
+    def close(self) -> None:
+        self.weights.close()
+        self.inbox.close()
+
+
+def start(c: Cluster, name: str, *extra: str, broker: bool = True) -> None:
+    c.start("controller")
+    if broker:
+        c.start("broker")
+    c.start("assembler")
+    c.start("worker", "--name", name, "--shm-frames", *ENV, *extra)
+
+
+def test_observations_arrive_intact_through_shared_memory_and_a_stopped_assembler(
+        cluster: Cluster) -> None:
+    name = worker_name("a")
+    start(cluster, name)
+    checker = Checker(cluster)
+    try:
+        checker.run_until(1500)
+        wait_for(lambda: figures(cluster, "broker").get("shm_slots_forwarded", 0) > 10, 20,
+                 "slots forwarded")
+        # A stopped assembler: its stamp goes stale (the broker sends rows) and it releases no
+        # slots (the worker sends rows), and nothing is lost once it goes on.
+        assembler = next(proc for proc in cluster.procs if proc.name.startswith("assembler"))
+        assembler.signal(signal.SIGSTOP)
+        try:
+            wait_for(lambda: figures(cluster, "worker").get("shm_full", 0)
+                     + figures(cluster, "broker").get("shm_rows_forwarded", 0) > 0, 20,
+                     "batches on the socket while the assembler is stopped")
+        finally:
+            assembler.signal(signal.SIGCONT)
+        checker.run_until(checker.steps + 3000)
+        wait_for(lambda: figures(cluster, "broker").get("shm_slots_forwarded", 0) > 50, 20,
+                 "slots again")
+        row = figures(cluster, "assembler")
+        assert row["shm_read"] > 0
+        for lost in ("gaps", "steps_lost", "shm_mismatch", "shm_unreadable", "rejected"):
+            assert row[lost] == 0, (lost, row)
+    finally:
+        checker.close()
+
+
+def test_broker_that_cannot_map_the_segment_gets_rows_on_the_socket(cluster: Cluster) -> None:
+    name = worker_name("b")
+    start(cluster, name, broker=False)
+    found = wait_for(lambda: segments(name), 20, "the worker's segment")
+    os.unlink(found[0])  # as if the broker ran on another host
+    cluster.start("broker")
+    checker = Checker(cluster)
+    try:
+        checker.run_until(1500)
+        broker, worker = figures(cluster, "broker"), figures(cluster, "worker")
+        assert broker["shm_refused"] == 1 and broker["shm_slots_forwarded"] == 0, broker
+        assert worker["shm_batches"] == 0 and worker["env_steps"] > 0, worker
+        assert figures(cluster, "assembler")["shm_read"] == 0
+    finally:
+        checker.close()
+
+
+def test_a_killed_workers_segment_is_removed(cluster: Cluster) -> None:
+    name = worker_name("c")
+    start(cluster, name)
+    checker = Checker(cluster)
+    try:
+        checker.run_until(500)
+        [first] = segments(name)
+        worker = next(proc for proc in cluster.procs if proc.name.startswith("worker"))
+        worker.signal(signal.SIGKILL)
+        worker.wait(5)  # reaped, as honcho would
+        # The broker forgets it after the liveness timeout and removes what it left behind.
+        wait_for(lambda: not os.path.exists(first), 20, "the broker to remove the segment")
+        # A worker killed while no broker maps its segment: its next incarnation removes it.
+        second = cluster.start("worker", "--name", name, "--shm-frames", *ENV)
+        [old] = wait_for(lambda: segments(name), 20, "a new segment")
+        second.signal(signal.SIGKILL)
+        second.wait(5)
+        third = cluster.start("worker", "--name", name, "--shm-frames", *ENV)
+        wait_for(lambda: not os.path.exists(old) and segments(name), 20,
+                 "the old segment replaced")
+        third.signal(signal.SIGTERM)
+        assert third.wait(10) == 0
+        assert segments(name) == []  # a worker that exits removes its own
+    finally:
+        checker.close()
+
+
+def run_deterministic(shm_frames: bool) -> tuple[list[dict], str]:
+    with cluster_of_its_own() as c:
+        procs = [c.start("controller"), c.start("broker", "--seed", "3", "--deterministic"),
+                 c.start("assembler"),
+                 c.start("worker", "--name", worker_name("d"), "--seed", "3", *ENV,
+                         *(("--shm-frames",) if shm_frames else ())),
+                 c.start("learner", "--seed", "3", "--target-return", "0", "--max-updates",
+                         "6", "--hidden", "8")]
+        codes = [proc.wait(90) for proc in procs]
+        assert codes == [0] * 5, codes
+        return c.metrics(), procs[2].output()
+
+
+def test_trajectories_are_bit_equal_with_and_without_shared_memory() -> None:
+    plain, plain_log = run_deterministic(False)
+    shared, shared_log = run_deterministic(True)
+    assert "read from shared memory" not in plain_log
+    assert "read from shared memory" in shared_log
+    assert len(plain) == len(shared) == 6
+    for a, b in zip(plain, shared, strict=True):
+        assert {k: v for k, v in a.items() if k not in TIMING} == {
+            k: v for k, v in b.items() if k not in TIMING}
+
+
+def test_hostile_segment_names_are_refused() -> None:
+    for name in ("../etc/passwd", "stepbus-../../x", "other", "stepbus-a/b", "", "stepbus-"):
+        assert not shm.valid_name(name)
+        try:
+            shm.Reader(name, "00" * 16)
+        except shm.Refused:
+            continue
+        raise AssertionError(name)
+    writer = shm.Writer(shm.segment_name(worker_name("e"), "x"), 2, (3,), np.dtype(np.float32))
+    try:
+        for nonce in ("zz", "00" * 16, "00"):  # not hex, another nonce, too short
+            try:
+                shm.Reader(writer.name, nonce)
+            except shm.Refused:
+                continue
+            raise AssertionError(nonce)
+        reader = shm.Reader(writer.name, writer.nonce.hex())
+        assert reader.view(-1, np.dtype(np.float32), (3,)) is None
+        assert reader.view(shm.SLOTS, np.dtype(np.float32), (3,)) is None
+        assert reader.view(0, np.dtype(np.float64), (3,)) is None
+        s = writer.acquire()
+        writer.views[s][:] = 1.5
+        writer.publish(s, 7)
+        view = reader.view(s, np.dtype(np.float32), (3,))
+        assert view is not None and reader.holds(s, 7) and (view == 1.5).all()
+        assert not view.flags.writeable
+        # Until the reader releases it, a slot is not handed out again.
+        taken = {writer.acquire() for _ in range(3 * shm.SLOTS)}
+        assert s not in taken
+        # ... or until RECLAIM_S have passed (its reader died): then a late reader sees that the
+        # slot holds another batch (the assembler counts it and does not use the rows).
+        writer.publish(writer.acquire(), 8)  # the slot of the batch before is never handed out
+        writer.since[s] -= shm.RECLAIM_S + 1
+        taken = {writer.acquire() for _ in range(3 * shm.SLOTS)}
+        assert s in taken and writer.reclaimed == 1 and not reader.holds(s, 7)
+    finally:
+        writer.close()
+    assert not os.path.exists(writer.path)
+
+
+def test_no_segment_without_the_flag(cluster: Cluster) -> None:
+    name = worker_name("f")
+    cluster.start("controller")
+    cluster.start("broker")
+    cluster.start("assembler")
+    cluster.start("worker", "--name", name, *ENV)
+    weights, inbox = act_as_trainer(cluster, OBS_DIM)
+    try:
+        inbox.recv(20)
+        assert segments(name) == []
+    finally:
+        weights.close()
+        inbox.close()
