@@ -47,7 +47,7 @@ DIR = "/dev/shm"
 PREFIX = "stepbus-"
 # Batches a worker may have in flight in shared memory. The assembler normally keeps within a
 # few batches of the broker; beyond this many, batches go on the socket (slower, nothing lost).
-SLOTS = 8
+SLOTS = 16
 MAX_SLOTS = 64
 HEADER_BYTES = mmap.PAGESIZE
 MAGIC = 0x7374657062757301

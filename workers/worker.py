@@ -82,7 +82,7 @@ class Config:
     shm_frames: bool = field(default=False, metadata={
         "help": "observations through a shared-memory segment in /dev/shm when the broker "
                 "(and the assembler) run on this host and can map it; ZeroMQ then carries only "
-                "a slot number. Otherwise, and whenever the assembler lags 8 batches behind, "
+                "a slot number. Otherwise, and whenever the assembler lags 16 batches behind, "
                 "they go on the socket as without this flag"})
     security: wiring.Security = field(default_factory=wiring.Security)
 
