@@ -54,6 +54,11 @@ MAGIC = 0x7374657062757301
 READER_FRESH_S = 1.0  # a reader stamp older than this: the broker sends the bytes itself
 READER_STAMP_S = 0.2  # how often the assembler re-stamps segments it maps while idle
 RECLAIM_S = 60.0  # a slot not released for this long is taken back (its reader died)
+# With every slot still read, the worker waits this long for a release before it sends the batch
+# on the socket: an assembler that is merely the slowest stage then keeps the cheap path (rows
+# on the socket cost it more, so falling back at once slowed the whole pipeline); a stopped one
+# costs this much per batch.
+ACQUIRE_WAIT_S = 0.02
 MAX_SEGMENT_BYTES = 1 << 34
 _NAME = re.compile(r"stepbus-[A-Za-z0-9_.-]{1,200}")
 _FIXED = 9  # int64 header words before the per-slot arrays
@@ -121,9 +126,17 @@ class Writer:
         self.last = -1  # the slot of the previous batch: its rows are the envs' last_obs
         self.reclaimed = 0
 
-    def acquire(self) -> int:
+    def acquire(self, wait_s: float = ACQUIRE_WAIT_S) -> int:
         """A free slot for the next batch, marked as being written, or -1: every slot is still
-        read (a slow assembler), so this batch goes on the socket."""
+        read after `wait_s` (a stopped or slow assembler), so this batch goes on the socket."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            s = self._acquire_now()
+            if s >= 0 or time.monotonic() >= deadline:
+                return s
+            time.sleep(0.0002)
+
+    def _acquire_now(self) -> int:
         now = time.monotonic()
         for k in range(self.slots):
             s = (self.next + k) % self.slots

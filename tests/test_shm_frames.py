@@ -71,9 +71,13 @@ class Checker:
         while self.steps < steps:
             assert time.monotonic() < deadline, f"{self.steps} of {steps} steps"
             self.take(self.inbox)
-            send_message(self.weights, p.Weights(  # credit for what we took in
-                trainer="t", incarnation="t1", policy="default", version=1,
-                consumed_steps=self.steps, batch_steps=256, starving=False, params=self.params))
+            self.credit(self.steps)
+
+    def credit(self, consumed: int) -> None:
+        """Say we took in `consumed` steps: the broker steps up to its window beyond that."""
+        send_message(self.weights, p.Weights(
+            trainer="t", incarnation="t1", policy="default", version=1,
+            consumed_steps=consumed, batch_steps=256, starving=False, params=self.params))
 
     def close(self) -> None:
         self.weights.close()
@@ -101,6 +105,7 @@ def test_observations_arrive_intact_through_shared_memory_and_a_stopped_assemble
         # slots (the worker sends rows), and nothing is lost once it goes on.
         assembler = next(proc for proc in cluster.procs if proc.name.startswith("assembler"))
         assembler.signal(signal.SIGSTOP)
+        checker.credit(checker.steps + 3000)  # stepping goes on meanwhile (queued for it)
         try:
             wait_for(lambda: figures(cluster, "worker").get("shm_full", 0)
                      + figures(cluster, "broker").get("shm_rows_forwarded", 0) > 0, 20,
@@ -213,13 +218,13 @@ def test_hostile_segment_names_are_refused() -> None:
         assert view is not None and reader.holds(s, 7) and (view == 1.5).all()
         assert not view.flags.writeable
         # Until the reader releases it, a slot is not handed out again.
-        taken = {writer.acquire() for _ in range(3 * shm.SLOTS)}
+        taken = {writer.acquire(0) for _ in range(3 * shm.SLOTS)}
         assert s not in taken
         # ... or until RECLAIM_S have passed (its reader died): then a late reader sees that the
         # slot holds another batch (the assembler counts it and does not use the rows).
         writer.publish(writer.acquire(), 8)  # the slot of the batch before is never handed out
         writer.since[s] -= shm.RECLAIM_S + 1
-        taken = {writer.acquire() for _ in range(3 * shm.SLOTS)}
+        taken = {writer.acquire(0) for _ in range(3 * shm.SLOTS)}
         assert s in taken and writer.reclaimed == 1 and not reader.holds(s, 7)
     finally:
         writer.close()

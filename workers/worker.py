@@ -82,8 +82,8 @@ class Config:
     shm_frames: bool = field(default=False, metadata={
         "help": "observations through a shared-memory segment in /dev/shm when the broker "
                 "(and the assembler) run on this host and can map it; ZeroMQ then carries only "
-                "a slot number. Otherwise, and whenever the assembler lags 16 batches behind, "
-                "they go on the socket as without this flag"})
+                "a slot number. Otherwise, and whenever the assembler lags 16 batches behind "
+                "for 20 ms, they go on the socket as without this flag"})
     security: wiring.Security = field(default_factory=wiring.Security)
 
 
