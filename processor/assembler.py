@@ -275,33 +275,34 @@ def run(cfg: Config) -> int:
         segments[m.worker] = seg
         return seg
 
+    def refuse(m: p.Experience, reason: str, detail: str, why: str) -> None:
+        """Count and log a message we cannot use; the worker's open trajectories end there
+        (truncated), since the steps in it are lost to them."""
+        rejects.refuse(m.worker, p.ProtocolError(reason, detail))
+        if m.worker in tracks:
+            close(m.worker, why)
+
     def read_slot(m: p.Experience) -> p.Experience | None:
         """m with its observations copied out of the worker's segment, and the slot released;
         None (counted, the worker's trajectories cut) if they cannot be read intact."""
         seg = segment_of(m) if m.shm else None
         if seg is None:
             counts["shm_unreadable"] += 1
-            rejects.refuse(m.worker, p.ProtocolError(
-                "shm unreadable", f"slot {m.obs_slot} of a segment we do not map"))
-            if m.worker in tracks:
-                close(m.worker, "observations we cannot read")
+            refuse(m, "shm unreadable", f"slot {m.obs_slot} of a segment we do not map",
+                   "observations we cannot read")
             return None
         s = m.obs_slot
         view = (seg.view(s, m.obs.dtype, m.obs.shape[1:])
                 if m.obs.ndim >= 1 and m.obs.shape[0] == 0 else None)
         if view is None:
-            rejects.refuse(m.worker, p.ProtocolError("bad experience", f"obs_slot {s}"))
-            if m.worker in tracks:
-                close(m.worker, "bad obs_slot")
+            refuse(m, "bad experience", f"obs_slot {s}", "bad obs_slot")
             return None
         intact = seg.holds(s, m.seq)
         obs = view.copy()
         if not (intact and seg.holds(s, m.seq)):  # rewritten before or while we copied
             counts["shm_mismatch"] += 1
-            rejects.refuse(m.worker, p.ProtocolError(
-                "shm mismatch", f"slot {s} no longer holds batch {m.seq}"))
-            if m.worker in tracks:
-                close(m.worker, "shared-memory slot rewritten")
+            refuse(m, "shm mismatch", f"slot {s} no longer holds batch {m.seq}",
+                   "shared-memory slot rewritten")
             return None
         seg.release(s, m.seq)
         seg.stamp()
@@ -320,9 +321,7 @@ def run(cfg: Config) -> int:
                 seg.stamp()  # a long intake round must not let the stamp go stale
         problem = checks.experience_problem(m)
         if problem:
-            rejects.refuse(m.worker, p.ProtocolError("bad experience", problem))
-            if m.worker in tracks:
-                close(m.worker, "bad experience")
+            refuse(m, "bad experience", problem, "bad experience")
             return
         k = m.obs.shape[0]
         track = tracks.get(m.worker)
@@ -373,8 +372,7 @@ def run(cfg: Config) -> int:
             if track.action_shape is None:
                 track.action_shape = (m.action.shape, m.action.dtype)
             elif track.action_shape != (m.action.shape, m.action.dtype):
-                rejects.refuse(m.worker, p.ProtocolError("bad experience", "actions changed shape"))
-                close(m.worker, "actions changed shape")
+                refuse(m, "bad experience", "actions changed shape", "actions changed shape")
                 return
             episodes = (m.episode.tolist() if m.episode is not None else [-1] * k)
             seeds = (m.episode_seed.tolist() if m.episode_seed is not None else [-1] * k)
