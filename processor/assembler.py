@@ -256,23 +256,23 @@ def run(cfg: Config) -> int:
 
     def segment_of(m: p.Experience) -> shm.Reader | None:
         """The worker's segment, mapped on first sight (the broker names it in every message
-        once it maps it) and stamped, which tells the broker to send slot numbers."""
+        once it maps it), and stamped on every use, which tells the broker to send slot
+        numbers (a long intake round must not let the stamp go stale)."""
         seg = segments.get(m.worker)
-        if seg is not None and seg.name == m.shm:
-            return seg
-        segments.pop(m.worker, None)
-        if m.shm in refused_segments:
-            return None
-        try:
-            seg = shm.Reader(m.shm, m.shm_nonce)
-        except shm.Refused as exc:
-            if len(refused_segments) < 10_000:
-                refused_segments.add(m.shm)
-            log.warning("worker %s: not mapping its shared-memory segment (%s); the broker sends "
-                        "its observations on the socket", m.worker, exc)
-            return None
+        if seg is None or seg.name != m.shm:
+            segments.pop(m.worker, None)
+            if m.shm in refused_segments:
+                return None
+            try:
+                seg = shm.Reader(m.shm, m.shm_nonce)
+            except shm.Refused as exc:
+                if len(refused_segments) < 10_000:
+                    refused_segments.add(m.shm)
+                log.warning("worker %s: not mapping its shared-memory segment (%s); the broker "
+                            "sends its observations on the socket", m.worker, exc)
+                return None
+            segments[m.worker] = seg
         seg.stamp()
-        segments[m.worker] = seg
         return seg
 
     def refuse(m: p.Experience, reason: str, detail: str, why: str) -> None:
@@ -305,7 +305,6 @@ def run(cfg: Config) -> int:
                    "shared-memory slot rewritten")
             return None
         seg.release(s, m.seq)
-        seg.stamp()
         counts["shm_read"] += 1
         return dataclasses.replace(m, obs=obs)
 
@@ -316,9 +315,7 @@ def run(cfg: Config) -> int:
                 return
             m = read
         elif m.shm:
-            seg = segment_of(m)  # map it now: the broker sends slot numbers once we stamp it
-            if seg is not None:
-                seg.stamp()  # a long intake round must not let the stamp go stale
+            segment_of(m)  # map and stamp it: the broker sends slot numbers once we do
         problem = checks.experience_problem(m)
         if problem:
             refuse(m, "bad experience", problem, "bad experience")

@@ -143,8 +143,8 @@ WIDE_INPUT = 1024
 acting with ``for_inference`` params. There that one matrix product is nearly all of the cost
 (a uint8 frame converts to half the bytes, and sgemm runs about twice as fast as dgemm); every
 later layer, the log-softmax and the sampling stay float64. The outputs leave as float32 anyway,
-and on Atari-sized frames the learner's float64 log-probs differ from the broker's by ~1e-6
-(``tests/test_ppo_gradients.py``), far inside PPO's clip range."""
+and on Atari-sized frames the learner's float64 log-probs differ from the broker's by under 1e-6
+(``tests/test_inference.py``), far inside PPO's clip range."""
 
 
 def for_inference(params: Mapping[str, np.ndarray]) -> Params:
