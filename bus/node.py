@@ -4,6 +4,7 @@ accounting of untrusted input. Each process module is one poll loop built from t
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import socket as pysocket
@@ -11,7 +12,8 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import zmq
 from stepbus.bus import protocol as p
@@ -258,8 +260,10 @@ class ControllerLink:
     def send(self, msg: p.Message) -> None:
         send(self.dealer, msg, block=False)
 
-    def poll(self, events: dict[zmq.Socket, int]) -> list[p.Message]:
-        """Messages from the controller that the owning loop must act on (barriers)."""
+    def poll(self, events: dict[zmq.Socket, int], *, everything: bool = False
+             ) -> list[p.Message]:
+        """Messages from the controller that the owning loop must act on (barriers); with
+        `everything`, the run state and shutdown too (a `Process` keeps its own copy)."""
         out: list[p.Message] = []
         for sock in (self.dealer, self.sub):
             if sock not in events:
@@ -279,8 +283,12 @@ class ControllerLink:
                                       self.broadcast)
                     if msg.shutting_down:
                         self.shutdown_reason = self.shutdown_reason or "controller shutdown"
+                    if everything:
+                        out.append(msg)
                 elif isinstance(msg, p.Shutdown):
                     self.shutdown_reason = self.shutdown_reason or msg.reason
+                    if everything:
+                        out.append(msg)
                 elif msg is not None:
                     out.append(msg)
         return out
@@ -314,3 +322,256 @@ class ControllerLink:
 
     def close(self) -> None:
         self.beat(time.monotonic(), leaving=True)
+
+
+# ----------------------------------------------------------------------------- process objects
+#
+# A process is a `Process` subclass: its state in typed fields, one `on_<kind>` method per
+# message kind it receives, named timers, and sends through `Ports`. `Loop` runs one on real
+# sockets; an in-process test runs one on an `Outbox` and feeds it decoded messages.
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One message a process sent: the port it went out on, and the ROUTER peer it went to."""
+
+    port: str
+    msg: p.Message
+    to: bytes | None = None
+
+
+class Ports(Protocol):
+    """Where a process's sends go, by port name: sockets in a real process, an outbox in a
+    test."""
+
+    def send(self, port: str, msg: p.Message, *, to: bytes | None = None,
+             block: bool = False) -> bool: ...
+
+    def writable(self, port: str) -> bool: ...
+
+
+class Outbox:
+    """Ports that record instead of sending, so a test reads back what a process sent. A port
+    in `blocked` takes nothing (sends return False) and is not writable, like a full queue."""
+
+    def __init__(self, blocked: set[str] | None = None) -> None:
+        self.sent: list[Sent] = []
+        self.blocked: set[str] = blocked if blocked is not None else set()
+
+    def send(self, port: str, msg: p.Message, *, to: bytes | None = None,
+             block: bool = False) -> bool:
+        if port in self.blocked:
+            return False
+        self.sent.append(Sent(port, msg, to))
+        return True
+
+    def writable(self, port: str) -> bool:
+        return port not in self.blocked
+
+    def take(self, kind: type[M] | None = None, port: str | None = None) -> list[M]:
+        """The messages sent (of `kind`, on `port`) since the last take; they leave the box."""
+        taken = [s for s in self.sent if (kind is None or isinstance(s.msg, kind))
+                 and (port is None or s.port == port)]
+        self.sent = [s for s in self.sent if s not in taken]
+        return [s.msg for s in taken]  # type: ignore[misc]
+
+    def take_sent(self, kind: type | None = None) -> list[Sent]:
+        """Like `take`, with each message's port and peer."""
+        taken = [s for s in self.sent if kind is None or isinstance(s.msg, kind)]
+        self.sent = [s for s in self.sent if s not in taken]
+        return taken
+
+
+M = TypeVar("M", bound=p.Message)
+
+
+@dataclass
+class Port:
+    """A socket a process receives on: the kinds it takes there (anything else is refused as
+    bad input), and whether its first frame names the peer (ROUTER)."""
+
+    socket: zmq.Socket
+    kinds: tuple[type, ...] = ()
+    routed: bool = False
+    name_of_peer: str = ""  # how refusals name an unrouted sender ("" : the transport peer)
+
+
+class SocketPorts:
+    def __init__(self, sockets: dict[str, zmq.Socket]) -> None:
+        self.sockets = sockets
+
+    def send(self, port: str, msg: p.Message, *, to: bytes | None = None,
+             block: bool = False) -> bool:
+        return send(self.sockets[port], msg, to=to, block=block)
+
+    def writable(self, port: str) -> bool:
+        return bool(self.sockets[port].poll(0, zmq.POLLOUT))
+
+
+@dataclass
+class Timer:
+    """A named deadline: `action(now)` runs once it is due, then again every `interval_s`
+    (0: once)."""
+
+    name: str
+    due: float
+    action: Callable[[float], None]
+    interval_s: float = 0.0
+
+
+class Process:
+    """State and handlers of one stepbus process, free of sockets: `Loop` delivers decoded
+    messages to `on_<kind>(peer, msg)` (`peer` is the ROUTER identity, b"" elsewhere), runs due
+    timers and `tick` after every poll, and sends `figures()` in each heartbeat."""
+
+    role: ClassVar[str] = ""
+
+    def __init__(self, ports: Ports, log: logging.Logger, *, name: str = "",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ports, self.log, self.clock = ports, log, clock
+        self.name = name or self.role
+        self.rejects = RejectLog(log, clock)
+        self.run_state: p.RunState | None = None  # the controller's latest word
+        self.stop_reason = ""  # set: the loop ends, and `finish` does the shutdown duties
+        self.timers: dict[str, Timer] = {}
+        self.started = self.now = clock()
+
+    # -- sending and refusing
+    def send(self, port: str, msg: p.Message, *, to: bytes | None = None,
+             block: bool = False) -> bool:
+        return self.ports.send(port, msg, to=to, block=block)
+
+    def refuse(self, peer: str, reason: str, detail: str = "") -> None:
+        self.rejects.refuse(peer, p.ProtocolError(reason, detail))
+
+    # -- timers
+    def every(self, name: str, interval_s: float, action: Callable[[float], None],
+              first_due: float | None = None) -> None:
+        due = self.now + interval_s if first_due is None else first_due
+        self.timers[name] = Timer(name, due, action, interval_s)
+
+    def at(self, name: str, due: float, action: Callable[[float], None]) -> None:
+        self.timers[name] = Timer(name, due, action)
+
+    def cancel(self, name: str) -> None:
+        self.timers.pop(name, None)
+
+    def run_timers(self, now: float) -> float:
+        """Run the due timers; the time the next one is due (inf: none)."""
+        for timer in [t for t in self.timers.values() if t.due <= now]:
+            if timer.interval_s:
+                timer.due = max(timer.due + timer.interval_s, now)
+            elif self.timers.get(timer.name) is timer:
+                del self.timers[timer.name]
+            timer.action(now)
+        return min((t.due for t in self.timers.values()), default=math.inf)
+
+    # -- messages
+    def deliver(self, peer: bytes, msg: p.Message, now: float | None = None) -> None:
+        """Hand one decoded message to its `on_<kind>` method (a test calls this directly)."""
+        self.now = self.clock() if now is None else now
+        handler = getattr(self, "on_" + msg.KIND.name.lower(), None)
+        if handler is None:
+            self.refuse(peer_name(peer) or self.role, "unexpected kind", msg.KIND.name)
+            return
+        handler(peer, msg)
+
+    def on_run_state(self, peer: bytes, msg: p.RunState) -> None:
+        if self.run_state is None:
+            self.log.info("registered with controller (run %s)", msg.run_id)
+        self.run_state = msg
+        if msg.shutting_down:
+            self.stop("controller shutdown")
+
+    def on_shutdown(self, peer: bytes, msg: p.Shutdown) -> None:
+        self.stop(msg.reason)
+
+    def stop(self, reason: str) -> None:
+        self.stop_reason = self.stop_reason or reason
+
+    # -- hooks the loop calls
+    def tick(self, now: float) -> float:
+        """Timekeeping after every poll (purge, dispatch); when to look again (inf: at the next
+        message or timer)."""
+        return math.inf
+
+    def figures(self) -> dict[str, Any]:
+        return self.rejects.figures()
+
+    def drain_on_stop(self) -> tuple[str, float]:
+        """A port to empty before `finish`, and for at most how long ("": none)."""
+        return "", 0.0
+
+    def finish(self) -> None:
+        """Shutdown duties (flush, checkpoint), after the loop ends."""
+
+
+def peer_name(peer: bytes) -> str:
+    """A ROUTER identity as a log line can show it: text when it is ASCII, else hex."""
+    return peer.decode(errors="replace") if peer.isascii() else peer.hex()
+
+
+class Loop:
+    """The one loop every process runs on: poll until the next deadline (timer, heartbeat, the
+    process's own), decode, dispatch by kind, drain in time-bounded passes, heartbeat through
+    the controller link, stop on a signal or the process's word, then its shutdown duties."""
+
+    def __init__(self, process: Process, ports: dict[str, Port], link: ControllerLink,
+                 stop: StopFlag) -> None:
+        self.process, self.ports, self.link, self.stop = process, ports, link, stop
+        self.poller = zmq.Poller()
+        for sock in (*link.sockets(), *(port.socket for port in ports.values())):
+            self.poller.register(sock, zmq.POLLIN)
+        self.watch_out: set[str] = set()  # ports polled for POLLOUT (see `watch_writable`)
+
+    def watch_writable(self, port: str, on: bool) -> None:
+        """Wake when `port` can take a message again (a full or absent consumer)."""
+        if on != (port in self.watch_out):
+            self.watch_out.symmetric_difference_update({port})
+            flags = zmq.POLLIN | (zmq.POLLOUT if on else 0) if self.ports[port].kinds else (
+                zmq.POLLOUT if on else 0)
+            self.poller.register(self.ports[port].socket, flags)
+
+    def run(self) -> int:
+        proc = self.process
+        try:
+            look_again = math.inf
+            while not self.stop and not proc.stop_reason:
+                now = proc.clock()
+                next_beat = self.link.beat(now, proc.figures)
+                deadline = min(next_beat, look_again, proc.run_timers(now))
+                timeout_ms = max(0.0, min((deadline - now) * 1000, MAX_POLL_MS))
+                self.pass_once(dict(self.poller.poll(timeout_ms)))
+                look_again = proc.tick(proc.clock())
+            proc.stop(self.stop.reason)
+            self.drain_remaining()
+            proc.finish()
+            return 0
+        finally:
+            self.link.close()
+
+    def pass_once(self, events: dict[zmq.Socket, int]) -> None:
+        for msg in self.link.poll(events, everything=True):
+            self.process.deliver(b"", msg)
+        for port in self.ports.values():
+            if port.kinds and port.socket in events:
+                drain(port.socket, lambda port=port: self.take_one(port))  # type: ignore
+
+    def take_one(self, port: Port) -> None:
+        peer, msg = recv(port.socket, self.process.rejects, routed=port.routed)
+        if msg is None:
+            return
+        if not isinstance(msg, port.kinds):
+            self.process.refuse(_sender_name(peer, port.socket) if port.routed
+                                else port.name_of_peer or _sender_name(None, port.socket),
+                                "unexpected kind", msg.KIND.name)
+            return
+        self.process.deliver(peer or b"", msg)
+
+    def drain_remaining(self) -> None:
+        name, budget_s = self.process.drain_on_stop()
+        if not name:
+            return
+        port, deadline = self.ports[name], time.monotonic() + budget_s
+        while time.monotonic() < deadline and port.socket.poll(0, zmq.POLLIN):
+            self.take_one(port)
