@@ -188,8 +188,9 @@ def _sender_name(sender: bytes | None, sock: zmq.Socket, frames: Any = ()) -> st
     """A ROUTER peer's routing id (its name, or hex when it set none); otherwise the TCP peer's
     address, which the peer cannot choose, or failing that (ipc) the endpoint."""
     if sender is not None:
-        return sender.decode(errors="replace") if sender.isascii() else sender.hex()
-    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode(errors="replace")
+        return peer_name(sender)
+    last = sock.getsockopt(zmq.LAST_ENDPOINT)
+    endpoint = last.decode(errors="replace") if isinstance(last, bytes) else str(last)
     try:
         address = frames[-1].get("Peer-Address") if endpoint.startswith("tcp://") else ""
     except (AttributeError, IndexError, zmq.ZMQError):
@@ -247,12 +248,12 @@ class ControllerLink:
         if figures is not None:
             self._figures = figures
         if now >= self._next_beat or leaving:
-            figures = self._figures()
+            sent = self._figures()
             if self.rejects.total:  # refused on this link: part of the process's count
-                figures["rejected"] = figures.get("rejected", 0) + self.rejects.total
-            figures["uptime_s"] = round(now - self.started, 1)
+                sent["rejected"] = sent.get("rejected", 0) + self.rejects.total
+            sent["uptime_s"] = round(now - self.started, 1)
             send(self.dealer, p.Heartbeat(role=self.role, name=self.name, host=self.host,
-                                          pid=self.pid, leaving=leaving, figures=figures,
+                                          pid=self.pid, leaving=leaving, figures=sent,
                                           binds=self.binds), block=False)
             self._next_beat = now + HEARTBEAT_INTERVAL_S
         return self._next_beat
@@ -309,7 +310,7 @@ class ControllerLink:
         while not stop and not self.shutdown_reason:
             now = time.monotonic()
             next_beat = self.beat(now)
-            self.poll(dict(poller.poll(max(0, min(next_beat - now, 0.25)) * 1000)))
+            self.poll(dict(poller.poll(int(max(0, min(next_beat - now, 0.25)) * 1000))))
             if address := self.advertised(name):
                 self.log.info("%s endpoint %s (the controller says)", name, address)
                 return address
@@ -540,7 +541,7 @@ class Loop:
                 now = proc.clock()
                 next_beat = self.link.beat(now, proc.figures)
                 deadline = min(next_beat, look_again, proc.run_timers(now))
-                timeout_ms = max(0.0, min((deadline - now) * 1000, MAX_POLL_MS))
+                timeout_ms = int(max(0.0, min((deadline - now) * 1000, MAX_POLL_MS)))
                 self.pass_once(dict(self.poller.poll(timeout_ms)))
                 look_again = proc.tick(proc.clock())
             proc.stop(self.stop.reason)
