@@ -436,6 +436,9 @@ class Process:
         self.stop_reason = ""  # set: the loop ends, and `finish` does the shutdown duties
         self.timers: dict[str, Timer] = {}
         self.started = self.now = clock()
+        # Ports whose room for another message should wake the loop (a consumer that was full
+        # or gone): the loop polls them for it while they are in this set.
+        self.wake_on_writable: set[str] = set()
 
     # -- sending and refusing
     def send(self, port: str, msg: p.Message, *, to: bytes | None = None,
@@ -544,6 +547,8 @@ class Loop:
                 timeout_ms = int(max(0.0, min((deadline - now) * 1000, MAX_POLL_MS)))
                 self.pass_once(dict(self.poller.poll(timeout_ms)))
                 look_again = proc.tick(proc.clock())
+                for name in self.watch_out ^ proc.wake_on_writable:
+                    self.watch_writable(name, name in proc.wake_on_writable)
             proc.stop(self.stop.reason)
             self.drain_remaining()
             proc.finish()
