@@ -373,14 +373,19 @@ class Outbox:
         """The messages sent (of `kind`, on `port`) since the last take; they leave the box."""
         taken = [s for s in self.sent if (kind is None or isinstance(s.msg, kind))
                  and (port is None or s.port == port)]
-        self.sent = [s for s in self.sent if s not in taken]
+        self.sent = [s for s in self.sent if not _among(s, taken)]
         return [s.msg for s in taken]  # type: ignore[misc]
 
     def take_sent(self, kind: type | None = None) -> list[Sent]:
         """Like `take`, with each message's port and peer."""
         taken = [s for s in self.sent if kind is None or isinstance(s.msg, kind)]
-        self.sent = [s for s in self.sent if s not in taken]
+        self.sent = [s for s in self.sent if not _among(s, taken)]
         return taken
+
+
+def _among(sent: Sent, taken: list[Sent]) -> bool:
+    """By identity: messages that hold arrays cannot be compared with `==`."""
+    return any(sent is t for t in taken)
 
 
 M = TypeVar("M", bound=p.Message)
