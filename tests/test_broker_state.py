@@ -1,0 +1,380 @@
+"""The step broker's state machine in-process: decoded messages in, sends read back from an
+outbox, time from an explicit clock. The wiring and the faults of real processes are in
+test_pipeline, test_broker_faults and test_faults."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from stepbus.bus import broker, node, worker_table
+from stepbus.bus import protocol as p
+from stepbus.bus.credit import DETERMINISM_GIVE_UP_S
+from stepbus.trainer import model
+from stepbus.workers import envs
+
+SPEC = dataclasses.asdict(envs.space_spec(gym.make("CartPole-v1")))
+OBS_DIM = SPEC["obs_shape"][0]
+T0 = 1000.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = T0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def weights(version: int, consumed: int = 0, *, starving: bool = False, batch_steps: int = 256,
+            policy: str = "default", incarnation: str = "t1", favourite: int = -1
+            ) -> p.Weights:
+    """A trainer's WEIGHTS report with real MLP weights (that always pick `favourite`, if
+    given, so a row's action tells which policy chose it)."""
+    params = model.init_params(OBS_DIM, model.ActionSpace("discrete", n=2), (8,),
+                               np.random.default_rng(version))
+    if favourite >= 0:
+        params["pi.1.b"] = np.where(np.arange(2) == favourite, 50.0, 0.0)
+    return p.Weights(trainer=f"t-{policy}", incarnation=incarnation, policy=policy,
+                     version=version, consumed_steps=consumed, batch_steps=batch_steps,
+                     starving=starving, params=params)
+
+
+class Bench:
+    """One broker object on an outbox, the test playing its workers, trainers and
+    controller."""
+
+    def __init__(self, *, run_state: bool = True, blocked: set[str] | None = None,
+                 policy_map: str = "", **cfg: object) -> None:
+        self.clock = Clock()
+        self.out = node.Outbox(blocked)
+        self.broker = broker.Broker(broker.Config(policy_map=policy_map, **cfg),  # type: ignore
+                                    self.out, logging.getLogger("test.broker"),
+                                    rules=broker.policies.parse_map(policy_map),
+                                    clock=self.clock)
+        self.commands: dict[bytes, p.Reset | p.Step] = {}  # the last one each worker got
+        self.unread: list[node.Sent] = []  # sent to workers, not yet looked at by the test
+        self.incarnations: dict[bytes, str] = {}
+        if run_state:
+            self.deliver(b"", p.RunState(run_id="r", epoch=0, options={},
+                                         shutting_down=False))
+
+    def deliver(self, peer: bytes, msg: p.Message) -> None:
+        self.broker.deliver(peer, msg, now=self.clock.t)
+
+    def tick(self) -> float:
+        return self.broker.tick(self.clock.t)
+
+    def later(self, seconds: float) -> None:
+        self.clock.t += seconds
+
+    def commands_to(self, ident: bytes, kind: type = p.Reset | p.Step) -> list[p.Message]:
+        """The commands of `kind` sent to a worker since the last look."""
+        self.collect()
+        taken = [s for s in self.unread if s.to == ident and isinstance(s.msg, kind)]
+        self.unread = [s for s in self.unread if not any(s is t for t in taken)]
+        return [s.msg for s in taken]
+
+    def collect(self) -> None:
+        """Move what went to workers out of the outbox, remembering each worker's last
+        command (what `answer` answers)."""
+        for s in self.out.take_sent(p.Reset) + self.out.take_sent(p.Step):
+            assert s.port == "steps" and s.to is not None
+            self.commands[s.to] = s.msg  # type: ignore[assignment]
+            self.unread.append(s)
+
+    def join(self, name: str, num_envs: int = 2, incarnation: str = "i1", seq: int = 0,
+             agents: list[str] | None = None) -> bytes:
+        ident = name.encode()
+        self.incarnations[ident] = incarnation
+        self.deliver(ident, p.WorkerHello(worker=name, incarnation=incarnation,
+                                          env_id="CartPole-v1", num_envs=num_envs, seed=0,
+                                          spec=SPEC, seq=seq, agents=agents or []))
+        return ident
+
+    def result(self, ident: bytes, rows: int = 2) -> p.StepResult:
+        """The worker's reply to the last Reset or Step it got."""
+        self.collect()
+        cmd = self.commands[ident]
+        return p.StepResult(incarnation=self.incarnations[ident], epoch=cmd.epoch, seq=cmd.seq,
+                            first=isinstance(cmd, p.Reset),
+                            obs=np.zeros((rows, OBS_DIM), np.float32),
+                            reward=np.ones(rows, np.float32), terminated=np.zeros(rows, bool),
+                            truncated=np.zeros(rows, bool),
+                            final_obs=np.zeros((0, OBS_DIM), np.float32))
+
+    def answer(self, ident: bytes, rows: int = 2) -> None:
+        self.deliver(ident, self.result(ident, rows))
+
+    def steps_to(self, ident: bytes) -> list[p.Step]:
+        return self.commands_to(ident, p.Step)  # type: ignore[return-value]
+
+    def figure(self, name: str) -> object:
+        return self.broker.figures()[name]
+
+
+def test_the_credit_window_holds_stepping_until_a_weights_report_reopens_it():
+    bench = Bench(max_steps_ahead=8)
+    w = bench.join("w0")
+    bench.deliver(b"t", weights(1))
+    for _ in range(4):  # 2 envs: 4 steps fill a window of 8
+        bench.answer(w)
+        bench.tick()
+        assert len(bench.steps_to(w)) == 1
+    bench.answer(w)
+    assert bench.tick() == float("inf"), "nothing to look again for: the trainer wakes us"
+    assert bench.steps_to(w) == []
+    assert bench.figure("outstanding_steps") == 8 and bench.figure("credit_window") == 8
+    assert bench.figure("held_by") == "default: credit window"
+
+    bench.deliver(b"t", weights(1, consumed=8))
+    bench.tick()
+    [step] = bench.steps_to(w)
+    assert step.policy_version == 1 and step.actions.shape == (2,)
+    assert bench.figure("outstanding_steps") == 2
+    assert bench.figure("credit_topups") == 0
+
+
+def test_a_starving_trainer_tops_up_a_full_window_and_the_grant_doubles():
+    bench = Bench(max_steps_ahead=8)
+    w = bench.join("w0")
+    bench.deliver(b"t", weights(1, batch_steps=4))
+    for _ in range(4):
+        bench.answer(w)
+        bench.tick()
+        assert len(bench.steps_to(w)) == 1
+    bench.answer(w)
+    bench.tick()
+    assert bench.steps_to(w) == [] and bench.figure("outstanding_steps") == 8
+
+    bench.deliver(b"t", weights(1, starving=False, batch_steps=4))
+    assert bench.figure("credit_topups") == 0, "a trainer that is not starving gets no credit"
+    bench.deliver(b"t", weights(1, starving=True, batch_steps=4))
+    assert bench.figure("credit_topups") == 1
+    assert bench.figure("outstanding_steps") == 4, "one batch granted"
+    bench.tick()
+    assert len(bench.steps_to(w)) == 1, "stepping goes on"
+
+    grants = []
+    for _ in range(2):  # the grant: a batch, or all the credit granted so far, up to a window
+        for _ in range(2):
+            bench.answer(w)
+            bench.tick()
+        assert bench.figure("outstanding_steps") == 8
+        bench.deliver(b"t", weights(1, starving=True, batch_steps=4))
+        grants.append(8 - bench.figure("outstanding_steps"))  # type: ignore[operator]
+        bench.tick()  # the reply that waited is stepped
+    assert grants == [4, 8] and bench.figure("credit_topups") == 3
+    assert bench.figure("stale_dropped") == 0
+
+
+def test_a_barrier_resets_every_worker_and_is_done_only_when_all_reset_counting_the_lost():
+    bench = Bench()
+    w0, w1, w2 = (bench.join(f"w{i}") for i in range(3))
+    bench.deliver(b"t", weights(1))
+    for w in (w0, w1, w2):
+        bench.answer(w)
+    bench.tick()
+    for w in (w0, w1, w2):
+        assert [type(c) for c in bench.commands_to(w)] == [p.Reset, p.Step]
+    assert len(bench.out.take(p.Experience)) == 3
+    bench.answer(w0)  # w0's reply waits for inference; w1 and w2 are still stepping
+
+    bench.deliver(b"", p.Barrier(epoch=1, options={"level": 3}))
+    [reset] = bench.commands_to(w0)
+    assert reset == p.Reset(epoch=1, seq=reset.seq, options={"level": 3})
+    [experience] = [s.msg for s in bench.out.take_sent(p.Experience)]
+    assert experience.worker == "w0" and experience.action is None, \
+        "the waiting observation goes to the assembler as a bootstrap, without an action"
+    assert bench.commands_to(w1) == [] and bench.commands_to(w2) == [], "in flight: not yet"
+    assert bench.figure("epoch") == 1
+
+    bench.answer(w1)  # a step from before the barrier: kept, then the worker is reset
+    [reset1] = bench.commands_to(w1)
+    assert isinstance(reset1, p.Reset) and reset1.options == {"level": 3}
+    bench.deliver(w1, p.RemoteError(origin="w1/env 0", error_type="ValueError",
+                                    message="bad level", traceback="", context={}))
+    bench.answer(w0)
+    bench.tick()
+    assert bench.out.take(p.BarrierDone) == [], "w1 has not answered its reset yet"
+
+    bench.later(1.0)
+    for w in (w0, w1):
+        bench.deliver(w, p.Heartbeat(role="worker", name=w.decode(), host="h", pid=1,
+                                     leaving=False, figures={}))
+    bench.later(1.0)  # w2 has been silent 2 s: lost during the barrier
+    bench.tick()
+    assert bench.out.take(p.BarrierDone) == []
+    bench.answer(w1)
+    bench.tick()
+    sent = bench.out.take_sent(p.BarrierDone)
+    assert [(s.port, s.msg) for s in sent] == [("controller", p.BarrierDone(
+        epoch=1, workers_reset=2, workers_lost=1, errors=["w1/env 0: ValueError: bad level"]))]
+    steps = [bench.steps_to(w) for w in (w0, w1)]
+    assert [[s.epoch for s in got] for got in steps] == [[1], [1]], "stepping resumes"
+    bench.tick()
+    assert bench.out.take(p.BarrierDone) == [], "reported once"
+
+
+def test_a_stale_or_foreign_step_result_is_dropped_and_counted():
+    bench = Bench()
+    w = bench.join("w0")
+    bench.deliver(b"t", weights(1))
+    first = bench.result(w)
+    bench.deliver(w, first)
+    bench.tick()
+    assert len(bench.steps_to(w)) == 1 and len(bench.out.take(p.Experience)) == 1
+    current = bench.result(w)
+    stale = [first,  # an answer already taken: a duplicate
+             dataclasses.replace(current, incarnation="i0"),  # the worker's previous life
+             dataclasses.replace(current, seq=current.seq + 5)]
+    for msg in stale:
+        bench.deliver(w, msg)
+    bench.deliver(b"stranger", current)
+    assert bench.figure("stale_dropped") == 4
+    bench.tick()
+    assert bench.steps_to(w) == [] and bench.out.take(p.Experience) == [], "nothing acted on"
+    bench.deliver(w, current)
+    bench.tick()
+    assert len(bench.steps_to(w)) == 1 and bench.figure("stale_dropped") == 4
+
+
+def test_a_silent_worker_is_forgotten_and_the_assembler_told_and_its_seq_remembered():
+    bench = Bench()
+    w0, w1 = bench.join("w0"), bench.join("w1")
+    bench.later(1.0)
+    bench.deliver(w1, p.Heartbeat(role="worker", name="w1", host="h", pid=1, leaving=False,
+                                  figures={}))
+    bench.later(worker_table.LIVENESS_S - 1.0 + 0.1)
+    bench.tick()
+    sent = bench.out.take_sent(p.WorkerLost)
+    assert [(s.port, s.msg.worker, s.msg.incarnation) for s in sent] == [
+        ("experience", "w0", "i1")]
+    assert sent[0].msg.reason == f"silent for {worker_table.LIVENESS_S + 0.1:.1f}s"
+    assert bench.figure("workers") == 1 and bench.figure("workers_lost") == 1
+    late = bench.result(w0)  # its reply to its first reset, too late: it is not known any more
+    bench.commands_to(w0)
+    bench.deliver(w0, late)
+    assert bench.figure("stale_dropped") == 1
+    bench.join("w0", incarnation="i2")
+    [reset] = bench.commands_to(w0)
+    assert isinstance(reset, p.Reset) and reset.seq > late.seq, \
+        "numbered above anything used with its previous incarnation"
+
+
+def test_a_new_broker_defers_hellos_until_the_run_state_gives_the_epoch_and_options():
+    bench = Bench(run_state=False)
+    w = bench.join("w0")
+    assert bench.commands_to(w) == [], "no reset without the run's options"
+    bench.deliver(b"", p.RunState(run_id="r", epoch=2, options={"level": 3},
+                                  shutting_down=False))
+    assert bench.commands_to(w) == [p.Reset(epoch=2, seq=1, options={"level": 3})]
+    assert bench.figure("epoch") == 2
+
+
+def test_without_a_controller_deferred_hellos_are_served_after_the_grace():
+    bench = Bench(run_state=False)
+    w = bench.join("w0")
+    bench.broker.run_timers(T0 + broker.RUN_STATE_GRACE_S - 0.1)
+    assert bench.commands_to(w) == []
+    bench.broker.run_timers(T0 + broker.RUN_STATE_GRACE_S)
+    assert bench.commands_to(w) == [p.Reset(epoch=0, seq=1, options={})]
+
+
+def test_stepping_holds_while_the_assembler_cannot_take_experience():
+    bench = Bench(blocked={"experience"})
+    w = bench.join("w0")
+    bench.deliver(b"t", weights(1))
+    bench.answer(w)
+    bench.tick()
+    assert bench.steps_to(w) == [] and bench.figure("assembler_blocked") is True
+    assert bench.broker.wake_on_writable == {"experience"}, "the loop wakes when it can send"
+    bench.out.blocked.clear()
+    bench.tick()
+    assert len(bench.steps_to(w)) == 1 and bench.figure("assembler_blocked") is False
+    assert bench.broker.wake_on_writable == set()
+    assert bench.figure("experience_dropped") == 0
+
+
+def test_deterministic_mode_acts_with_the_version_due_at_each_step_count():
+    """Window 4, 2 envs: at step count S the version made from at most S - 4 steps acts."""
+    bench = Bench(max_steps_ahead=4, deterministic=True)
+    w = bench.join("w0")
+    bench.deliver(b"t", weights(1))  # made from 0 steps
+    versions = []
+    for count in range(0, 12, 2):
+        if count == 4:  # the trainer took in 4 steps and made version 2 from them
+            bench.deliver(b"t", weights(2, consumed=4))
+        if count == 8:
+            bench.deliver(b"t", weights(2, consumed=8))
+        bench.answer(w)
+        bench.tick()
+        [step] = bench.steps_to(w)
+        versions.append(step.policy_version)
+    assert versions == [1, 1, 1, 1, 2, 2], "version 2 from step count 8 = 4 + window on"
+    assert bench.figure("determinism_lost") == 0
+
+
+def test_deterministic_mode_waits_for_the_trainer_then_gives_up_reproducibility():
+    bench = Bench(max_steps_ahead=4, deterministic=True)
+    w = bench.join("w0")
+    bench.deliver(b"t", weights(1))
+    for _ in range(3):
+        bench.deliver(b"t", weights(1, consumed=bench.broker.slots[0].credit.produced))
+        bench.answer(w)
+        bench.tick()
+        assert len(bench.steps_to(w)) == 1
+    # 6 steps produced, the trainer says it took in 1: a version made from 2 may still come.
+    bench.deliver(b"t", weights(1, consumed=1, starving=True))
+    bench.answer(w)
+    bench.tick()
+    assert bench.steps_to(w) == [], "waits for the trainer's intake"
+    bench.later(DETERMINISM_GIVE_UP_S)
+    bench.deliver(w, p.Heartbeat(role="worker", name="w0", host="h", pid=1, leaving=False,
+                                 figures={}))
+    bench.tick()
+    assert len(bench.steps_to(w)) == 1 and bench.figure("determinism_lost") == 1
+
+
+def test_each_policy_acts_on_its_own_rows_and_stepping_waits_for_every_policys_weights():
+    bench = Bench(policy_map="[ac]=red")
+    w = bench.join("w0", agents=["a", "b", "c", "d"])
+    bench.deliver(b"t", weights(3, favourite=0))
+    bench.answer(w, rows=8)
+    bench.tick()
+    assert bench.steps_to(w) == [] and bench.figure("held_by") == "red: no weights"
+    bench.deliver(b"t", weights(7, favourite=1, policy="red", incarnation="r1"))
+    bench.tick()
+    [step] = bench.steps_to(w)
+    assert step.actions.tolist() == [1, 0, 1, 0] * 2, "a and c act with red's weights"
+    [experience] = bench.out.take(p.Experience)
+    assert experience.policy_versions.tolist() == [7, 3, 7, 3] * 2
+    assert experience.agent_policies == ["red", "default", "red", "default"]
+    figures = bench.broker.figures()
+    assert (figures["policy_rows_default"], figures["policy_rows_red"]) == (4, 4)
+    assert (figures["policy_version_default"], figures["policy_version_red"]) == (3, 7)
+
+
+def test_a_learner_of_an_unknown_policy_is_refused_by_name(caplog: pytest.LogCaptureFixture):
+    bench = Bench(policy_map="[ac]=red")
+    with caplog.at_level(logging.WARNING, logger="test.broker"):
+        bench.deliver(b"typo-ident", p.TrainerHello(trainer="typo", policy="blue"))
+    figures = bench.broker.figures()
+    assert figures["rejected_unknown_policy"] == 1
+    assert figures["rejected_from"].startswith("typo")
+    assert "'blue': --policy-map names default, red" in caplog.text
+
+
+def test_weights_that_do_not_fit_the_spaces_are_refused_and_not_acted_with():
+    bench = Bench()
+    w = bench.join("w0")
+    bad = weights(1)
+    bad = dataclasses.replace(bad, params={**bad.params, "pi.0.w": np.zeros((3, 8))})
+    bench.deliver(b"t", bad)
+    bench.answer(w)
+    bench.tick()
+    assert bench.steps_to(w) == [] and bench.figure("rejected_bad_weights") == 1
+    assert bench.figure("held_by") == "default: no weights"
