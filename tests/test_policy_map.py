@@ -102,17 +102,6 @@ def test_each_policy_acts_for_its_agents_and_its_trajectories_reach_only_its_lea
     assert (broker["policy_rows_default"], broker["policy_rows_red"]) == (4, 4)
 
 
-def test_a_learner_of_an_unknown_policy_is_refused_by_name(cluster: Cluster,
-                                                           relay_two_policies):
-    trainers, _, _ = relay_two_policies
-    send_message(trainers, p.TrainerHello(trainer="typo", policy="blue"))
-    broker = wait_for(lambda: next((r for r in status_rows(cluster) if r["role"] == "broker"
-                                    and r.get("rejected_unknown_policy")), None),
-                      10, "the broker to count the unknown policy")
-    assert broker["rejected_from"].startswith("typo")
-    assert "'blue': --policy-map names default, red" in cluster.procs[1].output()
-
-
 def test_two_learners_each_train_their_own_policy_and_shut_down_clean(cluster: Cluster):
     red = f"ipc://{cluster.dir}/red"
     procs = {"controller": cluster.start("controller"),
