@@ -444,6 +444,9 @@ class Process:
         # Ports whose room for another message should wake the loop (a consumer that was full
         # or gone): the loop polls them for it while they are in this set.
         self.wake_on_writable: set[str] = set()
+        # File descriptors (not sockets) whose input should wake the loop, e.g. a child
+        # process's pipe: the loop polls them while they are in this set.
+        self.wake_on_readable_fds: set[int] = set()
 
     # -- sending and refusing
     def send(self, port: str, msg: p.Message, *, to: bytes | None = None,
@@ -498,6 +501,11 @@ class Process:
     def stop(self, reason: str) -> None:
         self.stop_reason = self.stop_reason or reason
 
+    def on_signal(self, reason: str) -> None:
+        """SIGINT/SIGTERM (`reason` names it): stop. A process with duties that need the loop
+        (children to see off, peers to tell) overrides this and stops once they are done."""
+        self.stop(reason)
+
     # -- hooks the loop calls
     def tick(self, now: float) -> float:
         """Timekeeping after every poll (purge, dispatch); when to look again (inf: at the next
@@ -525,13 +533,17 @@ class Loop:
     process's own), decode, dispatch by kind, drain in time-bounded passes, heartbeat through
     the controller link, stop on a signal or the process's word, then its shutdown duties."""
 
-    def __init__(self, process: Process, ports: dict[str, Port], link: ControllerLink,
+    def __init__(self, process: Process, ports: dict[str, Port], link: ControllerLink | None,
                  stop: StopFlag) -> None:
+        """`link` None: no heartbeats and no controller messages (the controller itself)."""
         self.process, self.ports, self.link, self.stop = process, ports, link, stop
         self.poller = zmq.Poller()
-        for sock in (*link.sockets(), *(port.socket for port in ports.values())):
+        link_sockets = link.sockets() if link is not None else []
+        for sock in (*link_sockets, *(port.socket for port in ports.values())):
             self.poller.register(sock, zmq.POLLIN)
         self.watch_out: set[str] = set()  # ports polled for POLLOUT (see `watch_writable`)
+        self.watch_fds: set[int] = set()  # the process's `wake_on_readable_fds`, as polled
+        self.signalled = False  # the process was told of a signal
 
     def watch_writable(self, port: str, on: bool) -> None:
         """Wake when `port` can take a message again (a full or absent consumer)."""
@@ -545,12 +557,15 @@ class Loop:
         proc = self.process
         try:
             look_again = math.inf
-            while not self.stop and not proc.stop_reason:
+            while not self.hand_over_signal():
                 now = proc.clock()
-                next_beat = self.link.beat(now, proc.figures)
+                next_beat = self.link.beat(now, proc.figures) if self.link else math.inf
                 deadline = min(next_beat, look_again, proc.run_timers(now))
                 timeout_ms = int(max(0.0, min((deadline - now) * 1000, MAX_POLL_MS)))
-                self.pass_once(dict(self.poller.poll(timeout_ms)))
+                self.sync_fds()
+                events = dict(self.poller.poll(timeout_ms))
+                self.hand_over_signal()  # one that came during the poll, before the process looks
+                self.pass_once(events)
                 look_again = proc.tick(proc.clock())
                 for name in self.watch_out ^ proc.wake_on_writable:
                     self.watch_writable(name, name in proc.wake_on_writable)
@@ -559,11 +574,29 @@ class Loop:
             proc.finish()
             return 0
         finally:
-            self.link.close()
+            if self.link is not None:
+                self.link.close()
+
+    def hand_over_signal(self) -> bool:
+        """Tell the process of a signal (once); whether the loop is to end."""
+        if self.stop and not self.signalled:
+            self.signalled = True
+            self.process.on_signal(self.stop.reason)
+        return bool(self.process.stop_reason)
+
+    def sync_fds(self) -> None:
+        """Poll exactly the file descriptors the process names now (a closed one never)."""
+        wanted = self.process.wake_on_readable_fds
+        for fd in self.watch_fds - wanted:
+            self.poller.unregister(fd)
+        for fd in wanted - self.watch_fds:
+            self.poller.register(fd, zmq.POLLIN)
+        self.watch_fds = set(wanted)
 
     def pass_once(self, events: dict[zmq.Socket, int]) -> None:
-        for msg in self.link.poll(events, everything=True):
-            self.process.deliver(b"", msg)
+        if self.link is not None:
+            for msg in self.link.poll(events, everything=True):
+                self.process.deliver(b"", msg)
         for port in self.ports.values():
             if port.kinds and port.socket in events:
                 drain(port.socket, lambda port=port: self.take_one(port))  # type: ignore
