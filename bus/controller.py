@@ -7,13 +7,16 @@ is answered with the run state, so a process that missed a broadcast catches up 
 from __future__ import annotations
 
 import collections
+import enum
+import logging
+import math
 import os
 import socket as pysocket
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import zmq
 from stepbus.bus import node, wiring
@@ -90,6 +93,13 @@ class VersionHistory:
         return max(newest - v, 0)
 
 
+LIVENESS_S = node.HEARTBEAT_INTERVAL_S * node.LIVENESS_INTERVALS  # silent this long: dead
+SWAP_TIMEOUT_S = 30.0  # a slot stops its learner (<= 4 s) and watches the new one (3 s)
+REBROADCAST_S = 0.2  # while shutting down, Shutdown again this often for late subscribers
+KINDS = (p.Heartbeat, p.StatusRequest, p.ResetRequest, p.BarrierDone, p.ShutdownRequest,
+         p.RemoteError, p.TrainerSwap, p.Reply)  # what the ROUTER takes
+
+
 @dataclass
 class Peer:
     role: str
@@ -104,210 +114,267 @@ class Peer:
     rate: StepRate = field(default_factory=StepRate)
 
 
+class PeerTable:
+    """Every registered process by its ROUTER identity. A heartbeat registers a process and a
+    leaving one deregisters it; any message from it counts as a sign of life; one silent for
+    more than LIVENESS_S is dead."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[bytes, Peer] = {}
+
+    def seen(self, ident: bytes, now: float) -> None:
+        if (peer := self.by_id.get(ident)) is not None:
+            peer.last_seen = now
+
+    def expire(self, now: float) -> list[Peer]:
+        """Remove and return the peers silent for more than LIVENESS_S."""
+        dead = {ident: q for ident, q in self.by_id.items() if now - q.last_seen > LIVENESS_S}
+        for ident in dead:
+            del self.by_id[ident]
+        return list(dead.values())
+
+    def next_expiry(self) -> float:
+        """The earliest time a peer could be dead, if nothing is heard from it (inf: none)."""
+        return min((q.last_seen for q in self.by_id.values()), default=math.inf) + LIVENESS_S
+
+    def only_clients_left(self) -> bool:
+        return not any(q.role != "cli" for q in self.by_id.values())
+
+
+class Phase(enum.Enum):
+    RUNNING = "running"
+    SHUTTING_DOWN = "shutting down"  # Shutdown broadcast; ends when all left or grace is over
+
+
 @dataclass
 class PendingReset:
+    """A reset barrier broadcast and not yet reported done; fails at `deadline`."""
+
     requester: bytes
     epoch: int
     deadline: float
 
 
-Handler = Callable[[bytes, Any, float], None]
-
-
 @dataclass
 class PendingSwap:
+    """A trainer swap forwarded to `slot`, whose Reply goes to `requester`; fails at
+    `deadline`."""
+
     requester: bytes
     slot: bytes
     deadline: float
 
 
-SWAP_TIMEOUT_S = 30.0  # a slot stops its learner (<= 4 s) and watches the new one (3 s)
+class Controller(node.Process):
+    """Heartbeats and commands on the ROUTER port "router", broadcasts on the PUB port "pub".
+    Timers: "purge" (the next peer expiry), "barrier" and "swap" (the deadlines of what is
+    pending), "rebroadcast" (while shutting down). `tick` ends the loop once every process
+    left after a shutdown, or its grace is over."""
+
+    role = "controller"
+
+    def __init__(self, cfg: Config, ports: node.Ports, log: logging.Logger, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(ports, log, clock=clock)
+        self.cfg = cfg
+        self.run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        self.peers = PeerTable()
+        self.epoch = 0
+        self.options: dict[str, p.Json] = {}
+        self.phase = Phase.RUNNING
+        self.shutdown_started = math.inf
+        self.pending_reset: PendingReset | None = None
+        self.pending_swap: PendingSwap | None = None
+        self.versions = VersionHistory()
+        self.host, self.pid = pysocket.gethostname(), os.getpid()
+        log.info("run %s: controller on %s, broadcasts on %s", self.run_id, cfg.controller,
+                 cfg.broadcast)
+
+    def deliver(self, peer: bytes, msg: p.Message, now: float | None = None) -> None:
+        """Any message from a registered process counts as its heartbeat."""
+        now = self.clock() if now is None else now
+        self.peers.seen(peer, now)
+        super().deliver(peer, msg, now)
+
+    def state(self) -> p.RunState:
+        endpoints = {"controller": self.cfg.controller, "broadcast": self.cfg.broadcast}
+        for peer in self.peers.by_id.values():
+            endpoints.update(peer.binds)
+        return p.RunState(run_id=self.run_id, epoch=self.epoch, options=self.options,
+                          shutting_down=self.phase is Phase.SHUTTING_DOWN, endpoints=endpoints)
+
+    # -- liveness
+    def on_heartbeat(self, peer: bytes, msg: p.Heartbeat) -> None:
+        now, known = self.now, self.peers.by_id.get(peer)
+        if msg.leaving:
+            if known is not None:
+                del self.peers.by_id[peer]
+                self.log.info("%s %s left", msg.role, msg.name)
+            return
+        if known is None:
+            known = self.peers.by_id[peer] = Peer(msg.role, msg.name, msg.host, msg.pid, now, now)
+            self.log.info("%s %s joined (host %s, pid %d)", msg.role, msg.name, msg.host, msg.pid)
+            if "purge" not in self.timers:
+                self.at("purge", self.peers.next_expiry(), self.purge)
+        known.last_seen, known.figures_at = now, now
+        known.figures = _scalar_figures(msg.figures)
+        if msg.binds:
+            known.binds = {name: address for name, address in msg.binds.items()
+                           if name in wiring.ENDPOINTS and len(address) <= 256
+                           and address.startswith(("tcp://", "ipc://"))}
+        known.rate.add(now, known.figures.get("env_steps"))
+        self.versions.add(now, known.figures)
+        broker_epoch = known.figures.get("epoch") if msg.role == "broker" else None
+        if isinstance(broker_epoch, int) and broker_epoch > self.epoch:
+            self.epoch = broker_epoch  # this controller restarted: continue the run's epochs
+        self.send("router", self.state(), to=peer)
+
+    def purge(self, now: float) -> None:
+        for peer in self.peers.expire(now):
+            self.log.warning("%s %s expired (silent %.1fs)", peer.role, peer.name,
+                             now - peer.last_seen)
+        if self.peers.by_id:
+            self.at("purge", self.peers.next_expiry(), self.purge)
+
+    def on_status_request(self, peer: bytes, msg: p.StatusRequest) -> None:
+        now = self.now
+        rows = [_status_row(q, now, self.versions) for q in self.peers.by_id.values()]
+        rows.insert(0, {"role": "controller", "name": "controller", "host": self.host,
+                        "pid": self.pid, "uptime_s": round(now - self.started, 1),
+                        "last_heartbeat_s": 0.0, "processes": len(self.peers.by_id),
+                        **self.rejects.figures()})
+        self.send("router", p.StatusReply(run_id=self.run_id, epoch=self.epoch, processes=rows),
+                  to=peer)
+
+    def on_remote_error(self, peer: bytes, msg: p.RemoteError) -> None:
+        self.log.error("error in %s: %s: %s %s\n%s", msg.origin, msg.error_type, msg.message,
+                       msg.context, msg.traceback)
+
+    # -- reset barrier
+    def on_reset_request(self, peer: bytes, msg: p.ResetRequest) -> None:
+        if not any(q.role == "broker" for q in self.peers.by_id.values()):
+            self.send("router", p.Reply(ok=False, detail="no broker is registered"), to=peer,
+                      block=True)
+            return
+        if self.pending_reset is not None:
+            self.send("router", p.Reply(ok=False, detail="a reset barrier is already running"),
+                      to=peer, block=True)
+            return
+        self.epoch, self.options = self.epoch + 1, msg.options
+        self.pending_reset = PendingReset(peer, self.epoch, self.now + self.cfg.barrier_timeout_s)
+        self.at("barrier", self.pending_reset.deadline, self.barrier_timed_out)
+        self.log.info("reset barrier: epoch %d, options %s", self.epoch, self.options)
+        self.send("pub", p.Barrier(epoch=self.epoch, options=self.options))
+
+    def on_barrier_done(self, peer: bytes, msg: p.BarrierDone) -> None:
+        pending = self.pending_reset
+        if pending is None or msg.epoch != pending.epoch:
+            return
+        detail = f"epoch {msg.epoch}: {msg.workers_reset} workers reset"
+        if msg.workers_lost:
+            detail += f", {msg.workers_lost} lost during the barrier"
+        ok = msg.workers_reset > 0 and not msg.errors
+        if msg.errors:
+            detail += "; environments raised on reset (reset again without the options):\n"
+            detail += "\n".join(msg.errors)
+        self.log.info("reset barrier %s, %s", "complete" if ok else "failed", detail)
+        self.send("router", p.Reply(ok=ok, detail=detail), to=pending.requester, block=True)
+        self.pending_reset = None
+        self.cancel("barrier")
+
+    def barrier_timed_out(self, now: float) -> None:
+        if (pending := self.pending_reset) is None:
+            return
+        self.send("router", p.Reply(ok=False, detail=(
+            f"reset barrier epoch {pending.epoch} not completed within "
+            f"{self.cfg.barrier_timeout_s}s")), to=pending.requester)
+        self.pending_reset = None
+
+    # -- trainer swap
+    def on_trainer_swap(self, peer: bytes, msg: p.TrainerSwap) -> None:
+        slots = [ident for ident, q in self.peers.by_id.items()
+                 if q.role == "slot" and msg.slot in ("", q.name)]
+        if problem := self.swap_problem(msg.slot, len(slots)):
+            self.send("router", p.Reply(ok=False, detail=problem), to=peer)
+            return
+        (ident,) = slots
+        self.pending_swap = PendingSwap(peer, ident, self.now + SWAP_TIMEOUT_S)
+        self.at("swap", self.pending_swap.deadline, self.swap_timed_out)
+        self.log.info("trainer swap in slot %s: %s", self.peers.by_id[ident].name,
+                      " ".join(msg.args))
+        self.send("router", msg, to=ident)
+
+    def swap_problem(self, slot: str, matching: int) -> str:
+        """Why a swap for `slot` ("": the only one) cannot go ahead ("" if it can)."""
+        names = ", ".join(sorted(q.name for q in self.peers.by_id.values() if q.role == "slot"))
+        return ("a swap is already under way" if self.pending_swap is not None else
+                f"no trainer slot named {slot!r} (slots: {names or 'none'})"
+                if slot and not matching else
+                "no trainer slot is registered (start one with `stepbus trainer`)"
+                if not matching else
+                f"{matching} trainer slots ({names}): name one with --slot"
+                if matching > 1 else "")
+
+    def on_reply(self, peer: bytes, msg: p.Reply) -> None:
+        """Only the slot of the pending swap replies to the controller; it goes on to whoever
+        asked for the swap."""
+        if self.pending_swap is None or peer != self.pending_swap.slot:
+            who = self.peers.by_id[peer].name if peer in self.peers.by_id else peer.hex()
+            self.refuse(who, "unexpected kind", "REPLY")
+            return
+        self.send("router", msg, to=self.pending_swap.requester)
+        self.pending_swap = None
+        self.cancel("swap")
+
+    def swap_timed_out(self, now: float) -> None:
+        if (pending := self.pending_swap) is None:
+            return
+        self.send("router", p.Reply(ok=False, detail=(
+            f"the trainer slot did not answer within {SWAP_TIMEOUT_S:g}s")),
+            to=pending.requester)
+        self.pending_swap = None
+
+    # -- shutdown
+    def on_shutdown_request(self, peer: bytes, msg: p.ShutdownRequest) -> None:
+        self.begin_shutdown(msg.reason, self.now)
+        self.send("router", p.Reply(ok=True, detail="shutting down"), to=peer)
+
+    def on_signal(self, reason: str) -> None:
+        self.begin_shutdown(f"controller received {reason}", self.clock())
+
+    def begin_shutdown(self, reason: str, now: float) -> None:
+        """Broadcast Shutdown (again each time asked); the first time, enter SHUTTING_DOWN and
+        repeat the broadcast for late subscribers until the loop ends."""
+        if self.phase is Phase.RUNNING:
+            self.phase, self.shutdown_started = Phase.SHUTTING_DOWN, now
+            self.log.info("shutdown: %s", reason)
+            self.every("rebroadcast", REBROADCAST_S, self.rebroadcast, first_due=now)
+        self.send("pub", p.Shutdown(reason=reason))
+
+    def rebroadcast(self, now: float) -> None:
+        self.send("pub", p.Shutdown(reason="shutdown"))
+
+    def tick(self, now: float) -> float:
+        if self.phase is Phase.SHUTTING_DOWN:
+            gone = self.peers.only_clients_left()
+            if gone or now - self.shutdown_started > self.cfg.shutdown_grace_s:
+                self.log.info("all processes left; controller exiting" if gone else
+                              "shutdown grace over; controller exiting")
+                self.stop("all processes left" if gone else "shutdown grace over")
+        return math.inf
 
 
 def run(cfg: Config) -> int:
     log = node.setup_logging("controller")
     stop = node.StopFlag()
     ctx = wiring.context(cfg.security)
-    # Control messages carry no arrays: a peer may not make us hold more than this for it.
-    router = wiring.socket(ctx, zmq.ROUTER, bind=cfg.controller, max_message_bytes=1 << 20)
-    pub = wiring.socket(ctx, zmq.PUB, bind=cfg.broadcast)
-    rejects = node.RejectLog(log)
-    run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-    peers: dict[bytes, Peer] = {}
-    epoch, options = 0, {}
-    shutting_down_since: float | None = None
-    pending_reset: PendingReset | None = None
-    pending_swap: PendingSwap | None = None
-    versions = VersionHistory()
-    host, pid, started = pysocket.gethostname(), os.getpid(), time.monotonic()
-    log.info("run %s: controller on %s, broadcasts on %s", run_id, cfg.controller, cfg.broadcast)
-
-    def state() -> p.RunState:
-        endpoints = {"controller": cfg.controller, "broadcast": cfg.broadcast}
-        for peer in peers.values():
-            endpoints.update(peer.binds)
-        return p.RunState(run_id=run_id, epoch=epoch, options=options,
-                          shutting_down=shutting_down_since is not None, endpoints=endpoints)
-
-    def begin_shutdown(reason: str) -> None:
-        nonlocal shutting_down_since
-        if shutting_down_since is None:
-            shutting_down_since = time.monotonic()
-            log.info("shutdown: %s", reason)
-        node.send(pub, p.Shutdown(reason=reason), block=False)
-
-    def on_heartbeat(sender: bytes, msg: p.Heartbeat, now: float) -> None:
-        nonlocal epoch
-        peer = peers.get(sender)
-        if msg.leaving:
-            if peer is not None:
-                del peers[sender]
-                log.info("%s %s left", msg.role, msg.name)
-            return
-        if peer is None:
-            peer = peers[sender] = Peer(msg.role, msg.name, msg.host, msg.pid, now, now)
-            log.info("%s %s joined (host %s, pid %d)", msg.role, msg.name, msg.host, msg.pid)
-        peer.last_seen, peer.figures_at = now, now
-        peer.figures = _scalar_figures(msg.figures)
-        if msg.binds:
-            peer.binds = {name: address for name, address in msg.binds.items()
-                          if name in wiring.ENDPOINTS and len(address) <= 256
-                          and address.startswith(("tcp://", "ipc://"))}
-        peer.rate.add(now, peer.figures.get("env_steps"))
-        versions.add(now, peer.figures)
-        broker_epoch = peer.figures.get("epoch") if msg.role == "broker" else None
-        if isinstance(broker_epoch, int) and broker_epoch > epoch:
-            epoch = broker_epoch  # this controller restarted: continue the run's epochs
-        node.send(router, state(), to=sender, block=False)
-
-    def on_status(sender: bytes, msg: p.StatusRequest, now: float) -> None:
-        rows = [_status_row(q, now, versions) for q in peers.values()]
-        rows.insert(0, {"role": "controller", "name": "controller", "host": host, "pid": pid,
-                        "uptime_s": round(now - started, 1), "last_heartbeat_s": 0.0,
-                        "processes": len(peers), **rejects.figures()})
-        node.send(router, p.StatusReply(run_id=run_id, epoch=epoch, processes=rows), to=sender,
-                  block=False)
-
-    def on_reset(sender: bytes, msg: p.ResetRequest, now: float) -> None:
-        nonlocal epoch, options, pending_reset
-        if not any(q.role == "broker" for q in peers.values()):
-            node.send(router, p.Reply(ok=False, detail="no broker is registered"), to=sender)
-            return
-        if pending_reset is not None:
-            node.send(router, p.Reply(ok=False, detail="a reset barrier is already running"),
-                      to=sender)
-            return
-        epoch, options = epoch + 1, msg.options
-        pending_reset = PendingReset(sender, epoch, now + cfg.barrier_timeout_s)
-        log.info("reset barrier: epoch %d, options %s", epoch, options)
-        node.send(pub, p.Barrier(epoch=epoch, options=options), block=False)
-
-    def on_barrier_done(sender: bytes, msg: p.BarrierDone, now: float) -> None:
-        nonlocal pending_reset
-        if pending_reset is not None and msg.epoch == pending_reset.epoch:
-            detail = f"epoch {msg.epoch}: {msg.workers_reset} workers reset"
-            if msg.workers_lost:
-                detail += f", {msg.workers_lost} lost during the barrier"
-            ok = msg.workers_reset > 0 and not msg.errors
-            if msg.errors:
-                detail += "; environments raised on reset (reset again without the options):\n"
-                detail += "\n".join(msg.errors)
-            log.info("reset barrier %s, %s", "complete" if ok else "failed", detail)
-            node.send(router, p.Reply(ok=ok, detail=detail), to=pending_reset.requester)
-            pending_reset = None
-
-    def on_shutdown(sender: bytes, msg: p.ShutdownRequest, now: float) -> None:
-        begin_shutdown(msg.reason)
-        node.send(router, p.Reply(ok=True, detail="shutting down"), to=sender, block=False)
-
-    def on_trainer_swap(sender: bytes, msg: p.TrainerSwap, now: float) -> None:
-        nonlocal pending_swap
-        slots = {ident: q for ident, q in peers.items()
-                 if q.role == "slot" and msg.slot in ("", q.name)}
-        names = ", ".join(sorted(q.name for q in peers.values() if q.role == "slot"))
-        problem = ("a swap is already under way" if pending_swap is not None else
-                   f"no trainer slot named {msg.slot!r} (slots: {names or 'none'})"
-                   if msg.slot and not slots else
-                   "no trainer slot is registered (start one with `stepbus trainer`)"
-                   if not slots else
-                   f"{len(slots)} trainer slots ({names}): name one with --slot"
-                   if len(slots) > 1 else "")
-        if problem:
-            node.send(router, p.Reply(ok=False, detail=problem), to=sender, block=False)
-            return
-        (ident,) = slots
-        pending_swap = PendingSwap(sender, ident, now + SWAP_TIMEOUT_S)
-        log.info("trainer swap in slot %s: %s", peers[ident].name, " ".join(msg.args))
-        node.send(router, msg, to=ident, block=False)
-
-    def on_reply(sender: bytes, msg: p.Reply, now: float) -> None:
-        nonlocal pending_swap
-        if pending_swap is None or sender != pending_swap.slot:
-            who = peers[sender].name if sender in peers else sender.hex()
-            rejects.refuse(who, p.ProtocolError("unexpected kind", "REPLY"))
-            return
-        node.send(router, msg, to=pending_swap.requester, block=False)
-        pending_swap = None
-
-    def on_remote_error(sender: bytes, msg: p.RemoteError, now: float) -> None:
-        log.error("error in %s: %s: %s %s\n%s", msg.origin, msg.error_type, msg.message,
-                  msg.context, msg.traceback)
-
-    def alive(handler: Handler) -> Handler:
-        """Any message from a registered process counts as its heartbeat."""
-        def handle(sender: bytes, msg: Any, now: float) -> None:
-            if sender in peers:
-                peers[sender].last_seen = now
-            handler(sender, msg, now)
-        return handle
-
-    handlers = {
-        p.Heartbeat: on_heartbeat,
-        p.StatusRequest: on_status,
-        p.ResetRequest: on_reset,
-        p.BarrierDone: on_barrier_done,
-        p.ShutdownRequest: on_shutdown,
-        p.RemoteError: on_remote_error,
-        p.TrainerSwap: on_trainer_swap,
-        p.Reply: on_reply,
-    }
-    handlers = {kind: alive(handler) for kind, handler in handlers.items()}
-
-    poller = zmq.Poller()
-    poller.register(router, zmq.POLLIN)
-    next_rebroadcast = 0.0
     try:
-        while True:
-            if stop:
-                begin_shutdown(f"controller received {stop.reason}")
-            if dict(poller.poll(node.MAX_POLL_MS)).get(router):
-                node.serve(router, rejects, handlers)
-            now = time.monotonic()
-            expiry = node.HEARTBEAT_INTERVAL_S * node.LIVENESS_INTERVALS
-            for ident, peer in list(peers.items()):
-                if now - peer.last_seen > expiry:
-                    log.warning("%s %s expired (silent %.1fs)", peer.role, peer.name,
-                                now - peer.last_seen)
-                    del peers[ident]
-            if pending_reset is not None and now > pending_reset.deadline:
-                node.send(router, p.Reply(ok=False, detail=(
-                    f"reset barrier epoch {pending_reset.epoch} not completed within "
-                    f"{cfg.barrier_timeout_s}s")), to=pending_reset.requester, block=False)
-                pending_reset = None
-            if pending_swap is not None and now > pending_swap.deadline:
-                node.send(router, p.Reply(ok=False, detail=(
-                    f"the trainer slot did not answer within {SWAP_TIMEOUT_S:g}s")),
-                    to=pending_swap.requester, block=False)
-                pending_swap = None
-            if shutting_down_since is not None:
-                if now >= next_rebroadcast:  # late subscribers still hear it
-                    node.send(pub, p.Shutdown(reason="shutdown"), block=False)
-                    next_rebroadcast = now + 0.2
-                gone = not any(q.role != "cli" for q in peers.values())
-                if gone or now - shutting_down_since > cfg.shutdown_grace_s:
-                    log.info("all processes left; controller exiting" if gone else
-                             "shutdown grace over; controller exiting")
-                    return 0
+        # Control messages carry no arrays: a peer may not make us hold more than this for it.
+        router = wiring.socket(ctx, zmq.ROUTER, bind=cfg.controller, max_message_bytes=1 << 20)
+        pub = wiring.socket(ctx, zmq.PUB, bind=cfg.broadcast)
+        controller = Controller(cfg, node.SocketPorts({"router": router, "pub": pub}), log)
+        ports = {"router": node.Port(router, KINDS, routed=True)}
+        return node.Loop(controller, ports, None, stop).run()
     finally:
         wiring.destroy(ctx, wiring.LINGER_MS)
 
@@ -328,13 +395,13 @@ def _status_row(q: Peer, now: float, versions: VersionHistory) -> dict:
     return row
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _scalar_figures(figures: dict) -> dict:
     """Figures as a status row can show them: at most 64 scalar values, short strings."""
-    out = {}
+    out: dict[str, str | int | float | bool | None] = {}
     for key, value in list(figures.items())[:64]:
         if isinstance(value, str):
             out[key[:64]] = value[:200]
