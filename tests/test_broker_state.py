@@ -378,3 +378,17 @@ def test_weights_that_do_not_fit_the_spaces_are_refused_and_not_acted_with():
     bench.tick()
     assert bench.steps_to(w) == [] and bench.figure("rejected_bad_weights") == 1
     assert bench.figure("held_by") == "default: no weights"
+
+
+def test_a_worker_that_says_hello_again_while_we_wait_on_it_is_reset_once_a_message_was_lost():
+    bench = Bench()
+    w = bench.join("w0")
+    [lost] = bench.commands_to(w)  # this reset never reaches the worker
+    bench.later(broker.IDLE_RESET_S / 2)
+    bench.join("w0")  # idle, it says hello again (same incarnation)
+    assert bench.commands_to(w) == [], "too soon to call the reset lost"
+    bench.later(broker.IDLE_RESET_S)
+    bench.join("w0")
+    [again] = bench.commands_to(w)
+    assert isinstance(again, p.Reset) and again.seq == lost.seq + 1
+    assert bench.figure("workers") == 1 and bench.figure("workers_lost") == 0
