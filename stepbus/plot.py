@@ -84,40 +84,76 @@ def _rate(times: np.ndarray, steps: np.ndarray, start: float) -> tuple[np.ndarra
     return (edges[:-1] + width / 2) - start, np.diff(at) / width
 
 
+@dataclass(frozen=True)
+class TimeAxis:
+    """Where wall time starts and the unit it is shown in (minutes for runs over 10 min)."""
+
+    start: float
+    span: float
+    unit: str
+    scale: float
+
+    @classmethod
+    def of(cls, series: list[Series]) -> TimeAxis:
+        start = min(s.column("time")[0] for s in series)
+        span = max(np.nanmax(s.column("time")) for s in series) - start
+        unit, scale = ("min", 60.0) if span > 600 else ("s", 1.0)
+        return cls(start, span, unit, scale)
+
+
 def plot(run_dir: Path, output: Path | None = None) -> Path:
     """Draw RUN_DIR's metrics into a PNG (default RUN_DIR/progress.png); returns its path."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import EngFormatter, MaxNLocator
 
     series = load(run_dir)
     output = output or run_dir / "progress.png"
-    start = min(s.column("time")[0] for s in series)
-    span = max(np.nanmax(s.column("time")) for s in series) - start
-    minutes = span > 600
-    time_unit, time_scale = ("min", 60.0) if minutes else ("s", 1.0)
-    several = len(series) > 1
-
+    axis = TimeAxis.of(series)
     fig = Figure(figsize=(WIDTH_PX / DPI, HEIGHT_PX / DPI), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     (ret_steps, ret_time), (rate_ax, lag_ax) = fig.subplots(2, 2)
+    several = len(series) > 1
     for s in series:
-        label = f"policy {s.policy}" if several else None
-        steps, times = s.column("env_steps"), s.column("time") - start
-        returns = s.column("mean_return")
-        ret_steps.plot(steps, returns, label=label)
-        ret_time.plot(times / time_scale, returns, label=label)
-        x, rate = _rate(s.column("time"), steps, start)
-        rate_ax.plot(x / time_scale, rate, label=label)
-        p50, p99 = s.column("policy_lag_p50"), s.column("policy_lag_p99")
-        prefix = f"{s.policy} " if several else ""
-        lag_ax.plot(steps, p99, linewidth=0.8, alpha=0.7, label=f"{prefix}p99")
-        lag_ax.plot(steps, p50, linewidth=1.5, label=f"{prefix}p50")
+        _draw(s, axis, several, ret_steps, ret_time, rate_ax, lag_ax)
+    _label(series, axis, ret_steps, ret_time, rate_ax, lag_ax)
+    if several:
+        ret_steps.legend(loc="lower right")
+    last = series[0].records[-1]
+    final = last.get("mean_return")
+    fig.suptitle(f"{run_dir.resolve().name}: {sum(len(s.records) for s in series)} updates, "
+                 f"{int(last['env_steps']):,} env steps in {axis.span / axis.scale:.1f} "
+                 f"{axis.unit}"
+                 + (f", mean return {final:.1f}" if isinstance(final, (int, float)) else ""))
+    fig.savefig(output, dpi=DPI, format="png")
+    return output
+
+
+def _draw(s: Series, axis: TimeAxis, several: bool, ret_steps: Any, ret_time: Any,
+          rate_ax: Any, lag_ax: Any) -> None:
+    """One learner's lines in the four panels (labelled by policy when there are several)."""
+    label = f"policy {s.policy}" if several else None
+    steps, times = s.column("env_steps"), s.column("time") - axis.start
+    returns = s.column("mean_return")
+    ret_steps.plot(steps, returns, label=label)
+    ret_time.plot(times / axis.scale, returns, label=label)
+    x, rate = _rate(s.column("time"), steps, axis.start)
+    rate_ax.plot(x / axis.scale, rate, label=label)
+    p50, p99 = s.column("policy_lag_p50"), s.column("policy_lag_p99")
+    prefix = f"{s.policy} " if several else ""
+    lag_ax.plot(steps, p99, linewidth=0.8, alpha=0.7, label=f"{prefix}p99")
+    lag_ax.plot(steps, p50, linewidth=1.5, label=f"{prefix}p50")
+
+
+def _label(series: list[Series], axis: TimeAxis, ret_steps: Any, ret_time: Any, rate_ax: Any,
+           lag_ax: Any) -> None:
+    """Titles, units, grids and limits of the four panels."""
+    from matplotlib.ticker import EngFormatter, MaxNLocator
+
     ret_steps.set(title="Mean return vs env steps", xlabel="env steps",
                   ylabel="mean return (recent episodes)")
-    ret_time.set(title="Mean return vs wall time", xlabel=f"wall time ({time_unit})",
+    ret_time.set(title="Mean return vs wall time", xlabel=f"wall time ({axis.unit})",
                  ylabel="mean return (recent episodes)")
-    rate_ax.set(title="Throughput", xlabel=f"wall time ({time_unit})",
+    rate_ax.set(title="Throughput", xlabel=f"wall time ({axis.unit})",
                 ylabel="env steps/s (taken in by the learner)")
     lag_ax.set(title="Policy lag of the data learned from", xlabel="env steps",
                ylabel="versions behind the updated policy")
@@ -136,12 +172,3 @@ def plot(run_dir: Path, output: Path | None = None) -> Path:
                      * 1.1)
     lag_ax.set_ylim(bottom=-0.3)  # a lag of 0 stays visible above the axis
     lag_ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # versions are whole
-    if several:
-        ret_steps.legend(loc="lower right")
-    last = series[0].records[-1]
-    final = last.get("mean_return")
-    fig.suptitle(f"{run_dir.resolve().name}: {sum(len(s.records) for s in series)} updates, "
-                 f"{int(last['env_steps']):,} env steps in {span / time_scale:.1f} {time_unit}"
-                 + (f", mean return {final:.1f}" if isinstance(final, (int, float)) else ""))
-    fig.savefig(output, dpi=DPI, format="png")
-    return output
