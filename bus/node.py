@@ -489,9 +489,7 @@ class Process:
         handler(peer, msg)
 
     def on_run_state(self, peer: bytes, msg: p.RunState) -> None:
-        if self.run_state is None:
-            self.log.info("registered with controller (run %s)", msg.run_id)
-        self.run_state = msg
+        self.run_state = msg  # the link has logged the registration
         if msg.shutting_down:
             self.stop("controller shutdown")
 
