@@ -1,0 +1,260 @@
+"""The environment worker in-process: RESET and STEP in, its sends read back from an outbox,
+time from an explicit clock where it matters. Real processes (faults, shared memory, many
+hosts) are in test_worker_faults, test_shm_frames and test_multihost."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from stepbus.bus import node, shm
+from stepbus.bus import protocol as p
+from stepbus.workers import worker
+from stepbus.workers.worker import Config, Phase, Worker
+
+T0 = 1000.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = T0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Bench:
+    """One worker on an outbox, the test playing its broker and controller."""
+
+    def __init__(self, *, clock: Clock | None = None, **cfg: object) -> None:
+        cfg.setdefault("name", "w")
+        self.cfg = Config(**cfg)  # type: ignore[arg-type]
+        self.out = node.Outbox()
+        self.beats: list[float] = []  # controller heartbeats asked for while a batch ran
+        kwargs = {"clock": clock} if clock is not None else {}
+        self.worker = Worker(self.cfg, self.out, logging.getLogger("test.worker"),
+                             controller_beat=self.beats.append, **kwargs)  # type: ignore[arg-type]
+
+    def reset(self, epoch: int, seq: int, options: dict | None = None) -> list[p.StepResult]:
+        self.worker.deliver(b"", p.Reset(epoch=epoch, seq=seq, options=options or {}))
+        return self.out.take(p.StepResult, port="steps")
+
+    def step(self, epoch: int, seq: int, actions: np.ndarray | None = None,
+             version: int = 0) -> list[p.StepResult]:
+        if actions is None:
+            actions = np.zeros(self.worker.envs.rows, np.int64)
+        self.worker.deliver(b"", p.Step(epoch=epoch, seq=seq, policy_version=version,
+                                        actions=actions))
+        return self.out.take(p.StepResult, port="steps")
+
+
+@pytest.fixture
+def bench() -> Iterator[Bench]:
+    b = Bench(envs_per_worker=2)
+    try:
+        yield b
+    finally:
+        b.worker.close()
+
+
+def test_a_reset_then_steps_reply_once_per_batch_with_the_brokers_epoch_and_seq(bench: Bench):
+    (first,) = bench.reset(epoch=3, seq=5)
+    assert (first.first, first.epoch, first.seq) == (True, 3, 5)
+    assert first.incarnation == bench.worker.incarnation
+    assert first.obs.shape == (2, 4) and first.final_obs.shape == (0, 4)
+    assert not first.reward.any() and not first.terminated.any() and not first.truncated.any()
+    assert list(first.episode) == [0, 0]
+    assert bench.worker.phase is Phase.STEPPING
+    for seq in (6, 7, 8):
+        (result,) = bench.step(epoch=3, seq=seq, version=11)
+        assert (result.first, result.epoch, result.seq) == (False, 3, seq)
+        assert result.incarnation == bench.worker.incarnation
+        assert result.obs.shape == (2, 4) and (result.reward == 1).all()
+    figures = bench.worker.figures()
+    assert figures["env_steps"] == 6 and figures["policy_version"] == 11
+    assert figures["env_errors"] == 0 and figures["rejected"] == 0
+    assert "shm_batches" not in figures, "shared-memory figures only with --shm-frames"
+
+
+def test_a_step_before_any_reset_or_of_another_epoch_is_ignored(bench: Bench):
+    assert bench.step(epoch=0, seq=1) == [], "no reset yet"
+    assert bench.worker.phase is Phase.WAITING
+    bench.reset(epoch=2, seq=2)
+    assert bench.step(epoch=1, seq=3) == [], "from before the barrier"
+    assert bench.step(epoch=3, seq=3) == [], "from an epoch we were not reset into"
+    assert bench.worker.figures()["env_steps"] == 0
+    (result,) = bench.step(epoch=2, seq=3)
+    assert result.seq == 3 and bench.worker.figures()["env_steps"] == 2
+    assert bench.out.sent == [], "nothing else went out"
+    assert bench.worker.figures()["rejected"] == 0, "stale steps are not refused as bad input"
+
+
+def test_actions_that_do_not_fit_the_spaces_are_refused_and_nothing_is_stepped(bench: Bench):
+    bench.reset(epoch=0, seq=1)
+    assert bench.step(0, 2, actions=np.zeros(3, np.int64)) == []
+    assert bench.step(0, 2, actions=np.array([0, 2])) == [], "CartPole has actions 0 and 1"
+    assert bench.step(0, 2, actions=np.zeros(2, np.float32)) == []
+    figures = bench.worker.figures()
+    assert figures["rejected"] == figures["rejected_bad_actions"] == 3
+    assert figures["env_steps"] == 0
+    (result,) = bench.step(0, 2)
+    assert result.seq == 2
+
+
+def test_a_reset_resets_every_env_with_the_options_and_the_next_epoch_steps_on():
+    bench = Bench(env="scripted_envs:picky_cartpole", envs_per_worker=2)
+    try:
+        bench.reset(epoch=0, seq=1)
+        bench.step(0, 2)
+        (first,) = bench.reset(epoch=1, seq=3, options={"level": 2})
+        assert first.first and first.epoch == 1 and list(first.episode) == [1, 1]
+        assert bench.out.take(p.RemoteError) == [], "level 2 exists"
+        (first,) = bench.reset(epoch=2, seq=4, options={"level": 9})
+        assert first.first and first.epoch == 2
+        errors = bench.out.take_sent(p.RemoteError)
+        assert sorted(s.port for s in errors) == ["controller"] * 2 + ["steps"] * 2, \
+            "each rejection reported to the controller and to the broker's barrier"
+        assert {s.msg.error_type for s in errors} == {"ValueError"}
+        assert bench.worker.envs.without_options == {0, 1}
+        (result,) = bench.step(2, 5)
+        assert result.epoch == 2 and result.seq == 5
+    finally:
+        bench.worker.close()
+
+
+def test_an_env_that_raises_is_reported_with_its_traceback_and_recreated():
+    bench = Bench(env="scripted_envs:broken_cartpole", envs_per_worker=1)
+    try:
+        bench.reset(epoch=0, seq=1)
+        broken = bench.worker.envs.envs[0]
+        assert [r.truncated[0] for r in bench.step(0, 2) + bench.step(0, 3)] == [False, False]
+        assert bench.out.take(p.RemoteError) == []
+        (result,) = bench.step(0, 4)  # its 3rd step raises
+        assert result.truncated[0] and not result.terminated[0], "the episode is cut"
+        assert result.final_obs.shape == (1, 4) and result.episode[0] == 1, "a new episode"
+        sent = bench.out.take_sent(p.RemoteError)
+        assert sorted(s.port for s in sent) == ["controller", "steps"]
+        error = sent[0].msg
+        assert isinstance(error, p.RemoteError)
+        assert (error.origin, error.error_type) == ("w", "RuntimeError")
+        assert error.message == "simulated broken build"
+        assert "Traceback" in error.traceback and error.context["env_index"] == 0
+        assert bench.worker.envs.envs[0] is not broken, "recreated"
+        assert bench.worker.figures()["env_errors"] == 1
+        (result,) = bench.step(0, 5)  # the new env steps on
+        assert not result.truncated[0] and result.seq == 5
+        assert bench.out.take(p.RemoteError) == []
+    finally:
+        bench.worker.close()
+
+
+def test_an_env_that_keeps_raising_ends_the_worker_with_env_failure():
+    bench = Bench(env="scripted_envs:broken_cartpole", envs_per_worker=1,
+                  max_env_restarts_per_minute=2)
+    try:
+        bench.reset(epoch=0, seq=1)
+        with pytest.raises(worker.EnvFailure, match="keeps raising: 3 env restarts"):
+            for seq in range(2, 100):
+                bench.step(0, seq)
+        assert len(bench.out.take(p.RemoteError, port="controller")) == 3
+    finally:
+        bench.worker.close()
+
+
+def test_an_env_that_cannot_be_made_is_one_clear_error():
+    with pytest.raises(worker.CannotCreateEnv, match="cannot create environment 'NoSuchEnv-v9'"):
+        Bench(env="NoSuchEnv-v9")
+
+
+def test_the_hello_repeats_while_the_broker_is_silent_and_carries_the_last_seq():
+    clock = Clock()
+    bench = Bench(clock=clock, envs_per_worker=1)
+    w = bench.worker
+    try:
+        def hellos_at(t: float) -> list[p.WorkerHello]:
+            clock.t = t
+            w.run_timers(t)
+            return bench.out.take(p.WorkerHello, port="steps")
+
+        (hello,) = hellos_at(T0)
+        assert (hello.worker, hello.incarnation, hello.seq) == ("w", w.incarnation, 0)
+        assert (hello.env_id, hello.num_envs, hello.agents) == ("CartPole-v1", 1, [])
+        assert hello.spec["obs_shape"] == [4] and hello.shm == ""
+        assert hellos_at(T0 + 0.4) == []
+        assert len(hellos_at(T0 + 0.5)) == 1
+        clock.t = T0 + 0.6
+        w.deliver(b"", p.Reset(epoch=0, seq=41, options={}), now=clock.t)
+        assert hellos_at(T0 + 1.0) == [], "the broker spoke 0.4 s ago"
+        clock.t = T0 + 1.05
+        w.deliver(b"", p.Step(epoch=0, seq=42, policy_version=0,
+                              actions=np.zeros(1, np.int64)), now=clock.t)
+        assert hellos_at(T0 + 1.5) == []
+        (hello,) = hellos_at(T0 + 1.55)
+        assert hello.seq == 42, "a new broker continues our numbering"
+        assert [h.seq for h in hellos_at(T0 + 2.05)] == [42], "and again while it is silent"
+        assert bench.out.take(p.Heartbeat) == [], "a fast batch needs no busy heartbeat"
+    finally:
+        w.close()
+
+
+def test_a_batch_slower_than_a_heartbeat_sends_heartbeats_from_the_alarm():
+    """Two 0.5 s env steps in one batch: the SIGALRM handler beats while env code runs."""
+    bench = Bench(env="scripted_envs:slow_cartpole", envs_per_worker=2)
+    previous = signal.getsignal(signal.SIGALRM)
+    try:
+        bench.worker.take_alarm()
+        bench.reset(epoch=0, seq=1)
+        bench.out.take(p.Heartbeat)
+        bench.beats.clear()
+        (result,) = bench.step(0, 2)
+        assert result.seq == 2
+        beats = bench.out.take(p.Heartbeat, port="steps")
+        assert 1 <= len(beats) <= 2, beats
+        assert (beats[0].role, beats[0].name, beats[0].leaving) == ("worker", "w", False)
+        assert len(bench.beats) >= 3, "the controller's link is asked to beat at every alarm"
+        assert not bench.worker.envs.in_env
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        bench.worker.close()
+
+
+def test_with_shm_frames_observations_go_through_the_segment_once_the_broker_maps_it():
+    name = f"state-{uuid.uuid4().hex[:8]}"
+    bench = Bench(name=name, env="scripted_envs:stamp_frames", envs_per_worker=2,
+                  shm_frames=True)
+    try:
+        w = bench.worker
+        assert w.segment is not None
+        w.run_timers(w.now)
+        (hello,) = bench.out.take(p.WorkerHello)
+        assert hello.shm == w.segment.name and hello.shm_nonce == w.segment.nonce.hex()
+        bench.reset(epoch=0, seq=1)
+        (result,) = bench.step(0, 2)
+        assert result.obs_slot == -1 and result.obs.shape == (2, 32, 32, 4), \
+            "the broker has not mapped the segment: rows on the socket"
+        reader = shm.Reader(hello.shm, hello.shm_nonce)
+        reader.mark()  # the broker maps it, then resets the worker
+        bench.reset(epoch=0, seq=3)
+        (result,) = bench.step(0, 4)
+        assert result.obs.shape == (0, 32, 32, 4) and result.obs_slot >= 0
+        rows = reader.view(result.obs_slot, np.dtype(np.uint8), (32, 32, 4))
+        assert rows is not None and reader.holds(result.obs_slot, 4)
+        assert np.array_equal(rows, w.envs.last_obs)
+        figures = w.figures()
+        assert (figures["shm_batches"], figures["shm_full"], figures["shm_reclaimed"]) == (1, 0, 0)
+    finally:
+        bench.worker.close()
+    assert shm.segment_name(name, bench.worker.incarnation) not in os.listdir(shm.DIR)
+
+
+def test_barriers_and_shutdowns_from_the_controller_are_not_refused(bench: Bench):
+    bench.worker.deliver(b"", p.Barrier(epoch=1, options={}))
+    assert bench.out.sent == [] and bench.worker.figures()["rejected"] == 0
+    bench.worker.deliver(b"", p.Shutdown(reason="shutdown"))
+    assert bench.worker.stop_reason == "shutdown"

@@ -1,0 +1,330 @@
+"""The K environments one worker hosts, stepped together as one batch of rows.
+
+A Gymnasium env is one row; a PettingZoo `ParallelEnv` is one row per possible agent. Episodes
+autoreset within the step that ends them, and the observation an episode ended on travels in
+`final_obs`. An env that raises is reported as data and recreated; one that keeps raising ends
+the worker (`EnvFailure`) rather than being retried forever.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+from stepbus.bus import protocol as p
+from stepbus.workers.envs import (
+    agents_of,
+    episode_seed,
+    make_env,
+    seed_spaces,
+    space_spec,
+)
+
+if TYPE_CHECKING:
+    from stepbus.workers.worker import Config
+
+T = TypeVar("T")
+
+RESTART_WINDOW_S = 60.0  # --max-env-restarts-per-minute counts recreations within this window
+
+
+class EnvFailure(RuntimeError):
+    """Environments keep raising (or cannot be recreated): the worker cannot go on."""
+
+
+@dataclass
+class RowOutcomes:
+    """What one multi-agent batch produced, row by row, filled in env by env."""
+
+    reward: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    alive: np.ndarray  # rows that act next
+    finals: list[np.ndarray]  # the observations ended rows ended on, in row order
+
+    @classmethod
+    def empty(cls, rows: int) -> RowOutcomes:
+        return cls(np.zeros(rows, np.float32), np.zeros(rows, bool), np.zeros(rows, bool),
+                   np.zeros(rows, bool), [])
+
+
+class EnvSet:
+    """K environments stepped together; an env that raises is reported and recreated, up to
+    `max_env_restarts_per_minute` times within 60 s.
+
+    `report` receives each error as data; `tick` is called between envs in resets and
+    multi-agent steps so a slow batch keeps the worker's heartbeat going. `in_env` is True
+    while env code (or a single-agent step's loop around it) runs and no ZeroMQ call is under
+    way, so a timer signal knows when it may send heartbeats itself (see
+    `worker.Worker.on_alarm`).
+    """
+
+    def __init__(self, cfg: Config, report: Callable[[p.RemoteError], None],
+                 log: logging.Logger, tick: Callable[[], None] = lambda: None) -> None:
+        self.cfg, self.report, self.log, self.tick = cfg, report, log, tick
+        self.in_env = False
+        self.restarts: collections.deque[float] = collections.deque()  # recent recreations
+        self.envs = [self._env_call(make_env, cfg.env) for _ in range(cfg.envs_per_worker)]
+        self.spec = space_spec(self.envs[0])
+        self.agents = agents_of(self.envs[0])  # names ([] for Gymnasium envs)
+        # The env's own agent keys (PettingZoo allows any hashable) -> row within an env.
+        self.agent_keys = list(self.envs[0].possible_agents) if self.agents else []
+        self.agent_row = {agent: j for j, agent in enumerate(self.agent_keys)}
+        self.width = max(1, len(self.agents))  # rows per env
+        self.rows = len(self.envs) * self.width
+        self.alive = np.ones(self.rows, bool)  # which rows act next (multi-agent envs)
+        self.obs_dtype = np.dtype(self.spec.obs_dtype)
+        self.episode = np.full(len(self.envs), -1, np.int64)  # each env's current episode
+        self.episode_seed = np.zeros(len(self.envs), np.int64)  # ... and its reset seed
+        self.last_obs = np.zeros((self.rows, *self.spec.obs_shape), self.obs_dtype)
+        self.errors = 0
+        self.agents_vanished = 0  # agents that left an episode without a done flag
+        self.without_options: set[int] = set()  # envs that rejected the current reset options
+        low, high = self.spec.action_low, self.spec.action_high
+        self.action_bounds = (np.asarray(low), np.asarray(high)) if low else None
+
+    def reset(self, options: dict) -> np.ndarray:
+        if self.agents:
+            return self._reset_parallel(options)
+        obs = np.empty_like(self.last_obs)
+        self.without_options.clear()
+        for i, env in enumerate(self.envs):
+            try:
+                obs[i] = self._env_call(env.reset, seed=self._new_episode(i),
+                                        options=options or None)[0]
+            except Exception as exc:  # e.g. options this env rejects: report, go on without
+                # Rejected options are the operator's doing, bounded by barriers: not counted.
+                obs[i] = self._recreate(i, exc, {}, counted=not options)
+                self.without_options.add(i)  # its later autoresets too, until the next barrier
+            self.tick()
+        self.last_obs = obs
+        return obs
+
+    def step(self, actions: np.ndarray, options: dict,
+             out: np.ndarray | None = None) -> p.StepResult:
+        """`out`: where the observations go (a shared-memory slot), not a new array."""
+        if self.agents:
+            return self._step_parallel(actions, options, out)
+        k = len(self.envs)
+        obs = np.empty_like(self.last_obs) if out is None else out
+        reward = np.zeros(k, np.float32)
+        terminated = np.zeros(k, bool)
+        truncated = np.zeros(k, bool)
+        finals: list[np.ndarray] = []
+        if self.action_bounds is not None:
+            shape = (k, *self.spec.action_shape)
+            actions = np.clip(actions.reshape(k, -1), *self.action_bounds).reshape(shape)
+        # The hot loop: no ZeroMQ call in it but _recreate's report, so `in_env` holds for the
+        # whole batch and the busy-beat alarm (armed around every batch) keeps the heartbeats
+        # going; a wrapper call and a tick per env cost 10% of a CartPole worker's time.
+        self.in_env = True
+        try:
+            for i, env in enumerate(self.envs):
+                try:
+                    obs[i], reward[i], terminated[i], truncated[i], _ = env.step(actions[i])
+                except Exception as exc:  # the env's fault, not ours: cut the episode, go on
+                    obs[i], truncated[i] = self.last_obs[i], True
+                    finals.append(obs[i].copy())
+                    obs[i] = self._recreate(i, exc, self._options_for(i, options) or {})
+                    continue
+                if terminated[i] or truncated[i]:
+                    finals.append(obs[i].copy())
+                    try:
+                        obs[i] = env.reset(seed=self._new_episode(i),
+                                           options=self._options_for(i, options))[0]
+                    except Exception as exc:
+                        obs[i] = self._recreate(i, exc, {})
+        finally:
+            self.in_env = False
+        self.last_obs = obs
+        final_obs = (np.stack(finals) if finals
+                     else np.zeros((0, *self.spec.obs_shape), self.obs_dtype))
+        return p.StepResult(incarnation="", epoch=0, seq=0, first=False, obs=obs, reward=reward,
+                            terminated=terminated, truncated=truncated, final_obs=final_obs,
+                            **self.episodes())
+
+    def _new_episode(self, i: int) -> int:
+        """Env i starts its next episode: the seed to reset it (and its spaces) with."""
+        self.episode[i] += 1
+        seed = episode_seed(self.cfg.seed, self.cfg.worker_index, i, int(self.episode[i]))
+        self.episode_seed[i] = seed
+        seed_spaces(self.envs[i], seed)
+        return seed
+
+    def episodes(self) -> dict[str, np.ndarray]:
+        """Each row's episode index and reset seed, for a STEP_RESULT."""
+        return {"episode": np.repeat(self.episode, self.width),
+                "episode_seed": np.repeat(self.episode_seed, self.width)}
+
+    # PettingZoo parallel envs: row base + j is agent j of env u (base = u * width). Only alive
+    # rows act; an env whose agents are all done resets within the same step, as above.
+
+    def _reset_parallel(self, options: dict) -> np.ndarray:
+        obs, alive = np.zeros_like(self.last_obs), np.zeros(self.rows, bool)
+        self.without_options.clear()
+        for u, env in enumerate(self.envs):
+            try:
+                first = self._env_call(env.reset, seed=self._new_episode(u),
+                                       options=options or None)[0]
+            except Exception as exc:
+                first = self._recreate(u, exc, {}, counted=not options)
+                self.without_options.add(u)
+            self._place(u, first, obs, alive)
+            self.tick()
+        self.last_obs, self.alive = obs, alive
+        return obs
+
+    def _step_parallel(self, actions: np.ndarray, options: dict,
+                       out: np.ndarray | None = None) -> p.StepResult:
+        if out is None:
+            obs = np.zeros_like(self.last_obs)
+        else:
+            out.fill(0)
+            obs = out
+        rows = RowOutcomes.empty(self.rows)
+        if self.action_bounds is not None:
+            shape = (self.rows, *self.spec.action_shape)
+            actions = np.clip(actions.reshape(self.rows, -1), *self.action_bounds).reshape(shape)
+        for u, env in enumerate(self.envs):
+            self._step_one_parallel(u, env, actions, options, obs, rows)
+        self.last_obs, self.alive = obs, rows.alive
+        final_obs = (np.stack(rows.finals) if rows.finals
+                     else np.zeros((0, *self.spec.obs_shape), self.obs_dtype))
+        return p.StepResult(incarnation="", epoch=0, seq=0, first=False, obs=obs,
+                            reward=rows.reward, terminated=rows.terminated,
+                            truncated=rows.truncated, final_obs=final_obs, alive=rows.alive,
+                            **self.episodes())
+
+    def _step_one_parallel(self, u: int, env: Any, actions: np.ndarray, options: dict,
+                           obs: np.ndarray, rows: RowOutcomes) -> None:
+        """Step parallel env u's acting agents into their rows of `obs` and `rows`."""
+        base = u * self.width
+        acting = [a for a in self.agent_keys if self.alive[base + self.agent_row[a]]]
+        try:
+            nxt, rew, term, trunc, _ = self._env_call(
+                env.step, {a: actions[base + self.agent_row[a]] for a in acting})
+        except Exception as exc:  # the env's fault: cut every acting agent's episode
+            for a in acting:
+                i = base + self.agent_row[a]
+                rows.truncated[i] = True
+                rows.finals.append(self.last_obs[i].copy())
+            self._place(u, self._recreate(u, exc, self._options_for(u, options)), obs,
+                        rows.alive)
+            return
+        finally:
+            self.tick()
+        # Acting next: in env.agents, observed, and not done this step (an env may keep
+        # done agents listed). An agent that acted and is none of these nor done vanished:
+        # its episode is cut here (truncated, from the observation the env gave, if any).
+        going_on = {a for a in env.agents
+                    if a in nxt and not (term.get(a, False) or trunc.get(a, False))}
+        for a in acting:
+            i = base + self.agent_row[a]
+            rows.reward[i] = rew.get(a, 0.0)
+            rows.terminated[i] = bool(term.get(a, False))
+            rows.truncated[i] = bool(trunc.get(a, False))
+            if not (rows.terminated[i] or rows.truncated[i]) and a not in going_on:
+                rows.truncated[i] = True  # vanished
+                self.agents_vanished += 1
+            if rows.terminated[i] or rows.truncated[i]:
+                rows.finals.append(np.array(nxt.get(a, self.last_obs[i]), self.obs_dtype))
+        if not going_on:  # all done: the next episode starts within this step
+            try:
+                nxt = self._env_call(env.reset, seed=self._new_episode(u),
+                                     options=self._options_for(u, options))[0]
+            except Exception as exc:
+                nxt = self._recreate(u, exc, {})
+            going_on = set(self.envs[u].agents)
+        self._place(u, nxt, obs, rows.alive, going_on)
+
+    def _options_for(self, u: int, options: dict) -> dict | None:
+        """An env that rejected the barrier's options goes on without them."""
+        return None if u in self.without_options else options or None
+
+    def _place(self, u: int, observations: dict, obs: np.ndarray, alive: np.ndarray,
+               agents: set | None = None) -> None:
+        """Env u's acting agents' observations into their rows; those rows are alive."""
+        base = u * self.width
+        for agent in self.envs[u].agents:
+            j = self.agent_row.get(agent)
+            if j is not None and agent in observations and (agents is None or agent in agents):
+                obs[base + j] = observations[agent]
+                alive[base + j] = True
+
+    def alive_rows(self) -> np.ndarray | None:
+        """The alive mask to send (None for single-agent envs: every row is alive)."""
+        return self.alive.copy() if self.agents else None
+
+    def _env_call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run env code with `in_env` set: only then may the timer signal send heartbeats,
+        because only then is this thread surely not inside a ZeroMQ call of its own."""
+        was, self.in_env = self.in_env, True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.in_env = was
+
+    def _recreate(self, i: int, exc: Exception, options: dict | None, *,
+                  counted: bool = True) -> Any:
+        """Report the error, replace env i, and return its first observation (a map by agent
+        for a parallel env); past the restart
+        bound, raise EnvFailure instead (one line for the operator, not endless tracebacks)."""
+        self.errors += 1
+        tb = traceback.format_exc()
+        now = time.monotonic()
+        if counted:
+            self.restarts.append(now)
+        while self.restarts and now - self.restarts[0] > RESTART_WINDOW_S:
+            self.restarts.popleft()
+        over = counted and len(self.restarts) > self.cfg.max_env_restarts_per_minute
+        seed, episode = int(self.episode_seed[i]), int(self.episode[i])
+        self.log.error("env %d (%s, episode %d, seed %d) raised %s: %s%s", i, self.cfg.env,
+                       episode, seed, type(exc).__name__, exc, "" if over else "; recreating it")
+        was, self.in_env = self.in_env, False  # the report goes out on ZeroMQ sockets
+        try:
+            self.report(p.RemoteError(
+                origin=self.cfg.name, error_type=type(exc).__name__,
+                message=str(exc)[:p.MAX_ERROR_TEXT], traceback=tb[-p.MAX_ERROR_TEXT:],  # tail
+                context={"env": self.cfg.env, "env_index": i, "episode": episode,
+                         "seed": seed}))
+        finally:
+            self.in_env = was
+        if over:
+            raise EnvFailure(
+                f"{self.cfg.env} keeps raising: {len(self.restarts)} env restarts within "
+                f"{RESTART_WINDOW_S:.0f} s (last: env {i}, {type(exc).__name__}: {exc}), over "
+                f"--max-env-restarts-per-minute {self.cfg.max_env_restarts_per_minute}; fix the "
+                f"environment (the controller's log has each traceback) or raise the limit")
+        with contextlib.suppress(Exception):
+            self._env_call(self.envs[i].close)
+        seed = self._new_episode(i)
+        try:
+            self.envs[i] = self._env_call(make_env, self.cfg.env)
+            seed_spaces(self.envs[i], seed)
+            return self._env_call(self.envs[i].reset, seed=seed, options=options or None)[0]
+        except Exception as again:
+            raise EnvFailure(f"env {i} ({self.cfg.env}) raised again while being recreated: "
+                             f"{type(again).__name__}: {again}") from again
+
+    def actions_problem(self, actions: np.ndarray) -> str:
+        """Why an action batch cannot be stepped (empty if it can)."""
+        k, spec = self.rows, self.spec
+        if spec.action_kind == "discrete":
+            if actions.shape != (k,) or actions.dtype.kind not in "iu":
+                return f"expected {k} integer actions, got {actions.dtype} {actions.shape}"
+            if actions.size and not (actions.min() >= 0 and actions.max() < spec.action_n):
+                return f"actions outside [0, {spec.action_n})"
+        elif actions.shape != (k, *spec.action_shape) or actions.dtype.kind != "f":
+            return f"expected float actions of shape {(k, *spec.action_shape)}, got {actions.shape}"
+        return ""
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
