@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from stepbus.trainer.model import (
-    ActionSpace,
+from stepbus.trainer.ppo import PPOConfig, Trajectory, compute_gae, ppo_update
+
+from stepbus.models.mlp import (
     Adam,
     act,
     clip_grad_norm,
     forward,
     hidden_sizes,
     init_params,
+    layout,
     log_prob_entropy,
     log_softmax,
     ppo_loss_and_grads,
 )
-from stepbus.trainer.ppo import PPOConfig, Trajectory, compute_gae, ppo_update
+from stepbus.policy import ActionSpace
 
 SPACES = {
     "discrete": ActionSpace("discrete", n=3),
@@ -65,7 +67,7 @@ def test_ppo_grads_match_finite_differences(kind: str) -> None:
             p[idx] = orig
             fd[idx] = (up - down) / (2 * eps)
         assert grads[key].shape == p.shape
-        rel = np.linalg.norm(grads[key] - fd) / max(np.linalg.norm(fd), 1e-8)
+        rel = float(np.linalg.norm(grads[key] - fd)) / max(float(np.linalg.norm(fd)), 1e-8)
         assert rel < 1e-4, f"{kind} {key}: relative error {rel:.2e}"
         np.testing.assert_allclose(grads[key], fd, rtol=1e-4, atol=1e-8, err_msg=key)
 
@@ -93,6 +95,7 @@ def test_init_layout_and_orthogonality() -> None:
     rng = np.random.default_rng(3)
     params = init_params(5, SPACES["box"], (64, 32), rng)
     assert hidden_sizes(params) == (64, 32)
+    assert {k: v.shape for k, v in params.items()} == layout(5, SPACES["box"], (64, 32))
     assert params["pi.0.w"].shape == (5, 64) and params["pi.2.w"].shape == (32, 2)
     assert params["vf.2.w"].shape == (32, 1) and params["log_std"].shape == (2,)
     assert all(v.dtype == np.float64 for v in params.values())
