@@ -1,0 +1,254 @@
+"""The trainer slot's state machine in-process, supervising real short-lived child processes
+(small Python programs in place of `stepbus learner`), time from an explicit clock, its swap
+replies read back from an outbox. A real learner under a real pipeline is test_trainer_slot's."""
+
+from __future__ import annotations
+
+import logging
+import select
+import signal
+import sys
+from collections.abc import Iterator
+
+import pytest
+from stepbus.bus import node
+from stepbus.bus import protocol as p
+from stepbus.trainer import slot
+
+T0 = 1000.0
+EXITS_3 = "import sys; sys.exit(3)"
+EXITS_0 = "import sys; sys.exit(0)"
+# Beats once, then sleeps; with --bad among its flags it exits 5 at once (a refused setting).
+LEARNER = """
+import os, sys, time
+if "--bad" in sys.argv:
+    sys.exit(5)
+os.write(int(os.environ["STEPBUS_SLOT_BEAT_FD"]), b".")
+time.sleep(60)
+"""
+# Beats once it ignores SIGTERM, then sleeps: only SIGKILL ends it.
+STUBBORN = """
+import os, signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+os.write(int(os.environ["STEPBUS_SLOT_BEAT_FD"]), b".")
+time.sleep(60)
+"""
+SILENT = "import time; time.sleep(60)"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = T0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Bench:
+    """One slot object running `code` as its learner, on an outbox."""
+
+    def __init__(self, code: str, *, args: tuple[str, ...] = (),
+                 problem: str = "") -> None:
+        self.clock = Clock()
+        self.out = node.Outbox()
+        self.slot = slot.Slot(self.out, logging.getLogger("test.slot"), name="slot",
+                              args=list(args), validate=lambda flags: problem,
+                              command=[sys.executable, "-c", code], clock=self.clock)
+
+    def at(self, t: float) -> None:
+        """The due timers at T0 + t. The slot looks at its child (`tick`) only in `wait_exit`
+        and `wait_beat`, so a child that exits quickly is seen where the test expects it."""
+        self.clock.t = T0 + t
+        self.slot.run_timers(self.clock.t)
+
+    def learner(self) -> slot.Learner:
+        assert self.slot.learner is not None, "a learner is running"
+        return self.slot.learner
+
+    def wait_exit(self, t: float) -> int:
+        """Wait (really) for the learner to exit, then let the slot see it at T0 + t."""
+        lrn = self.learner()
+        code = lrn.popen.wait(10)
+        self.clock.t = T0 + t
+        self.slot.tick(self.clock.t)
+        assert self.slot.learner is None, "the slot noticed the exit"
+        return code
+
+    def wait_beat(self, t: float) -> None:
+        """Wait (really) until the learner has written its beat, then let the slot read it."""
+        assert select.select([self.learner().beats], [], [], 10)[0], "the learner beat"
+        self.clock.t = T0 + t
+        self.slot.tick(self.clock.t)
+        assert self.learner().last_beat == T0 + t
+
+    def replies(self) -> list[p.Message]:
+        return self.out.take(p.Reply, port="controller")
+
+
+@pytest.fixture
+def benches() -> Iterator[list[Bench]]:
+    made: list[Bench] = []
+    yield made
+    for bench in made:
+        bench.slot.kill_learner()
+
+
+def test_learners_dying_young_are_restarted_after_the_backoff_schedule(
+        benches: list[Bench], caplog: pytest.LogCaptureFixture):
+    bench = Bench(EXITS_3)
+    benches.append(bench)
+    bench.at(0.0)
+    assert bench.slot.counts.learner_starts == 1
+    t, delays = 0.0, []
+    for deaths in range(1, 9):
+        bench.wait_exit(t + 0.1)
+        assert bench.slot.figures()["state"] == "restarting"
+        delay = bench.slot.timers["restart"].due - bench.clock.t
+        delays.append(round(delay, 6))
+        bench.at(t + 0.1 + delay - 0.01)
+        assert bench.slot.learner is None, "not before its delay"
+        t = t + 0.1 + delay
+        bench.at(t)
+        assert bench.slot.counts.learner_starts == deaths + 1
+    assert delays == [0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 30.0, 30.0]
+    figures = bench.slot.figures()
+    assert (figures["learner_deaths"], figures["last_death"]) == (8, "exit code 3")
+    assert "exit code 3 after 0.1s; starting a new one from the checkpoint in 0.5s" in caplog.text
+
+
+def test_a_learner_that_ran_steadily_is_restarted_at_once_and_one_that_exited_0_after_1s(
+        benches: list[Bench]):
+    bench = Bench(EXITS_3)
+    benches.append(bench)
+    bench.at(0.0)
+    bench.wait_exit(0.1)
+    bench.at(0.6)
+    bench.wait_exit(1.0 + slot.STEADY_S)  # it ran STEADY_S: the quick deaths start over
+    assert bench.slot.timers["restart"].due == bench.clock.t
+    assert slot.restart_delay(0, 3) == 0.0
+    assert slot.restart_delay(0, 0) == 1.0, "it left on its own: a shutdown may be coming"
+    assert slot.restart_delay(4, 0) == 5.0
+
+    leaves = Bench(EXITS_0)
+    benches.append(leaves)
+    leaves.at(0.0)
+    leaves.wait_exit(slot.STEADY_S + 1)
+    assert leaves.slot.timers["restart"].due == leaves.clock.t + 1.0
+    assert leaves.slot.figures()["last_death"] == "exit code 0"
+
+
+def test_a_learner_silent_past_its_allowance_is_killed_as_frozen_and_replaced(
+        benches: list[Bench], caplog: pytest.LogCaptureFixture):
+    bench = Bench(SILENT)
+    benches.append(bench)
+    bench.at(0.0)
+    bench.at(slot.STARTUP_GRACE_S - 0.1)
+    assert bench.learner().popen.poll() is None, "in its start-up grace"
+    bench.at(slot.STARTUP_GRACE_S + 0.1)
+    assert bench.wait_exit(slot.STARTUP_GRACE_S + 0.2) == -signal.SIGKILL
+    figures = bench.slot.figures()
+    assert (figures["learners_frozen"], figures["last_death"]) == (1, "frozen, killed")
+    assert "sent no heartbeat for 30.1s (frozen?); killing it" in caplog.text
+
+    beats_once = Bench(LEARNER)
+    benches.append(beats_once)
+    beats_once.at(0.0)
+    beats_once.wait_beat(1.0)  # out of its start-up grace: LEARNER_SILENT_S from now on
+    beats_once.at(1.0 + slot.LEARNER_SILENT_S - 0.1)
+    assert beats_once.learner().popen.poll() is None
+    beats_once.at(1.0 + slot.LEARNER_SILENT_S + 0.1)
+    assert beats_once.wait_exit(5.0) == -signal.SIGKILL
+    assert beats_once.slot.figures()["last_death"] == "frozen, killed"
+
+
+def test_a_swap_stops_the_learner_starts_one_with_the_new_flags_and_replies_after_probation(
+        benches: list[Bench]):
+    bench = Bench(LEARNER, args=("--lr", "0.1"))
+    benches.append(bench)
+    bench.at(0.0)
+    first = bench.learner().popen.pid
+    bench.slot.deliver(b"", p.TrainerSwap(slot="", args=["--lr", "0.2"]), now=T0 + 1)
+    assert bench.slot.figures()["state"] == "swapping"
+    bench.slot.deliver(b"", p.TrainerSwap(slot="", args=[]), now=T0 + 1.1)
+    assert bench.replies() == [p.Reply(ok=False, detail="a swap is already under way")]
+    assert bench.wait_exit(1.2) == -signal.SIGUSR1, "asked to checkpoint and leave"
+    bench.at(1.2)
+    second = bench.learner().popen.pid
+    assert second != first and bench.learner().popen.args[-4:] == ["--lr", "0.1", "--lr", "0.2"]
+    bench.at(1.2 + slot.PROBATION_S - 0.1)
+    assert bench.replies() == []
+    bench.at(1.2 + slot.PROBATION_S)
+    assert bench.replies() == [p.Reply(
+        ok=True, detail=f"learner pid {second} running with --lr 0.1 --lr 0.2")]
+    assert (bench.slot.counts.swaps, bench.slot.counts.learner_deaths) == (1, 0)
+    assert bench.slot.figures()["state"] == "running"
+
+
+def test_a_swapped_in_learner_that_exits_in_probation_is_reverted_and_a_refused_swap_stops_nothing(
+        benches: list[Bench]):
+    bench = Bench(LEARNER)
+    benches.append(bench)
+    bench.at(0.0)
+    bench.slot.deliver(b"", p.TrainerSwap(slot="", args=["--bad"]), now=T0 + 1)
+    bench.wait_exit(1.1)
+    bench.at(1.1)
+    assert bench.wait_exit(1.6) == 5
+    (reply,) = bench.replies()
+    assert isinstance(reply, p.Reply) and not reply.ok
+    assert reply.detail == ("the new learner exit code 5 after 0.5s (its log is above); back "
+                            "to the previous settings")
+    bench.at(1.6)
+    assert "--bad" not in bench.learner().popen.args, "the previous settings are back"
+    bench.at(10.0)
+    assert bench.replies() == [], "no probation reply for a reverted swap"
+    counts = bench.slot.counts
+    assert (counts.swaps, counts.swaps_reverted, counts.learner_deaths) == (0, 1, 0)
+
+    refused = Bench(LEARNER, problem="unrecognized arguments: --no-such-flag 1")
+    benches.append(refused)
+    refused.at(0.0)
+    pid = refused.learner().popen.pid
+    refused.slot.deliver(b"", p.TrainerSwap(slot="", args=["--no-such-flag", "1"]), now=T0 + 1)
+    assert refused.replies() == [p.Reply(
+        ok=False, detail="learner flags refused: unrecognized arguments: --no-such-flag 1")]
+    refused.at(2.0)
+    assert refused.learner().popen.pid == pid and refused.learner().popen.poll() is None
+
+
+def test_on_shutdown_the_learner_gets_sigterm_then_sigkill_after_the_grace_and_the_loop_ends(
+        benches: list[Bench], caplog: pytest.LogCaptureFixture):
+    caplog.set_level(logging.INFO)
+    bench = Bench(STUBBORN)
+    benches.append(bench)
+    bench.at(0.0)
+    bench.wait_beat(0.5)  # it ignores SIGTERM by now
+    bench.slot.deliver(b"", p.Shutdown(reason="stepbus shutdown"), now=T0 + 1)
+    bench.slot.deliver(b"", p.TrainerSwap(slot="", args=[]), now=T0 + 1)
+    assert bench.replies() == [], "no swap while stopping"
+    assert bench.slot.figures()["state"] == "stopping" and not bench.slot.stop_reason
+    bench.at(1.0 + slot.STOP_GRACE_S - 0.1)
+    assert bench.learner().popen.poll() is None
+    bench.at(1.0 + slot.STOP_GRACE_S + 0.1)
+    assert bench.wait_exit(6.0) == -signal.SIGKILL
+    assert "learner did not stop within 4s; killing it" in caplog.text
+    assert "learner stopped (killed by SIGKILL)" in caplog.text
+    assert bench.slot.stop_reason == "stepbus shutdown"
+    assert bench.slot.counts.learner_deaths == 0 and "restart" not in bench.slot.timers
+
+    polite = Bench(LEARNER)
+    benches.append(polite)
+    polite.at(0.0)
+    polite.clock.t = T0 + 1
+    polite.slot.on_signal("SIGINT")
+    assert polite.wait_exit(1.1) == -signal.SIGTERM
+    assert polite.slot.stop_reason == "SIGINT"
+
+    waiting = Bench(EXITS_3)
+    benches.append(waiting)
+    waiting.at(0.0)
+    waiting.wait_exit(0.1)
+    waiting.slot.deliver(b"", p.RunState(run_id="r", epoch=0, options={}, shutting_down=True),
+                         now=T0 + 0.2)
+    assert waiting.slot.stop_reason == "controller shutdown", "no learner: it stops at once"
+    waiting.at(5.0)
+    assert waiting.slot.learner is None, "and starts none"
