@@ -493,6 +493,9 @@ class Process:
         if msg.shutting_down:
             self.stop("controller shutdown")
 
+    def on_barrier(self, peer: bytes, msg: p.Barrier) -> None:
+        """Every subscriber hears the broadcast; only the broker acts on it."""
+
     def on_shutdown(self, peer: bytes, msg: p.Shutdown) -> None:
         self.stop(msg.reason)
 
