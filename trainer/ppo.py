@@ -147,59 +147,103 @@ def ppo_update(
     trajs = [t for t in trajs if len(t)]
     if not trajs:
         return {}
-    lr = cfg.lr if lr is None else lr
-    clip_range = cfg.clip_range if clip_range is None else clip_range
     action = infer_action_space(params) if action is None else action
-
-    b_obs = np.concatenate([t.obs.reshape(len(t), -1) for t in trajs]).astype(np.float64)
-    b_actions = np.concatenate([np.asarray(t.actions).reshape(len(t), -1) for t in trajs])
-    if action.kind == "discrete":
-        b_actions = b_actions[:, 0]
-    b_logp = np.concatenate([np.asarray(t.logp, dtype=np.float64) for t in trajs])
-    b_adv, b_returns = compute_gae(trajs, params, cfg)
-    b_values = b_returns - b_adv
-    n = len(b_adv)
-
+    batch = _Batch.of(trajs, params, cfg, action)
     totals: dict[str, float] = {}
     n_steps = 0
-    # Batches off the bus overshoot batch_steps by part of a trajectory. Splitting into equal
-    # parts avoids SB3's ragged last minibatch, which here would be a few samples normalised by
-    # their own std and given a full Adam step; at n == k * minibatch_size it is SB3 exactly.
-    n_minibatches = max(1, round(n / cfg.minibatch_size))
     for _epoch in range(cfg.n_epochs):
-        for mb_inds in np.array_split(rng.permutation(n), n_minibatches):
-            mb_adv = b_adv[mb_inds]
-            if len(mb_adv) > 1:  # torch's unbiased std, as SB3
-                mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std(ddof=1) + 1e-8)
-            stats, grads = ppo_loss_and_grads(
+        for mb_inds in np.array_split(rng.permutation(batch.n), batch.n_minibatches):
+            stats = _gradient_step(
                 params,
+                adam,
+                batch,
+                mb_inds,
+                cfg,
                 action,
-                b_obs[mb_inds],
-                b_actions[mb_inds],
-                b_logp[mb_inds],
-                mb_adv,
-                b_returns[mb_inds],
-                clip_range=clip_range,
-                ent_coef=cfg.ent_coef,
-                vf_coef=cfg.vf_coef,
+                lr=cfg.lr if lr is None else lr,
+                clip_range=cfg.clip_range if clip_range is None else clip_range,
             )
-            stats["grad_norm"] = clip_grad_norm(grads, cfg.max_grad_norm)
-            adam.step(params, grads, lr)
             for key, val in stats.items():
                 totals[key] = totals.get(key, 0.0) + val
             n_steps += 1
             if tick is not None:
                 tick()
-
     out = {key: val / n_steps for key, val in totals.items()}
-    var_returns = float(np.var(b_returns))
-    # 1 = critic explains the returns, 0 = no better than their mean (also when they're constant)
-    out["explained_variance"] = (
-        1.0 - float(np.var(b_returns - b_values)) / var_returns if var_returns > 0 else 0.0
+    return out | batch.critic_stats() | {"n_grad_steps": float(n_steps)}
+
+
+@dataclass
+class _Batch:
+    """One update's samples, flattened across trajectories, with GAE targets."""
+
+    b_obs: np.ndarray
+    b_actions: np.ndarray
+    b_logp: np.ndarray
+    b_adv: np.ndarray
+    b_returns: np.ndarray
+    n_minibatches: int
+
+    @classmethod
+    def of(
+        cls, trajs: Sequence[Trajectory], params: Params, cfg: PPOConfig, action: ActionSpace
+    ) -> _Batch:
+        b_obs = np.concatenate([t.obs.reshape(len(t), -1) for t in trajs]).astype(np.float64)
+        b_actions = np.concatenate([np.asarray(t.actions).reshape(len(t), -1) for t in trajs])
+        if action.kind == "discrete":
+            b_actions = b_actions[:, 0]
+        b_logp = np.concatenate([np.asarray(t.logp, dtype=np.float64) for t in trajs])
+        b_adv, b_returns = compute_gae(trajs, params, cfg)
+        # Batches off the bus overshoot batch_steps by part of a trajectory. Splitting into
+        # equal parts avoids SB3's ragged last minibatch, which here would be a few samples
+        # normalised by their own std and given a full Adam step; at n == k * minibatch_size
+        # it is SB3 exactly.
+        n_minibatches = max(1, round(len(b_adv) / cfg.minibatch_size))
+        return cls(b_obs, b_actions, b_logp, b_adv, b_returns, n_minibatches)
+
+    @property
+    def n(self) -> int:
+        return len(self.b_adv)
+
+    def critic_stats(self) -> dict[str, float]:
+        """Explained variance of the returns by the critic the update started from: 1 = it
+        explains them, 0 = no better than their mean (also when they are constant)."""
+        b_values = self.b_returns - self.b_adv
+        var_returns = float(np.var(self.b_returns))
+        explained = (1.0 - float(np.var(self.b_returns - b_values)) / var_returns
+                     if var_returns > 0 else 0.0)
+        return {"explained_variance": explained, "n_samples": float(self.n)}
+
+
+def _gradient_step(
+    params: Params,
+    adam: Adam,
+    batch: _Batch,
+    mb_inds: np.ndarray,
+    cfg: PPOConfig,
+    action: ActionSpace,
+    *,
+    lr: float,
+    clip_range: float,
+) -> dict[str, float]:
+    """One clipped-surrogate Adam step on the minibatch ``mb_inds``; its loss stats."""
+    mb_adv = batch.b_adv[mb_inds]
+    if len(mb_adv) > 1:  # torch's unbiased std, as SB3
+        mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std(ddof=1) + 1e-8)
+    stats, grads = ppo_loss_and_grads(
+        params,
+        action,
+        batch.b_obs[mb_inds],
+        batch.b_actions[mb_inds],
+        batch.b_logp[mb_inds],
+        mb_adv,
+        batch.b_returns[mb_inds],
+        clip_range=clip_range,
+        ent_coef=cfg.ent_coef,
+        vf_coef=cfg.vf_coef,
     )
-    out["n_samples"] = float(n)
-    out["n_grad_steps"] = float(n_steps)
-    return out
+    stats["grad_norm"] = clip_grad_norm(grads, cfg.max_grad_norm)
+    adam.step(params, grads, lr)
+    return stats
 
 
 class PPO:
