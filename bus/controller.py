@@ -142,6 +142,8 @@ class PeerTable:
 
 
 class Phase(enum.Enum):
+    """The controller's own life: a shutdown request or a signal moves it on, never back."""
+
     RUNNING = "running"
     SHUTTING_DOWN = "shutting down"  # Shutdown broadcast; ends when all left or grace is over
 

@@ -169,10 +169,13 @@ def test_a_swap_stops_the_learner_starts_one_with_the_new_flags_and_replies_afte
     first = bench.learner().popen.pid
     bench.slot.deliver(b"", p.TrainerSwap(slot="", args=["--lr", "0.2"]), now=T0 + 1)
     assert bench.slot.figures()["state"] == "swapping"
+    assert bench.slot.child is slot.Child.STOPPING
     bench.slot.deliver(b"", p.TrainerSwap(slot="", args=[]), now=T0 + 1.1)
     assert bench.replies() == [p.Reply(ok=False, detail="a swap is already under way")]
     assert bench.wait_exit(1.2) == -signal.SIGUSR1, "asked to checkpoint and leave"
+    assert bench.slot.child is slot.Child.WAITING and bench.slot.counts.learner_deaths == 0
     bench.at(1.2)
+    assert bench.slot.child is slot.Child.RUNNING
     second = bench.learner().popen.pid
     assert second != first and bench.learner().popen.args[-4:] == ["--lr", "0.1", "--lr", "0.2"]
     bench.at(1.2 + slot.PROBATION_S - 0.1)
