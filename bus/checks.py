@@ -7,15 +7,32 @@ returns why a message cannot be used, or an empty string; the caller refuses and
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from typing import Any, TypeAlias
+
 import numpy as np
 from stepbus.bus import policies
 from stepbus.bus import protocol as p
-from stepbus.trainer import model, spaces
+
+from stepbus import policy
+from stepbus.policy import ActionSpace
 
 MAX_ENVS_PER_WORKER = 65_536
 MAX_BATCH_STEPS = 10_000_000
 MAX_TRAJECTORY_STEPS = 1_000_000
-MAX_TRAJECTORIES_PER_MESSAGE = 4096
+
+Spec: TypeAlias = p.SpaceSpec | Mapping[str, Any]
+"""The spaces, as a SpaceSpec or (as WORKER_HELLO and ENV_SPEC carry them) the map of one."""
+
+
+def _obs_shape(spec: Spec) -> tuple[int, ...]:
+    return tuple(spec.obs_shape if isinstance(spec, p.SpaceSpec) else spec["obs_shape"])
+
+
+def _spaces(spec: Spec) -> p.SpaceSpec:
+    """Raises ProtocolError for a map that is not a SpaceSpec."""
+    return spec if isinstance(spec, p.SpaceSpec) else p.from_map(p.SpaceSpec, spec)
 
 
 def rows_problem(m: p.StepResult | p.Experience, rows: int) -> str:
@@ -37,62 +54,53 @@ def agents_problem(agents: list[str], num_envs: int) -> str:
     return ""
 
 
-def result_problem(r: p.StepResult, num_envs: int, spec: dict | None) -> str:
+def result_problem(r: p.StepResult, num_envs: int, spec: Spec | None) -> str:
     """Why a worker's result cannot be used (empty if it can): shapes must match its hello.
     `num_envs` counts rows: envs x agents for multi-agent envs."""
     k = num_envs
-    if spec is None or r.obs.shape != (k, *spec["obs_shape"]):
-        return f"obs shape {r.obs.shape}, expected ({k}, *{spec and spec['obs_shape']})"
+    if spec is None:
+        return "no spaces declared"
+    obs_shape = _obs_shape(spec)
+    if r.obs.shape != (k, *obs_shape):
+        return f"obs shape {r.obs.shape}, expected {(k, *obs_shape)}"
     if any(a.shape != (k,) for a in (r.reward, r.terminated, r.truncated)):
         return "reward/terminated/truncated must have one entry per env"
     if r.terminated.dtype != bool or r.truncated.dtype != bool:
         return "terminated/truncated must be bool"
     ended = int((r.terminated | r.truncated).sum())
-    if r.final_obs.shape != (ended, *spec["obs_shape"]):
+    if r.final_obs.shape != (ended, *obs_shape):
         return f"final_obs shape {r.final_obs.shape}, expected one row per ended episode"
     return rows_problem(r, k)
 
 
-def weights_problem(params: dict[str, np.ndarray], spec: dict | None,
-                    action_space: model.ActionSpace | None) -> str:
-    """Why weights cannot drive inference (empty if they can): layer widths that fit the
-    spaces, finite values, and one trial forward pass with finite outputs."""
+def weights_problem(params: dict[str, np.ndarray], spec: Spec | None,
+                    action_space: ActionSpace | None, model: str = policy.DEFAULT) -> str:
+    """Why weights cannot drive inference (empty if they can), as the policy `model` for these
+    spaces judges them. A process that holds its Policy asks it directly."""
     if spec is None or action_space is None:
         return ""  # judged when the first worker tells us the spaces
     try:
-        obs_dim = int(np.prod(spec["obs_shape"]))
-        for head, out_dim in (("pi", action_space.dim), ("vf", 1)):
-            last = max(int(k.split(".")[1]) for k in params if k.startswith(f"{head}.")
-                       and k.endswith(".w"))
-            inputs, outputs = params[f"{head}.0.w"].shape[0], params[f"{head}.{last}.w"].shape[1]
-            if (inputs, outputs) != (obs_dim, out_dim):
-                return f"{head} maps {inputs} -> {outputs}, the spaces need {obs_dim} -> {out_dim}"
-        if not all(np.isfinite(v).all() for v in params.values()):
-            return "non-finite parameters"
-        obs = np.zeros((1, *spec["obs_shape"]), np.float32)
-        actions, logp, value = model.act(params, obs, action_space, np.random.default_rng(0))
-        expected = (1,) if action_space.kind == "discrete" else (1, *action_space.shape)
-        if actions.shape != expected:
-            return f"actions of shape {actions.shape}, expected {expected}"
-        if not (np.isfinite(logp).all() and np.isfinite(value).all()):
-            return "non-finite log-prob or value"
-    except Exception as exc:  # any malformed parameter set
+        return policy.make_policy(model, _spaces(spec)).weights_problem(params)
+    except (p.ProtocolError, ValueError) as exc:
         return f"{type(exc).__name__}: {exc}"[:200]
-    return ""
 
 
-def spec_problem(spec: dict) -> str:
+def spec_problem(spec: Spec) -> str:
     """Why a worker's declared spaces are unusable (empty if usable)."""
     try:
-        p.SpaceSpec(**spec)
-        spaces.action_space(spec)
-        if not all(isinstance(d, int) and d > 0 for d in spec["obs_shape"]):
-            return f"obs_shape {spec['obs_shape']}"
-        np.dtype(spec["obs_dtype"])
-        if spec["obs_dtype"] not in p.ALLOWED_DTYPES:
-            return f"obs_dtype {spec['obs_dtype']}"
-    except Exception as exc:
+        spaces = _spaces(spec)
+        action = policy.action_space(spaces)
+    except (p.ProtocolError, ValueError) as exc:
         return f"{type(exc).__name__}: {exc}"[:200]
+    if len(spaces.obs_shape) >= p.MAX_NDIM or not all(d > 0 for d in spaces.obs_shape):
+        return f"obs_shape {spaces.obs_shape}"[:200]
+    if spaces.obs_dtype not in p.ALLOWED_DTYPES:
+        return f"obs_dtype {spaces.obs_dtype}"[:200]
+    if action.kind == "box" and not (
+            len(action.shape) < p.MAX_NDIM and all(d > 0 for d in action.shape)
+            and len(action.low) == len(action.high) == math.prod(action.shape)):
+        return (f"box actions of shape {action.shape} with {len(action.low)} lows and "
+                f"{len(action.high)} highs")[:200]
     return ""
 
 
@@ -126,7 +134,7 @@ def experience_problem(m: p.Experience) -> str:
     return rows_problem(m, k)
 
 
-def trajectory_problem(t: p.Trajectory, spec: dict, action: model.ActionSpace) -> str:
+def trajectory_problem(t: p.Trajectory, spec: Spec, action: ActionSpace) -> str:
     """Why a trajectory cannot be trained on (empty if it can)."""
     n = t.rewards.shape[0]
     if not 1 <= n <= MAX_TRAJECTORY_STEPS or t.rewards.ndim != 1:
@@ -135,11 +143,11 @@ def trajectory_problem(t: p.Trajectory, spec: dict, action: model.ActionSpace) -
             or _steps_problem(t, n, (), spec, action))
 
 
-def trajectories_problem(b: p.Trajectories, spec: dict, action: model.ActionSpace) -> str:
+def trajectories_problem(b: p.Trajectories, spec: Spec, action: ActionSpace) -> str:
     """Why a batch of trajectories cannot be trained on (empty if it can): checked as a whole,
     so a batch costs a few array operations, not a few per trajectory."""
     count = len(b.seqs)
-    if not 1 <= count <= MAX_TRAJECTORIES_PER_MESSAGE:
+    if not 1 <= count <= p.MAX_TRAJECTORIES_PER_MESSAGE:
         return f"{count} trajectories in one message"
     lists = (b.agents, b.epochs, b.lengths, b.terminated, b.truncated, b.episode_returns,
              b.episode_lengths, b.episodes, b.episode_seeds, b.episode_steps)
@@ -167,10 +175,10 @@ def _episode_problem(ret: float | None, length: int | None) -> str:
 
 
 def _steps_problem(t: p.Trajectory | p.Trajectories, n: int, bootstraps: tuple[int, ...],
-                   spec: dict, action: model.ActionSpace) -> str:
+                   spec: Spec, action: ActionSpace) -> str:
     """The step arrays: `n` rows each, fitting the spaces; `bootstraps` leads the bootstrap
     observations' shape (one trajectory: none)."""
-    obs_shape = tuple(spec["obs_shape"])
+    obs_shape = _obs_shape(spec)
     if any(a.shape != (n,) for a in (t.logp, t.values, t.policy_versions)):
         return "logp, values and policy_versions need one entry per step"
     if t.policy_versions.dtype.kind not in "iu":

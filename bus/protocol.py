@@ -53,7 +53,7 @@ import types
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, TypeVar, Union
 
 import msgpack
 import numpy as np
@@ -69,6 +69,7 @@ MAX_ARRAYS = 256
 MAX_NDIM = 8
 MAX_ARRAY_BYTES = 1 << 30
 MAX_JSON_DEPTH = 4
+MAX_TRAJECTORIES_PER_MESSAGE = 256  # in one TRAJECTORIES message
 
 # Numeric and bool only: no object, string, void or datetime dtypes ever come off the wire.
 ALLOWED_DTYPES = frozenset(
@@ -87,6 +88,24 @@ class ProtocolError(ValueError):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
         self.detail = detail
+
+
+class RemoteFailure(RuntimeError):
+    """A REMOTE_ERROR raised again where it arrives, every field kept: the side that gets it
+    can show the remote error as it was (type, message, traceback, where) or act on its type."""
+
+    def __init__(self, origin: str, error_type: str, message: str, traceback: str = "",
+                 context: dict[str, Json] | None = None) -> None:
+        super().__init__(f"{error_type} in {origin}: {message}")
+        self.origin = origin
+        self.error_type = error_type
+        self.message = message
+        self.traceback = traceback
+        self.context = context or {}
+
+    @classmethod
+    def of(cls, msg: RemoteError) -> RemoteFailure:
+        return cls(msg.origin, msg.error_type, msg.message, msg.traceback, msg.context)
 
 
 class Kind(enum.IntEnum):
@@ -119,12 +138,262 @@ class Kind(enum.IntEnum):
 # A JSON-like value (str keys, scalars, lists, maps) of bounded depth: options, figures, status.
 Json = Any
 ArrayMap = dict[str, np.ndarray]
+R = TypeVar("R")
+
+
+# ---------------------------------------------------------------------------------------------
+# What a field may be. In the header: bool, int, float, str, Json, a list or str-keyed map of
+# those, a record (a frozen dataclass of such fields, carried as the map of its fields, like
+# SpaceSpec), or an optional of any of these. As frames: np.ndarray, an optional one, or an
+# ArrayMap. Each field's check is built once, when its message class is defined: an
+# annotation the codec cannot carry is a TypeError there, never a refusal of every such
+# message at run time.
+
+_ARRAY, _OPT_ARRAY, _ARRAY_MAP = "array", "optional array", "array map"
+
+
+def _is_optional(hint: Any) -> bool:
+    return typing.get_origin(hint) in (Union, types.UnionType) and type(None) in typing.get_args(
+        hint
+    )
+
+
+def _strip_optional(hint: Any) -> Any:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if len(args) == 1 else functools.reduce(operator.or_, args)
+
+
+def _array_how(hint: Any) -> str:
+    """How an array field travels (_ARRAY, _OPT_ARRAY, _ARRAY_MAP); "" for a header field."""
+    if hint is np.ndarray:
+        return _ARRAY
+    if _is_optional(hint) and _strip_optional(hint) is np.ndarray:
+        return _OPT_ARRAY
+    return _ARRAY_MAP if hint == ArrayMap else ""
+
+
+def _is_record(hint: Any) -> bool:
+    return (isinstance(hint, type) and dataclasses.is_dataclass(hint)
+            and not issubclass(hint, Message))
+
+
+_JSON_SCALARS = frozenset({type(None), bool, int, float, str})
+_JSON_CONTAINERS = frozenset({list, dict})
+_JSON_TYPES = _JSON_SCALARS | _JSON_CONTAINERS
+_STR_ONLY = frozenset({str})
+# Exact types, as msgpack makes them: bool is not an int here, an int is a float.
+_EXACT_TYPES = {bool: frozenset({bool}), int: frozenset({int}), float: frozenset({int, float}),
+                str: _STR_ONLY}
+
+
+def _check_json(value: Any, depth: int = 0) -> bool:
+    """Str keys, scalars, lists and maps, nested at most MAX_JSON_DEPTH below `value`.
+
+    Whole containers are type-checked at C speed (`set.issuperset(map(type, ...))`) and only
+    nested containers are visited one by one, so a header of 60,000 small values costs well
+    under a millisecond. Depth -1 checks the items of a field typed `dict[str, Json]` or
+    `list[Json]`, each of which may nest MAX_JSON_DEPTH deep itself.
+    """
+    kind = type(value)
+    if kind is dict:
+        if not _STR_ONLY.issuperset(map(type, value)):
+            return False
+        items: Any = value.values()
+    elif kind is list:
+        items = value
+    else:
+        return kind in _JSON_SCALARS and depth <= MAX_JSON_DEPTH
+    if depth >= MAX_JSON_DEPTH:
+        return not items  # a container at the last level may only be empty
+    kinds = set(map(type, items))
+    if not kinds <= _JSON_TYPES:
+        return False
+    if kinds <= _JSON_SCALARS:
+        return True
+    nested = itertools.compress(items, map(_JSON_CONTAINERS.__contains__, map(type, items)))
+    return all(_check_json(v, depth + 1) for v in nested)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _once_per_class(fn: F) -> F:
+    """Memoised: a record's checks and conversions are built once per class."""
+    return typing.cast(F, functools.cache(fn))
+
+
+def _checker(hint: Any) -> Callable[[Any], bool]:
+    """The check of a header value against its annotation, built once per field: inspecting
+    the annotation on every message was a third of the decoder's time.
+
+    Raises:
+        TypeError: for an annotation the codec cannot carry.
+    """
+    if hint is Json:
+        return _check_json
+    if _is_optional(hint):
+        inner = _checker(_strip_optional(hint))
+        return lambda value: value is None or inner(value)
+    exact = _EXACT_TYPES.get(hint)
+    if exact is not None:
+        return lambda value: type(value) in exact
+    if _is_record(hint):
+        return _record_checker(hint)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if (origin is list and len(args) == 1) or (origin is dict and args[:1] == (str,)):
+        return _container_checker(origin, args[-1])
+    raise TypeError(f"the codec cannot carry a field of type {hint!r}: see 'What a field may "
+                    "be' in stepbus.bus.protocol")
+
+
+def _container_checker(origin: Any, item: Any) -> Callable[[Any], bool]:
+    """The check of a `list[item]` or `dict[str, item]` value."""
+    item_exact = _EXACT_TYPES.get(item)
+    check_item = None if item is Json or item_exact is not None else _checker(item)
+
+    def check(value: Any) -> bool:
+        if type(value) is not origin:
+            return False
+        if item is Json:
+            return _check_json(value, -1)
+        if origin is dict and not _STR_ONLY.issuperset(map(type, value)):
+            return False
+        items = value.values() if origin is dict else value
+        if item_exact is not None:
+            return item_exact.issuperset(map(type, items))
+        return all(map(check_item, items))  # type: ignore[arg-type]
+
+    return check
+
+
+@_once_per_class
+def _record_checks(cls: type) -> dict[str, Callable[[Any], bool]]:
+    """Each field's check of a record class."""
+    if not cls.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+        raise TypeError(f"record {cls.__name__} must be a frozen dataclass")
+    hints = typing.get_type_hints(cls)
+    checks = {}
+    for f in dataclasses.fields(cls):
+        if _array_how(hints[f.name]):
+            raise TypeError(f"{cls.__name__}.{f.name}: arrays travel only as a message's own "
+                            "fields, not inside a record")
+        try:
+            checks[f.name] = _checker(hints[f.name])
+        except TypeError as exc:
+            raise TypeError(f"{cls.__name__}.{f.name}: {exc}") from None
+    return checks
+
+
+@_once_per_class
+def _record_checker(cls: type) -> Callable[[Any], bool]:
+    """A record travels as the map of exactly its fields, each of which passes its check."""
+    checks = _record_checks(cls)
+
+    def check(value: Any) -> bool:
+        return (type(value) is dict and value.keys() == checks.keys()
+                and all(ok(value[name]) for name, ok in checks.items()))
+
+    return check
+
+
+def _record_problem(cls: type, value: Any) -> str:
+    """What is wrong with a map that failed `cls`'s check, for the refusal's detail."""
+    if type(value) is not dict:
+        return f"{cls.__name__}: {_brief(value)}"
+    checks = _record_checks(cls)
+    missing = [name for name in checks if name not in value]
+    unexpected = list(itertools.islice(itertools.filterfalse(checks.__contains__, value), 3))
+    if missing or unexpected:
+        return f"{cls.__name__}: missing {missing}, unexpected {_brief(unexpected)}"[:160]
+    bad = next((name for name, ok in checks.items() if not ok(value[name])), "")
+    return f"{cls.__name__}.{bad}: {_brief(value.get(bad))}"[:160]
+
+
+def _build_record(cls: type[R], value: dict[str, Any]) -> R:
+    """A checked map -> its record. A record's own validation failing is a ProtocolError."""
+    values = dict(value)
+    for name, build in _converters(cls, _builder_of).items():
+        values[name] = build(values[name])
+    try:
+        return cls(**values)
+    except Exception as exc:
+        raise ProtocolError("bad field", f"{cls.__name__}: {type(exc).__name__}: {exc}"[:160]
+                            ) from None
+
+
+def _builder_of(cls: type) -> Callable[[Any], Any]:
+    return functools.partial(_build_record, cls)
+
+
+def _mapper_of(cls: type) -> Callable[[Any], Any]:
+    return to_map
+
+
+def _convert(hint: Any, on_record: Callable[[type], Callable[[Any], Any]]
+             ) -> Callable[[Any], Any] | None:
+    """What applies `on_record(cls)` to every record in a value of type `hint`; None if the
+    type holds no record (the value is used as it is)."""
+    if _is_optional(hint):
+        inner = _convert(_strip_optional(hint), on_record)
+        return None if inner is None else lambda value: None if value is None else inner(value)
+    if _is_record(hint):
+        return on_record(hint)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    item = _convert(args[-1], on_record) if origin in (list, dict) and args else None
+    if item is None:
+        return None
+    if origin is list:
+        return lambda value: [item(v) for v in value]
+    return lambda value: {key: item(v) for key, v in value.items()}
+
+
+@_once_per_class
+def _converters(cls: type, on_record: Callable[[type], Callable[[Any], Any]]
+                ) -> dict[str, Callable[[Any], Any]]:
+    """The fields of a dataclass that hold records, each with its conversion."""
+    hints = typing.get_type_hints(cls)
+    found = ((f.name, _convert(hints[f.name], on_record)) for f in dataclasses.fields(cls))
+    return {name: convert for name, convert in found if convert is not None}
+
+
+def to_map(record: Any) -> dict[str, Any]:
+    """A record as the map it travels as (records inside it as maps too)."""
+    values = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+    for name, convert in _converters(type(record), _mapper_of).items():
+        values[name] = convert(values[name])
+    return values
+
+
+def from_map(cls: type[R], value: Any) -> R:
+    """The record of class `cls` a map holds, checked as a message field of that type is.
+
+    Raises:
+        ProtocolError: "bad field", naming what is missing, unexpected or of the wrong type.
+    """
+    if not _record_checker(cls)(value):
+        raise ProtocolError("bad field", _record_problem(cls, value))
+    return _build_record(cls, value)
 
 
 class Message:
     """Base of every message dataclass; `KIND` ties the class to its wire kind."""
 
     KIND: ClassVar[Kind]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every field's annotation is checked as the class is defined."""
+        super().__init_subclass__(**kwargs)
+        try:
+            hints = typing.get_type_hints(cls)
+        except NameError as exc:
+            raise TypeError(f"{cls.__name__}: {exc}") from None
+        for name, hint in hints.items():
+            if typing.get_origin(hint) is ClassVar or _array_how(hint):
+                continue
+            try:
+                _checker(hint)
+            except TypeError as exc:
+                raise TypeError(f"{cls.__name__}.{name}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -536,8 +805,6 @@ assert set(MESSAGE_TYPES) == set(Kind), "every kind needs exactly one message cl
 # ---------------------------------------------------------------------------------------------
 # Field schemas, derived once from the dataclass annotations.
 
-_ARRAY, _OPT_ARRAY, _ARRAY_MAP = "array", "optional array", "array map"
-
 
 @dataclass(frozen=True)
 class _Schema:
@@ -545,110 +812,27 @@ class _Schema:
     arrays: dict[str, str]  # name -> _ARRAY | _OPT_ARRAY | _ARRAY_MAP
     required: frozenset[str]
     checks: dict[str, Callable[[Any], bool]]  # name -> its value's check
+    from_header: dict[str, Callable[[Any], Any]]  # fields holding records: map -> record
+    to_header: dict[str, Callable[[Any], Any]]  # ... and record -> map
 
 
 def _schema(cls: type[Message]) -> _Schema:
-    hints = typing.get_type_hints(cls, globalns={**globals(), "Json": Json})
+    hints = typing.get_type_hints(cls)
     scalars: dict[str, Any] = {}
     arrays: dict[str, str] = {}
     required = set()
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         hint = hints[f.name]
-        if hint is np.ndarray:
-            arrays[f.name] = _ARRAY
-        elif _is_optional(hint) and _strip_optional(hint) is np.ndarray:
-            arrays[f.name] = _OPT_ARRAY
-        elif hint == ArrayMap:
-            arrays[f.name] = _ARRAY_MAP
+        how = _array_how(hint)
+        if how:
+            arrays[f.name] = how
         else:
             scalars[f.name] = hint
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             required.add(f.name)
     return _Schema(scalars, arrays, frozenset(required),
-                   {name: _checker(hint) for name, hint in scalars.items()})
-
-
-def _is_optional(hint: Any) -> bool:
-    return typing.get_origin(hint) in (Union, types.UnionType) and type(None) in typing.get_args(
-        hint
-    )
-
-
-def _strip_optional(hint: Any) -> Any:
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if len(args) == 1 else functools.reduce(operator.or_, args)
-
-
-
-
-_JSON_SCALARS = frozenset({type(None), bool, int, float, str})
-_JSON_CONTAINERS = frozenset({list, dict})
-_JSON_TYPES = _JSON_SCALARS | _JSON_CONTAINERS
-_STR_ONLY = frozenset({str})
-# Exact types, as msgpack makes them: bool is not an int here, an int is a float.
-_EXACT_TYPES = {bool: frozenset({bool}), int: frozenset({int}), float: frozenset({int, float}),
-                str: _STR_ONLY}
-
-
-def _check_json(value: Any, depth: int = 0) -> bool:
-    """Str keys, scalars, lists and maps, nested at most MAX_JSON_DEPTH below `value`.
-
-    Whole containers are type-checked at C speed (`set.issuperset(map(type, ...))`) and only
-    nested containers are visited one by one, so a header of 60,000 small values costs well
-    under a millisecond. Depth -1 checks the items of a field typed `dict[str, Json]` or
-    `list[Json]`, each of which may nest MAX_JSON_DEPTH deep itself.
-    """
-    kind = type(value)
-    if kind is dict:
-        if not _STR_ONLY.issuperset(map(type, value)):
-            return False
-        items: Any = value.values()
-    elif kind is list:
-        items = value
-    else:
-        return kind in _JSON_SCALARS and depth <= MAX_JSON_DEPTH
-    if depth >= MAX_JSON_DEPTH:
-        return not items  # a container at the last level may only be empty
-    kinds = set(map(type, items))
-    if not kinds <= _JSON_TYPES:
-        return False
-    if kinds <= _JSON_SCALARS:
-        return True
-    nested = itertools.compress(items, map(_JSON_CONTAINERS.__contains__, map(type, items)))
-    return all(_check_json(v, depth + 1) for v in nested)
-
-
-def _checker(hint: Any) -> Callable[[Any], bool]:
-    """The check of a field's value against its annotation, built once per field: inspecting
-    the annotation on every message was a third of the decoder's time."""
-    if hint is Json:
-        return _check_json
-    if _is_optional(hint):
-        inner = _checker(_strip_optional(hint))
-        return lambda value: value is None or inner(value)
-    exact = _EXACT_TYPES.get(hint)
-    if exact is not None:
-        return lambda value: type(value) in exact
-    origin = typing.get_origin(hint)
-    if origin is not list and origin is not dict:
-        return lambda value: False
-    item = typing.get_args(hint)[-1]
-    item_exact = _EXACT_TYPES.get(item)
-    check_item = None if item is Json or item_exact is not None else _checker(item)
-
-    def check(value: Any) -> bool:
-        if type(value) is not origin:
-            return False
-        if item is Json:
-            return _check_json(value, -1)
-        if origin is dict and not _STR_ONLY.issuperset(map(type, value)):
-            return False
-        items = value.values() if origin is dict else value
-        if item_exact is not None:
-            return item_exact.issuperset(map(type, items))
-        return all(map(check_item, items))  # type: ignore[arg-type]
-
-    return check
+                   {name: _checker(hint) for name, hint in scalars.items()},
+                   _converters(cls, _builder_of), _converters(cls, _mapper_of))
 
 
 _SCHEMAS: dict[Kind, _Schema] = {kind: _schema(cls) for kind, cls in MESSAGE_TYPES.items()}
@@ -674,6 +858,8 @@ def encode(msg: Message) -> list[Any]:
     frames: list[Any] = []
     for name in schema.scalars:
         fields[name] = getattr(msg, name)
+    for name, to_header in schema.to_header.items():
+        fields[name] = to_header(fields[name])
     for name, how in schema.arrays.items():
         value = getattr(msg, name)
         if how == _ARRAY_MAP:
@@ -772,6 +958,19 @@ def decode(frames: Sequence[Any], *, max_header_bytes: int = MAX_HEADER_BYTES) -
     if not frames:
         raise ProtocolError("empty message")
     header = _unpack_header(_buffer(frames[0]), max_header_bytes)
+    kind, fields, descs = _parts(header, len(frames) - 1)
+    schema = _SCHEMAS[kind]
+    values = _header_values(kind, schema, fields)
+    _add_arrays(kind, schema, descs, frames[1:], values)
+    absent = schema.required - set(values)
+    if absent:
+        raise ProtocolError("bad fields", f"{kind.name}: missing {sorted(absent)}")
+    return MESSAGE_TYPES[kind](**values)
+
+
+def _parts(header: Any, frame_count: int) -> tuple[Kind, dict[str, Any], list[Any]]:
+    """The kind, fields and array descriptors of an unpacked header, checked for shape,
+    protocol version, a declared kind, and one frame per array."""
     if not (isinstance(header, list) and len(header) == 4):
         raise ProtocolError("bad header", "expected [version, kind, fields, arrays]")
     version, kind_value, fields, descs = header
@@ -787,11 +986,15 @@ def decode(frames: Sequence[Any], *, max_header_bytes: int = MAX_HEADER_BYTES) -
         raise ProtocolError("unknown kind", _brief(kind_value)) from None
     if not isinstance(fields, dict) or not isinstance(descs, list):
         raise ProtocolError("bad header", "fields must be a map and arrays a list")
-    if len(descs) > MAX_ARRAYS or len(descs) != len(frames) - 1:
+    if len(descs) > MAX_ARRAYS or len(descs) != frame_count:
         raise ProtocolError(
-            "frame count", f"{kind.name}: {len(descs)} arrays declared, {len(frames) - 1} frames"
+            "frame count", f"{kind.name}: {len(descs)} arrays declared, {frame_count} frames"
         )
-    schema = _SCHEMAS[kind]
+    return kind, fields, descs
+
+
+def _header_values(kind: Kind, schema: _Schema, fields: dict[str, Any]) -> dict[str, Any]:
+    """The header fields, exactly the kind's, each passing its check; records built."""
     if fields.keys() != schema.scalars.keys():  # set-like views: no copies of a big map
         unexpected = list(itertools.islice(
             itertools.filterfalse(schema.scalars.__contains__, fields), 3))
@@ -800,11 +1003,20 @@ def decode(frames: Sequence[Any], *, max_header_bytes: int = MAX_HEADER_BYTES) -
                             f"{_brief(unexpected)}, missing {_brief(missing)}"[:160])
     for name, check in schema.checks.items():
         if not check(fields[name]):
-            raise ProtocolError(
-                "bad field", f"{kind.name}.{name}: {_brief(fields[name])}"[:160]
-            )
+            hint, value = schema.scalars[name], fields[name]
+            why = _record_problem(hint, value) if _is_record(hint) else _brief(value)
+            raise ProtocolError("bad field", f"{kind.name}.{name}: {why}"[:160])
     values: dict[str, Any] = dict(fields)
-    for desc, frame in zip(descs, frames[1:], strict=False):
+    for name, from_header in schema.from_header.items():
+        values[name] = from_header(values[name])
+    return values
+
+
+def _add_arrays(kind: Kind, schema: _Schema, descs: list[Any], frames: Sequence[Any],
+                values: dict[str, Any]) -> None:
+    """Each declared array into `values` under its field (an ArrayMap's as `field.key`);
+    absent optional ones as None or an empty map."""
+    for desc, frame in zip(descs, frames, strict=False):
         name, arr = _decode_array(desc, frame)
         top, dot, key = name.partition(".")
         how = schema.arrays.get(top)
@@ -822,11 +1034,6 @@ def decode(frames: Sequence[Any], *, max_header_bytes: int = MAX_HEADER_BYTES) -
             if how == _ARRAY:
                 raise ProtocolError("missing array", f"{kind.name}.{name}")
             values[name] = {} if how == _ARRAY_MAP else None
-    cls = MESSAGE_TYPES[kind]
-    missing = schema.required - set(values)
-    if missing:
-        raise ProtocolError("bad fields", f"{kind.name}: missing {sorted(missing)}")
-    return cls(**values)
 
 
 def peek_kind(frames: Sequence[Any]) -> Kind | None:

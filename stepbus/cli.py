@@ -21,7 +21,7 @@ import time
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from stepbus import __version__, single_thread_blas  # noqa: F401  (before numpy loads)
 from stepbus import plot as stepbus_plot
@@ -87,7 +87,8 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type, env_help: dict
     docs = _field_docs(cls)
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default: Any = (f.default if not callable(f.default_factory)  # every field has one
+                        else f.default_factory())
         if dataclasses.is_dataclass(hint):
             group = parser.add_argument_group(f"{f.name} settings")
             _add_config_flags(group, hint, env_help)  # type: ignore[arg-type]
@@ -119,12 +120,18 @@ def _build_config(cls: type, args: argparse.Namespace) -> Any:
     return cls(**values)
 
 
+M = TypeVar("M", bound=p.Message)
 UNREACHABLE_EXIT = 2  # the controller did not answer; 1 is "it answered no"
 
 
 def _ask(endpoint: str, request: p.Message, timeout_s: float, keys: str = "") -> p.Message:
-    """One request to the controller; raises status.Unreachable naming the address if nobody
-    answers within the timeout."""
+    """One request to the controller, and its answer.
+
+    Raises:
+        status.Unreachable: nobody answered within the timeout, or not readably (names the
+            address).
+        protocol.RemoteFailure: the answer was a REMOTE_ERROR, raised again with its fields.
+    """
     import zmq
 
     ctx = wiring.context(wiring.Security(keys=keys))
@@ -141,12 +148,44 @@ def _ask(endpoint: str, request: p.Message, timeout_s: float, keys: str = "") ->
                 except p.ProtocolError as exc:
                     raise status_view.Unreachable(f"unreadable reply from the controller at "
                                                   f"{endpoint}: {exc}") from None
+                if isinstance(msg, p.RemoteError):
+                    raise p.RemoteFailure.of(msg)
                 if not isinstance(msg, p.RunState):
                     return msg
         raise status_view.Unreachable(f"controller unreachable at {endpoint} "
                                       f"(no reply within {timeout_s:g}s)")
     finally:
         wiring.destroy(ctx)
+
+
+def _expect(reply: p.Message, kind: type[M]) -> M:
+    if not isinstance(reply, kind):
+        raise status_view.Unreachable(f"the controller answered {reply.KIND.name}, not "
+                                      f"{kind.KIND.name}")
+    return reply
+
+
+def _answer(reply: p.Message) -> int:
+    """Print a REPLY's detail: exit 0 if the controller said yes, 1 if no."""
+    done = _expect(reply, p.Reply)
+    print(done.detail)
+    return 0 if done.ok else 1
+
+
+def _client(command: str, call: Callable[[], int]) -> int:
+    """Run a client command; a controller that does not answer exits 2, a remote error 1, both
+    with one message on stderr (a remote error with its traceback)."""
+    try:
+        return call()
+    except status_view.Unreachable as exc:
+        print(f"stepbus {command}: {exc}", file=sys.stderr)
+        return UNREACHABLE_EXIT
+    except p.RemoteFailure as exc:
+        context = f" {exc.context}" if exc.context else ""
+        print(f"stepbus {command}: {exc}{context}", file=sys.stderr)
+        if exc.traceback:
+            print(f"remote traceback ({exc.origin}):\n{exc.traceback.rstrip()}", file=sys.stderr)
+        return 1
 
 
 def _parse_option(text: str) -> tuple[str, Any]:
@@ -161,8 +200,8 @@ def _parse_option(text: str) -> tuple[str, Any]:
 
 def _status(args: argparse.Namespace) -> int:
     def fetch() -> dict:
-        reply = _ask(args.controller, p.StatusRequest(), args.timeout, args.keys)
-        assert isinstance(reply, p.StatusReply)
+        reply = _expect(_ask(args.controller, p.StatusRequest(), args.timeout, args.keys),
+                        p.StatusReply)
         return {"run_id": reply.run_id, "epoch": reply.epoch, "processes": reply.processes}
 
     if args.watch is not None:
@@ -257,15 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         problem = learner_flags_problem(flags)
         if problem:
             raise SystemExit(f"stepbus trainer swap: {problem}")
-        try:
-            reply = _ask(opts.controller, p.TrainerSwap(slot=opts.slot, args=flags),
-                         opts.timeout, opts.keys)
-        except status_view.Unreachable as exc:
-            print(f"stepbus trainer swap: {exc}", file=sys.stderr)
-            return UNREACHABLE_EXIT
-        assert isinstance(reply, p.Reply)
-        print(reply.detail)
-        return 0 if reply.ok else 1
+        swap = p.TrainerSwap(slot=opts.slot, args=flags)
+        return _client("trainer swap", lambda: _answer(
+            _ask(opts.controller, swap, opts.timeout, opts.keys)))
     args = build_parser().parse_args(argv)
     if args.command == "plot":
         try:
@@ -292,19 +325,12 @@ def main(argv: list[str] | None = None) -> int:
         for path in wiring.make_keys(args.dir, args.client_of):
             print(path)
         return 0
-    try:
-        if args.command == "status":
-            return _status(args)
-        request: p.Message = (p.ResetRequest(options=dict(args.option))
-                              if args.command == "reset"
-                              else p.ShutdownRequest(reason="stepbus shutdown"))
-        reply = _ask(args.controller, request, args.timeout, args.keys)
-    except status_view.Unreachable as exc:
-        print(f"stepbus {args.command}: {exc}", file=sys.stderr)
-        return UNREACHABLE_EXIT
-    assert isinstance(reply, p.Reply)
-    print(reply.detail)
-    return 0 if reply.ok else 1
+    if args.command == "status":
+        return _client("status", lambda: _status(args))
+    request: p.Message = (p.ResetRequest(options=dict(args.option)) if args.command == "reset"
+                          else p.ShutdownRequest(reason="stepbus shutdown"))
+    return _client(args.command, lambda: _answer(
+        _ask(args.controller, request, args.timeout, args.keys)))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""The wire codec: round trips of every message kind, a corpus of malformed messages (cost bombs
-at the bounds included) that must each be refused with exactly one `ProtocolError`, the
-msgpack-numpy pickle attack, byte and structural mutation fuzzing, and the issue's bound of
-10 ms of CPU per rejection."""
+"""The wire codec: round trips of every message kind, records (a frozen dataclass field) and
+their refusals, field annotations checked when a message class is defined, a corpus of
+malformed messages (cost bombs at the bounds included) that must each be refused with exactly
+one `ProtocolError`, the msgpack-numpy pickle attack, byte and structural mutation fuzzing, a
+bound of 10 ms of CPU per rejection, and errors as data raised again at the CLI."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ import pickle
 import random
 import statistics
 import struct
+import threading
 import time
 import types
 import typing
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple, Union
+from typing import Any, ClassVar, NamedTuple, Union
 
 import msgpack
 import msgpack_numpy
@@ -30,7 +32,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from stepbus.bus import checks
 from stepbus.bus import protocol as p
-from stepbus.trainer import model
+
+from stepbus.policy import ActionSpace
 
 
 def fast(max_examples: int) -> settings:
@@ -88,6 +91,10 @@ def strategy_for(hint: Any) -> st.SearchStrategy[Any]:
         return st.dictionaries(TEXT, strategy_for(args[1]), max_size=3)
     if origin is list:
         return st.lists(strategy_for(args[0]), max_size=3)
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):  # a record
+        record_hints = typing.get_type_hints(hint)
+        return st.builds(hint, **{f.name: strategy_for(record_hints[f.name])
+                                  for f in dataclasses.fields(hint)})
     raise NotImplementedError(f"no strategy for {hint!r}: teach test_codec the new field type")
 
 
@@ -186,8 +193,8 @@ def test_trajectories_travel_together_and_split_back_exactly() -> None:
 
     trajs = [one(4, 5, None), one(5, 1, 2.5), one(9, 3, None)]
     batch = p.decode([bytes(f) for f in p.encode(p.Trajectories.of(trajs))])
-    spec = {"obs_shape": [3]}
-    assert checks.trajectories_problem(batch, spec, model.ActionSpace("discrete", n=2)) == ""
+    spec = p.SpaceSpec([3], "<f4", "discrete", action_n=2)
+    assert checks.trajectories_problem(batch, spec, ActionSpace("discrete", n=2)) == ""
     for got, want in zip(batch.split(), trajs, strict=True):
         assert_same_message(want, got)
     alone = p.Trajectories.of(trajs[:1])
@@ -258,6 +265,142 @@ def test_encoding_an_array_of_a_disallowed_dtype_raises_protocol_error(bad: np.n
     with pytest.raises(p.ProtocolError) as info:
         p.encode(p.Step(epoch=0, seq=0, policy_version=0, actions=bad))
     assert info.value.reason == "bad dtype"
+
+
+# ---------------------------------------------------------------------------------------------
+# 1b. Records: a frozen dataclass field (SpaceSpec) travels as the map of its fields and is
+# checked as strictly as a message's own fields.
+
+PIXELS = p.SpaceSpec([84, 84, 4], "|u1", "box", action_shape=[2], action_low=[-1.0, -1.0],
+                     action_high=[1.0, 1.0])
+PIXELS_MAP = p.to_map(PIXELS)
+
+
+def assert_same_record(expected: Any, got: Any) -> None:
+    assert type(got) is type(expected)
+    for f in dataclasses.fields(expected):
+        assert_same(getattr(expected, f.name), getattr(got, f.name), f.name)
+
+
+@fast(200)
+@given(spec=strategy_for(p.SpaceSpec))
+def test_a_record_round_trips_through_msgpack_as_the_map_of_its_fields(spec: p.SpaceSpec
+                                                                       ) -> None:
+    wire = msgpack.unpackb(msgpack.packb(p.to_map(spec), use_bin_type=True), raw=False)
+    assert list(wire) == [f.name for f in dataclasses.fields(p.SpaceSpec)]
+    assert_same_record(spec, p.from_map(p.SpaceSpec, wire))
+
+
+def test_a_hello_spec_sent_as_a_map_reads_back_as_the_space_spec_the_worker_declared() -> None:
+    hello = p.WorkerHello(worker="w", incarnation="i", env_id="Pong", num_envs=2, seed=0,
+                          spec=p.to_map(PIXELS), seq=0)
+    got = p.decode([bytes(f) for f in p.encode(hello)])
+    assert isinstance(got, p.WorkerHello)
+    assert_same_record(PIXELS, p.from_map(p.SpaceSpec, got.spec))
+
+
+RECORD_REFUSALS = [
+    ("nil", None, "SpaceSpec: None"),
+    ("a list", [84, 84, 4], "SpaceSpec: [84, 84, 4]"),
+    ("an empty map", {}, "missing ['obs_shape', 'obs_dtype'"),
+    ("a missing field", {k: v for k, v in PIXELS_MAP.items() if k != "action_high"},
+     "missing ['action_high']"),
+    ("an extra field", {**PIXELS_MAP, "bogus": 1}, "unexpected ['bogus']"),
+    ("a field name as bin", {**{k: v for k, v in PIXELS_MAP.items() if k != "action_n"},
+                             b"action_n": 0}, "missing ['action_n']"),
+    ("bool where int expected", {**PIXELS_MAP, "action_n": True}, "SpaceSpec.action_n: True"),
+    ("float where int expected", {**PIXELS_MAP, "action_n": 2.0}, "SpaceSpec.action_n: 2.0"),
+    ("a float in an int list", {**PIXELS_MAP, "obs_shape": [84.0, 84, 4]},
+     "SpaceSpec.obs_shape"),
+    ("a bool in an int list", {**PIXELS_MAP, "action_shape": [True]}, "SpaceSpec.action_shape"),
+    ("a str in a float list", {**PIXELS_MAP, "action_low": ["-1"]}, "SpaceSpec.action_low"),
+    ("a nil in a float list", {**PIXELS_MAP, "action_high": [None]}, "SpaceSpec.action_high"),
+    ("nil where str expected", {**PIXELS_MAP, "obs_dtype": None}, "SpaceSpec.obs_dtype"),
+    ("bin where str expected", {**PIXELS_MAP, "obs_dtype": b"|u1"}, "SpaceSpec.obs_dtype"),
+    ("a nested list", {**PIXELS_MAP, "obs_shape": [[84]]}, "SpaceSpec.obs_shape"),
+    ("a map where a list is expected", {**PIXELS_MAP, "obs_shape": {"0": 84}},
+     "SpaceSpec.obs_shape"),
+]
+
+
+@pytest.mark.parametrize(("value", "detail"), [case[1:] for case in RECORD_REFUSALS],
+                         ids=[case[0] for case in RECORD_REFUSALS])
+def test_a_map_that_is_not_the_record_is_refused_naming_what_is_wrong(value: Any,
+                                                                      detail: str) -> None:
+    with pytest.raises(p.ProtocolError) as info:
+        p.from_map(p.SpaceSpec, value)
+    assert info.value.reason == "bad field"
+    assert detail in info.value.detail
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """A test record that validates itself, holding another record."""
+
+    start: int
+    stop: int
+    spaces: p.SpaceSpec | None = None
+
+    def __post_init__(self) -> None:
+        if self.stop < self.start:
+            raise ValueError("stop before start")
+
+
+@dataclasses.dataclass
+class Unfrozen:
+    n: int
+
+
+@dataclasses.dataclass(frozen=True)
+class HoldsAnArray:
+    a: np.ndarray
+
+
+def test_records_nest_and_a_record_that_refuses_its_values_is_a_protocol_error() -> None:
+    window = Window(1, 3, PIXELS)
+    wire = msgpack.unpackb(msgpack.packb(p.to_map(window)), raw=False)
+    assert wire["spaces"] == PIXELS_MAP
+    assert p.from_map(Window, wire) == window
+    assert p.from_map(Window, {**wire, "spaces": None}).spaces is None
+    with pytest.raises(p.ProtocolError, match=r"Window\.spaces"):
+        p.from_map(Window, {**wire, "spaces": {**PIXELS_MAP, "action_n": "2"}})
+    with pytest.raises(p.ProtocolError, match="ValueError: stop before start") as info:
+        p.from_map(Window, {**wire, "stop": 0})
+    assert info.value.reason == "bad field"
+
+
+def test_message_classes_with_record_fields_are_accepted_when_defined() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Hello(p.Message):
+        KIND: ClassVar[p.Kind] = p.Kind.WORKER_HELLO
+        spaces: p.SpaceSpec
+        windows: list[Window]
+        by_name: dict[str, Window]
+        maybe: Window | None = None
+
+    assert Hello(PIXELS, [], {}).spaces is PIXELS
+
+
+UNSUPPORTED = ["tuple[int, int]", "set[str]", "dict[int, str]", "complex", "bytes",
+               "int | str", "int | str | None", "list[tuple[int, int]]", "dict[str, set[int]]",
+               "list", "Unfrozen", "HoldsAnArray", "list[Unfrozen]", "p.Reply"]
+
+
+@pytest.mark.parametrize("annotation", UNSUPPORTED)
+def test_a_field_the_codec_cannot_carry_fails_when_its_message_class_is_defined(
+        annotation: str) -> None:
+    """Not by refusing every such message at run time: the class statement itself raises."""
+    with pytest.raises(TypeError, match=r"Bad\.field: "):
+        type("Bad", (p.Message,), {"__module__": __name__,
+                                   "__annotations__": {"field": annotation}})
+
+
+def test_a_class_statement_with_an_unsupported_field_raises_at_definition() -> None:
+    with pytest.raises(TypeError, match=r"Hello\.spaces: .*tuple\[int, \.\.\.\]"):
+        @dataclasses.dataclass(frozen=True)
+        class Hello(p.Message):
+            KIND: ClassVar[p.Kind] = p.Kind.WORKER_HELLO
+            spaces: tuple[int, ...]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -829,7 +972,7 @@ def edit(value: Any, path: tuple[Any, ...], op: str, new: Any) -> Any:
     sibling `new` (a list item before it, or a map entry under an odd key)."""
     if not path:
         return new
-    copy = list(value) if type(value) is list else dict(value)
+    copy: Any = list(value) if type(value) is list else dict(value)
     key, rest = path[0], path[1:]
     if rest:
         copy[key] = edit(copy[key], rest, op, new)
@@ -884,8 +1027,8 @@ def test_structurally_mutated_messages_decode_or_raise_protocol_error(
     decodes_or_refuses(mutate_structure([bytes(f) for f in p.encode(msg)], rnd))
 
 
-def sample(cls: type[p.Message]) -> p.Message:
-    """One valid message of `cls` with every field set, arrays 2-d."""
+def sample(cls: type[Any]) -> Any:
+    """One valid message (or record) of `cls` with every field set, arrays 2-d."""
     values = {bool: True, int: 3, float: 0.5, str: "s", p.Json: {"a": [1, {"b": None}]},
               p.ArrayMap: {"w": np.ones((2, 3), np.float32), "b": np.zeros(3, np.int8)}}
     hints = typing.get_type_hints(cls)
@@ -906,6 +1049,8 @@ def sample(cls: type[p.Message]) -> p.Message:
             fields[f.name] = [values[item]]
         elif origin is dict:
             fields[f.name] = {"k": values[args[1]]}
+        elif isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            fields[f.name] = sample(hint)
         else:
             fields[f.name] = values[hint]
     return cls(**fields)
@@ -1002,3 +1147,66 @@ def test_every_rejection_in_the_corpus_takes_under_ten_milliseconds_of_cpu(
     times = {name: rejection_cpu_s(frames) for name, frames in cases}
     slow = {name: f"{t * 1e3:.1f} ms" for name, t in times.items() if t >= REJECTION_BUDGET_S}
     assert not slow, f"rejections over {REJECTION_BUDGET_S * 1e3:g} ms of CPU: {slow}"
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Errors as data: a REMOTE_ERROR is raised again as one RemoteFailure that keeps its fields.
+
+ENV_ERROR = p.RemoteError(
+    origin="worker w-1", error_type="ZeroDivisionError", message="division by zero",
+    traceback='Traceback (most recent call last):\n  File "env.py", line 9, in step\n'
+              "ZeroDivisionError: division by zero\n", context={"env": 3})
+
+
+def test_a_remote_error_is_raised_again_as_one_exception_with_every_field() -> None:
+    failure = p.RemoteFailure.of(typing.cast(p.RemoteError, p.decode(p.encode(ENV_ERROR))))
+    assert isinstance(failure, p.RemoteFailure) and issubclass(p.RemoteFailure, RuntimeError)
+    assert (failure.origin, failure.error_type, failure.message, failure.traceback,
+            failure.context) == (ENV_ERROR.origin, ENV_ERROR.error_type, ENV_ERROR.message,
+                                 ENV_ERROR.traceback, ENV_ERROR.context)
+    assert str(failure) == "ZeroDivisionError in worker w-1: division by zero"
+
+
+class FakeController:
+    """A real ROUTER socket that answers every request with `answer`, in a thread."""
+
+    def __init__(self, answer: p.Message) -> None:
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.endpoint = f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}"
+        self.answer, self.requests = answer, list[p.Message]()
+        self.thread = threading.Thread(target=self._serve, args=(2,), daemon=True)
+        self.thread.start()
+
+    def _serve(self, count: int) -> None:
+        for _ in range(count):
+            if not self.router.poll(10_000):
+                return
+            ident, *frames = self.router.recv_multipart()
+            self.requests.append(p.decode(frames))
+            self.router.send_multipart([ident, *p.encode(self.answer)])
+
+    def close(self) -> None:
+        self.thread.join(15)
+        self.router.close(linger=0)
+        self.ctx.term()
+
+
+def test_a_remote_error_reaches_the_cli_as_remote_failure_and_is_printed_whole(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from stepbus import cli  # the CLI imports every process module; only this test needs it
+
+    controller = FakeController(ENV_ERROR)
+    try:
+        with pytest.raises(p.RemoteFailure) as info:
+            cli._ask(controller.endpoint, p.ResetRequest(options={}), timeout_s=10)
+        code = cli.main(["reset", "--controller", controller.endpoint, "--timeout", "10"])
+    finally:
+        controller.close()
+    assert (info.value.origin, info.value.error_type, info.value.traceback) == (
+        ENV_ERROR.origin, ENV_ERROR.error_type, ENV_ERROR.traceback)
+    assert [type(r) for r in controller.requests] == [p.ResetRequest, p.ResetRequest]
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "stepbus reset: ZeroDivisionError in worker w-1: division by zero {'env': 3}" in err
+    assert f"remote traceback (worker w-1):\n{ENV_ERROR.traceback.rstrip()}" in err
