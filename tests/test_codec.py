@@ -201,6 +201,23 @@ def test_trajectories_travel_together_and_split_back_exactly() -> None:
     assert alone.obs is trajs[0].obs, "a trajectory alone is sent without copying its obs"
 
 
+def test_a_batch_holds_at_most_max_trajectories_per_message() -> None:
+    """The one bound: what the assembler sends at most, and what the learner's check takes."""
+    def one(seq: int) -> p.Trajectory:
+        return p.Trajectory(
+            agent="w/0", epoch=0, terminated=False, truncated=False, episode_return=None,
+            episode_length=None, obs=np.zeros((1, 3), np.float32), actions=np.zeros(1, np.int64),
+            logp=np.zeros(1, np.float32), values=np.zeros(1, np.float32),
+            rewards=np.zeros(1, np.float32), policy_versions=np.zeros(1, np.int64),
+            bootstrap_obs=np.zeros(3, np.float32), assembler="a1", seq=seq)
+
+    spec, action = p.SpaceSpec([3], "<f4", "discrete", action_n=2), ActionSpace("discrete", n=2)
+    most = [one(seq) for seq in range(p.MAX_TRAJECTORIES_PER_MESSAGE + 1)]
+    assert checks.trajectories_problem(p.Trajectories.of(most[:-1]), spec, action) == ""
+    assert checks.trajectories_problem(p.Trajectories.of(most), spec, action) == (
+        f"{p.MAX_TRAJECTORIES_PER_MESSAGE + 1} trajectories in one message")
+
+
 def test_optional_arrays_may_be_absent_or_present() -> None:
     base = dict(worker="w", incarnation="i", epoch=0, seq=1, first=True, policy_version=-1,
                 obs=np.zeros((2, 3), np.float32), reward=np.zeros(2, np.float32),
