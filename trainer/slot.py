@@ -275,9 +275,6 @@ class Slot(node.Process):
         if msg.shutting_down:
             self.leave("controller shutdown")
 
-    def on_barrier(self, peer: bytes, msg: p.Barrier) -> None:
-        """Reset barriers are for the processes that step; the slot hears them and goes on."""
-
     def leave(self, reason: str) -> None:
         """Stop the learner (it drains and checkpoints); the loop ends once it has exited."""
         if self.leaving:
