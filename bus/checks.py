@@ -121,7 +121,7 @@ def experience_problem(m: p.Experience) -> str:
     if any(o is None for o in outputs) != all(o is None for o in outputs):
         return "action, logp and value travel together"
     if m.action is not None and (m.action.ndim < 1 or m.action.shape[0] != k or any(
-            o.shape != (k,) for o in (m.logp, m.value))):
+            o is None or o.shape != (k,) for o in (m.logp, m.value))):
         return "policy outputs need one row per env"
     if m.policy_versions is not None and (
             m.policy_versions.shape != (k,) or m.policy_versions.dtype.kind not in "iu"

@@ -228,13 +228,13 @@ def _secure(ctx: zmq.Context, sock: zmq.Socket, bind: str | None) -> None:
             raise SystemExit(f"cannot bind {bind}: the keys directory has no "
                              f"{SERVER}.key_secret (it is a client-only one, for hosts that "
                              f"only connect)")
-        if ctx.authenticator is None:  # type: ignore[attr-defined]
+        if ctx.authenticator is None:
             log = logging.getLogger("stepbus.auth")
             authenticator = ThreadAuthenticator(ctx, log=log)
             authenticator.start()
             authenticator.configure_curve_callback(ZAP_DOMAIN.decode(),
                                                    AllowList(curve.authorized, log))
-            ctx.authenticator = authenticator  # type: ignore[attr-defined]
+            ctx.authenticator = authenticator
         sock.curve_server = True
         sock.curve_secretkey = curve.server_secret
         sock.curve_publickey = curve.server_public

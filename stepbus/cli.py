@@ -32,7 +32,7 @@ from stepbus.processor import assembler
 from stepbus.trainer import learner, slot
 from stepbus.workers import worker
 
-PROCESSES: dict[str, tuple[type, Callable[[Any], int], str]] = {
+PROCESSES: dict[str, tuple[type, Callable[..., int], str]] = {
     "controller": (controller.Config, controller.run,
                    "registration, heartbeats, status, reset barriers, shutdown broadcast"),
     "broker": (broker.Config, broker.run,

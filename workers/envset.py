@@ -158,7 +158,7 @@ class EnvSet:
         seed_spaces(self.envs[i], seed)
         return seed
 
-    def episodes(self) -> dict[str, np.ndarray]:
+    def episodes(self) -> dict[str, Any]:
         """Each row's episode index and reset seed, for a STEP_RESULT."""
         return {"episode": np.repeat(self.episode, self.width),
                 "episode_seed": np.repeat(self.episode_seed, self.width)}
