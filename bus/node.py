@@ -3,6 +3,7 @@ accounting of untrusted input. Each process module is one poll loop built from t
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -18,6 +19,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 import zmq
 from stepbus.bus import protocol as p
 from stepbus.bus import wiring
+from zmq.utils.monitor import recv_monitor_message
 
 from stepbus import entry
 
@@ -201,13 +203,16 @@ def _sender_name(sender: bytes | None, sock: zmq.Socket, frames: Any = ()) -> st
 DRAIN_BUDGET_S = 0.05  # one drain may not keep a loop from its heartbeats longer than this
 
 
-def drain(sock: zmq.Socket, handle: Callable[[], None], limit: int = 1000) -> None:
+def drain(sock: zmq.Socket, handle: Callable[[], None], limit: int = 1000,
+          until: Callable[[], bool] | None = None) -> None:
     """Handle up to `limit` queued messages from a socket that poll said is readable, for at
     most DRAIN_BUDGET_S: on a busy machine 1000 messages took long enough for the controller to
-    take the silent process for dead; the rest waits for the next pass of the loop."""
+    take the silent process for dead; the rest waits for the next pass of the loop. `until`
+    ends the drain early once it says so (the handler has no room for more)."""
     deadline = time.monotonic() + DRAIN_BUDGET_S
     for _ in range(limit):
-        if not sock.poll(0, zmq.POLLIN) or time.monotonic() > deadline:
+        if (not sock.poll(0, zmq.POLLIN) or time.monotonic() > deadline
+                or (until is not None and until())):
             return
         handle()
 
@@ -400,6 +405,7 @@ class Port:
     kinds: tuple[type, ...] = ()
     routed: bool = False
     name_of_peer: str = ""  # how refusals name an unrouted sender ("" : the transport peer)
+    monitor: bool = False  # a socket monitor: events for `Process.on_socket_event`
 
 
 class SocketPorts:
@@ -516,6 +522,14 @@ class Process:
     def figures(self) -> dict[str, Any]:
         return self.rejects.figures()
 
+    def holds(self, port: str) -> bool:
+        """Whether messages queued on `port` are to wait there for now (backpressure: no room
+        for them yet): the loop neither reads nor polls a held port."""
+        return False
+
+    def on_socket_event(self, port: str, event: int) -> None:
+        """An event (zmq.EVENT_*) from the socket monitor on `port` (a `Port(monitor=True)`)."""
+
     def drain_on_stop(self) -> tuple[str, float]:
         """A port to empty before `finish`, and for at most how long ("": none)."""
         return "", 0.0
@@ -543,6 +557,7 @@ class Loop:
         for sock in (*link_sockets, *(port.socket for port in ports.values())):
             self.poller.register(sock, zmq.POLLIN)
         self.watch_out: set[str] = set()  # ports polled for POLLOUT (see `watch_writable`)
+        self.held: set[str] = set()  # ports not polled for input (see `Process.holds`)
         self.watch_fds: set[int] = set()  # the process's `wake_on_readable_fds`, as polled
         self.signalled = False  # the process was told of a signal
 
@@ -550,9 +565,23 @@ class Loop:
         """Wake when `port` can take a message again (a full or absent consumer)."""
         if on != (port in self.watch_out):
             self.watch_out.symmetric_difference_update({port})
-            flags = zmq.POLLIN | (zmq.POLLOUT if on else 0) if self.ports[port].kinds else (
-                zmq.POLLOUT if on else 0)
-            self.poller.register(self.ports[port].socket, flags)
+            self.register(port)
+
+    def sync_held(self) -> None:
+        """Poll a port the process holds no longer for input (its queue would wake the loop in
+        vain), and again once it is released."""
+        held = {name for name, port in self.ports.items()
+                if port.kinds and self.process.holds(name)}
+        for name in held ^ self.held:
+            self.held.symmetric_difference_update({name})
+            self.register(name)
+
+    def register(self, name: str) -> None:
+        port = self.ports[name]
+        wants_input = (port.kinds or port.monitor) and name not in self.held
+        flags = (zmq.POLLIN if wants_input else 0) | (
+            zmq.POLLOUT if name in self.watch_out else 0)
+        self.poller.register(port.socket, flags)  # 0: unregistered
 
     def run(self) -> int:
         proc = self.process
@@ -570,6 +599,7 @@ class Loop:
                 look_again = proc.tick(proc.clock())
                 for name in self.watch_out ^ proc.wake_on_writable:
                     self.watch_writable(name, name in proc.wake_on_writable)
+                self.sync_held()
             proc.stop(self.stop.reason)
             self.drain_remaining()
             proc.finish()
@@ -598,9 +628,21 @@ class Loop:
         if self.link is not None:
             for msg in self.link.poll(events, everything=True):
                 self.process.deliver(b"", msg)
-        for port in self.ports.values():
-            if port.kinds and port.socket in events:
-                drain(port.socket, lambda port=port: self.take_one(port))  # type: ignore
+        for name, port in self.ports.items():
+            if port.socket not in events or self.process.holds(name):
+                continue
+            if port.monitor:
+                drain(port.socket, functools.partial(self.take_event, name, port))
+            elif port.kinds:
+                drain(port.socket, functools.partial(self.take_one, port),
+                      until=functools.partial(self.process.holds, name))
+
+    def take_event(self, name: str, port: Port) -> None:
+        try:
+            event = recv_monitor_message(port.socket, zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        self.process.on_socket_event(name, int(event["event"]))
 
     def take_one(self, port: Port) -> None:
         peer, msg = recv(port.socket, self.process.rejects, routed=port.routed)

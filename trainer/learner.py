@@ -13,32 +13,36 @@ A batch is the first trajectories taken in that sum to at least `batch_steps`, i
 intake stops while a batch is full, so which trajectories an update learns from, and which
 policy versions count as stale, never depend on how many happened to be queued. Each metrics
 record carries a digest of every trajectory this learner took in, so two runs can be compared.
+
+The wait for the run id and the env spec comes first (`wait_for_setup`): what the learner is
+built from is known only then. `Learner` is the process from there on, run by `node.Loop`.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
+import enum
 import logging
+import math
 import os
 import signal
 import socket as pysocket
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import zmq
-from stepbus.bus import checks, node, policies, wiring
+from stepbus.bus import node, policies, wiring
 from stepbus.bus import protocol as p
-from stepbus.trainer import checkpoint, ppo, spaces
+from stepbus.trainer import algorithm, ppo
+from stepbus.trainer.algorithm import CannotStart, Model
+from stepbus.trainer.intake import Batch, RunDigest
 from stepbus.trainer.metrics import IntakeStats, MetricsFiles, ProgressLog
-
-from stepbus import imports
 
 SLOT_BEAT_FD_ENV = "STEPBUS_SLOT_BEAT_FD"  # the pipe a trainer slot watches (see SlotBeat)
 RECEIPTS_WARN_S = 5.0  # receipts undelivered this long: say so (a wrong --receipts?)
@@ -48,6 +52,10 @@ RECEIPTS_WARN_S = 5.0  # receipts undelivered this long: say so (a wrong --recei
 LEARNED_KEPT = 1 << 16
 SHUTDOWN_DRAIN_MAX_S = 1.5  # at shutdown, take the assembler's flush for at most this long
 RECEIPT_INTERVAL_S = 0.02  # receipts go out this often at most (the assembler's bound waits)
+QUIET_S = 0.25  # no trajectories in and no weights out for this long: send the weights again
+SHUTDOWN_REQUEST_INTERVAL_S = 1.0  # a solved run asks this often, until the controller acts
+SETUP_NOTE_S = 3.0  # still waiting for the controller or the broker after this: say so
+CHECKPOINT = "checkpoint.npz"
 
 
 @dataclass
@@ -173,11 +181,11 @@ class Curriculum:
 
     RETRY_S = 1.0
 
-    def __init__(self, link: node.ControllerLink, log: logging.Logger) -> None:
-        self.link, self.log = link, log
+    def __init__(self, log: logging.Logger) -> None:
+        self.log = log
         self.options: dict | None = None  # wanted, not yet sent
         self.asked: dict | None = None  # sent, not yet answered
-        self.next_try = 0.0
+        self.next_try = 0.0  # the wanted options are not sent before then
 
     def want(self, options: dict) -> None:
         try:
@@ -187,12 +195,13 @@ class Curriculum:
             return
         self.options, self.next_try = dict(options), 0.0
 
-    def send_due(self, now: float) -> None:
+    def request(self, now: float) -> p.ResetRequest | None:
+        """The request to send now, if one is due (one at a time)."""
         if self.options is None or self.asked is not None or now < self.next_try:
-            return
+            return None
         self.log.info("curriculum: asking for a reset barrier with options %s", self.options)
-        self.link.send(p.ResetRequest(options=self.options))
         self.asked, self.options = self.options, None
+        return p.ResetRequest(options=self.asked)
 
     def answered(self, reply: p.Reply, now: float) -> None:
         asked, self.asked = self.asked, None
@@ -209,9 +218,9 @@ class SlotBeat:
     the slot can kill a learner that froze, and a broken pipe when the slot is gone, so a
     killed slot's learner leaves instead of lingering next to its replacement."""
 
-    def __init__(self) -> None:
-        fd = os.environ.get(SLOT_BEAT_FD_ENV)
-        self.fd = int(fd) if fd and fd.isdigit() else None
+    def __init__(self, fd: int | None = None) -> None:
+        """`fd` None: no slot (a bare `stepbus learner`)."""
+        self.fd = fd
         self.gone = False
         self._next = 0.0
         if self.fd is not None:
@@ -219,6 +228,11 @@ class SlotBeat:
                 os.set_blocking(self.fd, False)
             except OSError:
                 self.fd = None  # not started by a slot after all
+
+    @classmethod
+    def from_env(cls) -> SlotBeat:
+        fd = os.environ.get(SLOT_BEAT_FD_ENV)
+        return cls(int(fd) if fd and fd.isdigit() else None)
 
     def beat(self, now: float) -> None:
         if self.fd is None or now < self._next:
@@ -232,24 +246,384 @@ class SlotBeat:
             self.gone = True
 
 
+class Phase(enum.Enum):
+    """Where a learner is in its run, once it has the env spec and the run directory."""
+
+    LEARNING = "learning"  # an update on every full batch
+    # The run reached its goal (the target return, --max-updates): trajectories are taken in
+    # and receipted, no longer learned from, and the controller is asked to shut down.
+    SOLVED = "solved"
+    # The pipeline is shutting down: the assembler's flush is taken in (not learned from),
+    # until it disconnects or SHUTDOWN_DRAIN_MAX_S, so the checkpoint's counts include it.
+    DRAINING = "draining"
+
+
+@dataclass
+class Counts:
+    """This incarnation's figures about its intake and updates (`stepbus status`)."""
+
+    stale_dropped: int = 0  # acted by a policy more than --max-policy-lag versions old
+    updates: int = 0
+    trajectories: int = 0  # taken in
+    duplicates: int = 0  # sent again after a disconnect, taken in already
+
+
+class Learner(node.Process):
+    """Takes trajectories in on "trajectories" (TRAJECTORY, TRAJECTORIES from the assembler),
+    learns from every full batch, and sends WEIGHTS on "policy" (the broker, whose late ENV_SPEC
+    replies come back there), RECEIPTs on "receipts" (the assembler) and its requests on
+    "controller". The intake is held while a batch is full or a message's trajectories wait to
+    be taken in, so the rest waits in the assembler's queue, not here. The intake's disconnects
+    come on "assembler_events": during the shutdown drain, the assembler has finished.
+
+    Timers: "checkpoint", "report" (the progress line), "receipts" (at most every
+    RECEIPT_INTERVAL_S), "slot_beat", "republish" (weights again on a quiet link),
+    "curriculum" (a reset barrier the algorithm asked for), "shutdown_request" (once solved)
+    and "drain" (the end of the shutdown drain)."""
+
+    role = "trainer"
+
+    def __init__(self, cfg: Config, model: Model, progress: Progress, policy_dir: Path,
+                 ports: node.Ports, log: logging.Logger, *, name: str, incarnation: str,
+                 newest_version: int = 0, slot: SlotBeat | None = None,
+                 controller_beat: Callable[[float], object] | None = None,
+                 rejects: node.RejectLog | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """Starts the next generation of the run, at a version above its checkpoint's and
+        `newest_version` (the broker's newest); checkpoints and publishes at once, so the next
+        learner's generation is above this one's even if it dies now."""
+        super().__init__(ports, log, name=name, clock=clock)
+        if rejects is not None:  # with what was refused while setting up
+            self.rejects = rejects
+        self.cfg, self.model, self.progress = cfg, model, progress
+        self.incarnation, self.controller_beat = incarnation, controller_beat
+        self.slot = slot or SlotBeat()
+        progress.generation += 1
+        progress.version = max(progress.version, newest_version) + 1
+        self.ckpt_path = policy_dir / CHECKPOINT
+        self.returns = collections.deque(progress.recent_returns, maxlen=cfg.target_episodes)
+        self.metrics = MetricsFiles(policy_dir)  # metrics.jsonl and TensorBoard scalars
+        # policy lag, episode length and link rates per update; a progress line every 5 s
+        self.intake_stats = IntakeStats(cfg.target_episodes, clock)
+        self.progress_log = ProgressLog(log, progress.env_steps, clock)
+        log.info("run directory %s; policy %s version %d, generation %d, algorithm %s",
+                 policy_dir, cfg.policy_name, progress.version, progress.generation, cfg.algo)
+        self.phase, self.done = Phase.LEARNING, ""  # done: why no more updates (SOLVED)
+        self.batch = Batch()
+        self.pending: collections.deque[p.Trajectory] = collections.deque()  # not taken in yet
+        self.received = 0  # env steps this incarnation took in: the broker's credit
+        self.counts, self.receipts, self.digest = Counts(), Receipts(), RunDigest()
+        self.curriculum = Curriculum(log)
+        self.last_record, self.last_record_steps = self.now, progress.env_steps
+        self.last_data = self.last_publish = self.now
+        self.last_receipts = -math.inf
+        self.shutdown_reason, self.drain_end, self.drained_from = "", "", 0
+        self.every("checkpoint", cfg.checkpoint_interval_s, self.checkpoint)
+        self.every("slot_beat", node.HEARTBEAT_INTERVAL_S, self.beat_slot, first_due=self.now)
+        self.at("report", self.progress_log.due, self.report)
+        if cfg.max_updates and progress.updates >= cfg.max_updates:  # a resumed, finished run
+            self.solve(f"the run made --max-updates {cfg.max_updates} policy updates already")
+        self.save()
+        self.publish()
+
+    # -- taking trajectories in
+    def on_trajectory(self, peer: bytes, msg: p.Trajectory) -> None:
+        self.last_data = self.now
+        problem = self.model.problem(msg)
+        if problem:
+            self.refuse("assembler", "bad trajectory", problem)
+        elif not self.wrong_policy(msg.policy):
+            self.pending.append(msg)
+            self.take_pending()
+
+    def on_trajectories(self, peer: bytes, msg: p.Trajectories) -> None:
+        self.last_data = self.now
+        problem = self.model.problem(msg)
+        if problem:
+            self.refuse("assembler", "bad trajectories", problem)
+        elif not self.wrong_policy(msg.policy):
+            self.pending.extend(msg.split())
+            self.take_pending()
+
+    def wrong_policy(self, policy: str) -> bool:
+        """Another policy's trajectories are refused, not receipted: the assembler keeps them
+        for their own learner."""
+        if policy != self.cfg.policy_name:
+            self.refuse("assembler", "wrong policy",
+                        f"a trajectory of policy {policy[:64]!r}; this learner trains "
+                        f"{self.cfg.policy_name!r}: is --trajectories the assembler's endpoint "
+                        "for it?")
+        return policy != self.cfg.policy_name
+
+    def full(self) -> bool:
+        return self.phase is Phase.LEARNING and self.batch.steps >= self.cfg.ppo.batch_steps
+
+    def holds(self, port: str) -> bool:
+        return port == "trajectories" and (bool(self.pending) or self.full())
+
+    def take_pending(self) -> None:
+        """Trajectories are taken in one by one up to a full batch, whether they came alone or
+        in one message, so a batch's content never depends on how the assembler grouped them."""
+        while self.pending and not self.full():
+            self.take_in(self.pending.popleft())
+
+    def take_in(self, t: p.Trajectory) -> None:
+        if not self.receipts.take(t.assembler, t.seq):
+            self.counts.duplicates += 1  # sent again after a disconnect; we have it already
+            return
+        self.digest.add(t)
+        self.intake_stats.add(t)
+        n = t.rewards.shape[0]
+        self.received += n
+        self.counts.trajectories += 1
+        self.progress.env_steps += n
+        if t.episode_return is not None:
+            self.progress.episodes += 1
+            self.returns.append(t.episode_return)
+        self.receipt_due()
+        if self.done:
+            self.receipts.learn([(t.assembler, t.seq)])  # counted, no longer learned from
+        elif int(t.policy_versions.min()) < self.progress.version - self.cfg.max_policy_lag:
+            self.counts.stale_dropped += 1
+            self.receipts.learn([(t.assembler, t.seq)])
+        else:
+            self.batch.add(t, self.model.record(t))
+
+    # -- learning
+    def tick(self, now: float) -> float:
+        self.now = now
+        self.take_pending()
+        if self.full():
+            self.learn()
+        return 0.0 if self.pending else math.inf  # the rest of a message, after an update
+
+    def learn(self) -> None:
+        """One update on the full batch, then the new weights, the record and the goal."""
+        stats = self.model.update(self.batch.trajectories, tick=self.beat_while_learning)
+        self.receipts.learn(self.batch.ids)  # only now may the assembler forget them
+        self.receipt_due()
+        self.batch = Batch()
+        self.progress.version += 1
+        self.progress.updates += 1
+        self.counts.updates += 1
+        self.publish()
+        self.record(stats)
+        options = self.model.curriculum(stats)
+        if options is not None:
+            self.curriculum.want(options)
+            self.at("curriculum", self.curriculum.next_try, self.send_reset_request)
+        self.check_goal()
+
+    def check_goal(self) -> None:
+        cfg, mean, steps = self.cfg, self.mean_return(), self.progress.env_steps
+        took = self.clock() - self.started
+        if (cfg.target_return and len(self.returns) >= cfg.target_episodes and mean is not None
+                and mean >= cfg.target_return):
+            self.solve(f"trainer reached mean return {mean:.1f}")
+            self.log.info("solved: mean return %.1f over the last %d episodes at %d env steps "
+                          "(%.1fs); asking the controller to shut the pipeline down", mean,
+                          len(self.returns), steps, took)
+        elif cfg.max_updates and self.progress.updates >= cfg.max_updates:
+            self.solve(f"trainer made --max-updates {cfg.max_updates} policy updates")
+            self.log.info("%d policy updates made (--max-updates) at %d env steps (%.1fs); "
+                          "asking the controller to shut the pipeline down",
+                          self.progress.updates, steps, took)
+        if self.done:
+            self.save()
+
+    def solve(self, reason: str) -> None:
+        """No more updates: ask the controller to shut the pipeline down until it does."""
+        self.phase, self.done = Phase.SOLVED, reason
+        self.every("shutdown_request", SHUTDOWN_REQUEST_INTERVAL_S, self.request_shutdown,
+                   first_due=self.now)
+
+    def request_shutdown(self, now: float) -> None:
+        self.send("controller", p.ShutdownRequest(reason=self.done))
+
+    def beat_while_learning(self) -> None:
+        """After every gradient step: a long update is not a dead learner."""
+        now = self.clock()
+        if self.controller_beat is not None:
+            self.controller_beat(now)
+        self.beat_slot(now)
+
+    def beat_slot(self, now: float) -> None:
+        self.slot.beat(now)
+        if self.slot.gone and self.phase is not Phase.DRAINING:
+            self.stop("its trainer slot is gone")
+
+    def mean_return(self) -> float | None:
+        return float(np.mean(self.returns)) if self.returns else None
+
+    # -- what goes out
+    def publish(self, starving: bool = False) -> None:
+        self.send("policy", p.Weights(
+            trainer=self.name, incarnation=self.incarnation, policy=self.cfg.policy_name,
+            version=self.progress.version, consumed_steps=self.received,
+            batch_steps=self.cfg.ppo.batch_steps, starving=starving,
+            params=self.model.weights()))
+        self.last_publish = self.clock()
+        if self.phase is not Phase.DRAINING:
+            self.at("republish", self.last_publish + QUIET_S, self.republish)
+
+    def republish(self, now: float) -> None:
+        """On a quiet link, weights again: a restarted broker gets them, and a stalled credit
+        window refills (not once solved: then nothing more is wanted). Changes nothing but the
+        broker's credit."""
+        quiet_since = max(self.last_data, self.last_publish)
+        if now >= quiet_since + QUIET_S:
+            self.publish(starving=not self.done)
+        else:
+            self.at("republish", quiet_since + QUIET_S, self.republish)
+
+    def receipt_due(self) -> None:
+        """Receipts go out at most every RECEIPT_INTERVAL_S (one message per trajectory was a
+        third of this process's time); while draining, at once."""
+        if "receipts" not in self.timers:
+            due = (self.now if self.phase is Phase.DRAINING
+                   else self.last_receipts + RECEIPT_INTERVAL_S)
+            self.at("receipts", due, self.send_receipts)
+
+    def send_receipts(self, now: float) -> None:
+        msg = self.receipts.message(self.name, self.incarnation, self.cfg.policy_name, now)
+        if msg is None:
+            return
+        self.last_receipts = now
+        if self.send("receipts", msg):
+            self.receipts.delivered()
+            return
+        if not self.receipts.warned and now - (self.receipts.pending_since or now) > \
+                RECEIPTS_WARN_S:
+            self.receipts.warned = True
+            self.log.warning("receipts to the assembler at %s undelivered for %.0fs: is "
+                             "--receipts right? The assembler keeps what it sent until they "
+                             "arrive, and pauses the pipeline at its bound", self.cfg.receipts,
+                             RECEIPTS_WARN_S)
+        self.at("receipts", now + RECEIPT_INTERVAL_S, self.send_receipts)  # until they arrive
+
+    def record(self, stats: dict[str, float]) -> None:
+        """The metrics record of an update."""
+        now, progress = self.clock(), self.progress
+        rate = (progress.env_steps - self.last_record_steps) / max(now - self.last_record, 1e-9)
+        self.last_record, self.last_record_steps = now, progress.env_steps
+        self.metrics.write({
+            "time": time.time(), "wall_s": round(now - self.started, 3),
+            "env_steps": progress.env_steps, "episodes": progress.episodes,
+            "mean_return": self.mean_return(), "policy_version": progress.version,
+            "generation": progress.generation, "steps_per_second": round(rate, 1),
+            "stale_dropped": self.counts.stale_dropped, "digest": self.digest.hexdigest(),
+            **self.intake_stats.take(updated_from=progress.version - 1),
+            **{k: round(v, 6) for k, v in stats.items()},
+        })
+
+    def save(self) -> None:
+        self.progress.recent_returns = list(self.returns)
+        self.model.save(self.ckpt_path, dataclasses.asdict(self.progress))
+
+    def checkpoint(self, now: float) -> None:
+        self.save()
+
+    def report(self, now: float) -> None:
+        self.progress_log.maybe(self.progress.env_steps, self.mean_return(),
+                                self.progress.version)
+        self.at("report", self.progress_log.due, self.report)
+
+    def figures(self) -> dict[str, Any]:
+        mean, progress = self.mean_return(), self.progress
+        return {"algo": self.cfg.algo, "policy": self.cfg.policy_name,
+                "policy_version": progress.version, "env_steps": progress.env_steps,
+                "episodes": progress.episodes, "generation": progress.generation,
+                "mean_return": None if mean is None else round(mean, 2),
+                **self.rejects.figures(), **dataclasses.asdict(self.counts),
+                **self.intake_stats.last}
+
+    # -- the controller and the broker
+    def send_reset_request(self, now: float) -> None:
+        msg = self.curriculum.request(now)
+        if msg is not None:
+            self.send("controller", msg)
+
+    def on_reply(self, peer: bytes, msg: p.Reply) -> None:
+        if self.curriculum.asked is not None:  # the barrier it asked for
+            self.curriculum.answered(msg, self.now)
+            self.at("curriculum", self.curriculum.next_try, self.send_reset_request)
+
+    def on_env_spec(self, peer: bytes, msg: p.EnvSpec) -> None:
+        """A late reply to a hello from before the learner started: nothing new."""
+
+    # -- shutting down
+    def on_run_state(self, peer: bytes, msg: p.RunState) -> None:
+        self.run_state = msg
+        if msg.shutting_down:
+            self.shut_down("controller shutdown")
+
+    def on_shutdown(self, peer: bytes, msg: p.Shutdown) -> None:
+        self.shut_down(msg.reason)
+
+    def on_signal(self, reason: str) -> None:
+        """SIGINT/SIGTERM: the pipeline is stopping, drain. SIGUSR1 is the trainer slot's "hand
+        over": leave at once (what this learner has not learned from, the assembler sends to
+        the next one)."""
+        if self.phase is Phase.DRAINING:
+            return
+        if reason in ("SIGINT", "SIGTERM"):
+            self.shut_down(reason)
+        else:
+            self.stop(reason)
+
+    def shut_down(self, reason: str) -> None:
+        """On a pipeline shutdown the assembler flushes its open trajectories as truncated:
+        take them in (and say so), so the checkpoint's counts include them. It disconnects
+        once it has flushed and heard our receipts (or given up on them)."""
+        if self.phase is Phase.DRAINING or self.stop_reason:
+            return
+        self.phase, self.shutdown_reason = Phase.DRAINING, reason
+        self.drained_from, self.drain_end = self.counts.trajectories, "the assembler did not finish"
+        for name in ("checkpoint", "report", "republish", "curriculum", "shutdown_request"):
+            self.cancel(name)
+        self.take_pending()  # all of them: nothing is learned any more
+        self.send_receipts(self.now)  # what the interval held back
+        self.at("drain", self.now + SHUTDOWN_DRAIN_MAX_S, self.end_drain)
+
+    def on_socket_event(self, port: str, event: int) -> None:
+        if self.phase is Phase.DRAINING and event == zmq.EVENT_DISCONNECTED:
+            self.drain_end = "the assembler finished"
+            self.end_drain(self.now)
+        # before the shutdown: old news (an assembler that restarted)
+
+    def end_drain(self, now: float) -> None:
+        self.stop(self.shutdown_reason)
+
+    def finish(self) -> None:
+        self.send_receipts(self.clock())
+        if self.phase is Phase.DRAINING:
+            self.log.info("took in %d trajectories after the shutdown began (%s)",
+                          self.counts.trajectories - self.drained_from, self.drain_end)
+        self.save()
+        self.metrics.close()  # also flushes TensorBoard's events (the process ends with os._exit)
+        self.log.info("learner stopping (%s); checkpoint at %s; %d trajectories taken in, %d "
+                      "messages refused", self.stop_reason, self.ckpt_path,
+                      self.counts.trajectories, self.rejects.total)
+
+
 @dataclass
 class Links:
-    """Everything the learner talks through, so its loops take one argument."""
+    """Everything the learner talks through; `run` builds it."""
 
     log: logging.Logger
     stop: node.StopFlag
     link: node.ControllerLink
-    broker: zmq.Socket
-    intake: zmq.Socket
+    broker: zmq.Socket  # DEALER: hellos and weights to the broker, its ENV_SPEC back
+    intake: zmq.Socket  # PULL: trajectories from the assembler
     assembler_events: zmq.Socket  # the intake's disconnects: the assembler has finished
-    receipts: zmq.Socket
+    receipts: zmq.Socket  # PUSH: receipts to the assembler
     rejects: node.RejectLog
     slot: SlotBeat
     name: str
     incarnation: str
 
     def beat(self, now: float, figures: Callable[[], dict] | None = None) -> None:
-        """Heartbeats to the controller and to the slot; run often (also inside updates)."""
+        """Heartbeats to the controller and to the slot, while setting up."""
         self.link.beat(now, figures)
         self.slot.beat(now)
         if self.slot.gone and not self.stop:
@@ -257,6 +631,17 @@ class Links:
 
     def running(self) -> bool:
         return not self.stop and not self.link.shutdown_reason
+
+    def ports(self) -> dict[str, node.Port]:
+        """What the loop receives on."""
+        return {"trajectories": node.Port(self.intake, (p.Trajectory, p.Trajectories),
+                                          name_of_peer="assembler"),
+                "policy": node.Port(self.broker, (p.EnvSpec,)),
+                "assembler_events": node.Port(self.assembler_events, monitor=True)}
+
+    def sending(self) -> node.SocketPorts:
+        return node.SocketPorts({"policy": self.broker, "receipts": self.receipts,
+                                 "controller": self.link.dealer})
 
 
 def run(cfg: Config) -> int:
@@ -274,25 +659,70 @@ def run(cfg: Config) -> int:
     intake = wiring.socket(ctx, zmq.PULL, connect=cfg.trajectories, rcvhwm=64)
     assembler_events = intake.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     receipts = wiring.socket(ctx, zmq.PUSH, connect=cfg.receipts, immediate=True)
-    links = Links(log, stop, link, broker, intake, assembler_events, receipts,
-                  node.RejectLog(log), SlotBeat(), name, uuid.uuid4().hex[:8])
+    io = Links(log, stop, link, broker, intake, assembler_events, receipts,
+               node.RejectLog(log), SlotBeat.from_env(), name, uuid.uuid4().hex[:8])
     try:
-        return _learn(cfg, links)
+        return _learn(cfg, io)
     finally:
         intake.disable_monitor()
-        link.close()
         wiring.destroy(ctx, wiring.LINGER_MS)
 
 
-def _wait_for_setup(cfg: Config, io: Links) -> tuple[Path, p.EnvSpec] | None:
-    """Block (with a log line) until the controller gave the run id and the broker the spec.
-    Trajectories are not read yet: they wait in their queue."""
+def _learn(cfg: Config, io: Links) -> int:
+    """Set up, then run the learner on the loop, which closes the controller link."""
+    learner: Learner | None = None
+    code = 0
+    try:
+        learner = _start(cfg, io)
+    except CannotStart as exc:
+        io.log.error("%s", exc)
+        code = 2
+    finally:
+        if learner is None:
+            io.link.close()
+    if learner is None:
+        return code
+    return node.Loop(learner, io.ports(), io.link, io.stop).run()
+
+
+def _start(cfg: Config, io: Links) -> Learner | None:
+    """The learner, once the controller and the broker have said what it learns for; None if
+    told to stop first. Raises CannotStart."""
+    try:
+        policies.check_name(cfg.policy_name)
+    except ValueError as exc:
+        raise CannotStart(f"--policy-name: {exc}") from exc
+    algo_class = algorithm.load(cfg.algo)
+    setup = wait_for_setup(cfg, io)
+    if setup is None:
+        return None
+    run_dir, env_spec = setup
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _link_latest(run_dir)
+    model = Model(algo_class, env_spec, cfg.ppo, cfg.seed, name=cfg.algo)
+    # Each policy's learner keeps its own checkpoint and metrics.
+    policy_dir = (run_dir if cfg.policy_name == policies.DEFAULT
+                  else run_dir / f"policy-{cfg.policy_name}")
+    policy_dir.mkdir(exist_ok=True)
+    progress = Progress()
+    if (policy_dir / CHECKPOINT).exists():
+        progress = Progress(**model.resume(policy_dir / CHECKPOINT))
+        io.log.info("resumed from %s (version %d, generation %d, %d env steps)",
+                    policy_dir / CHECKPOINT, progress.version, progress.generation,
+                    progress.env_steps)
+    return Learner(cfg, model, progress, policy_dir, io.sending(), io.log, name=io.name,
+                   incarnation=io.incarnation, newest_version=env_spec.policy_version,
+                   slot=io.slot, controller_beat=io.link.beat, rejects=io.rejects)
+
+
+def wait_for_setup(cfg: Config, io: Links) -> tuple[Path, p.EnvSpec] | None:
+    """Block (with a log line) until the controller gave the run id and the broker the spec;
+    None if told to stop first. Trajectories are not read yet: they wait in their queue."""
     poller = zmq.Poller()
     for sock in (io.broker, *io.link.sockets()):
         poller.register(sock, zmq.POLLIN)
     env_spec: p.EnvSpec | None = None
-    started, warned = time.monotonic(), False
-    next_hello = 0.0
+    started, noted, next_hello = time.monotonic(), False, 0.0
     while io.running():
         now = time.monotonic()
         io.beat(now, lambda: {"state": "starting"})
@@ -307,342 +737,24 @@ def _wait_for_setup(cfg: Config, io: Links) -> tuple[Path, p.EnvSpec] | None:
             if isinstance(msg, p.EnvSpec):
                 env_spec = msg
         state = io.link.state
-        have_run = cfg.run_dir or state is not None
+        have_run = bool(cfg.run_dir) or state is not None
         if have_run and env_spec is not None:
             run_dir = Path(cfg.run_dir) if cfg.run_dir or state is None else (
                 Path(cfg.runs_dir) / state.run_id)
             return run_dir, env_spec
-        if not warned and now - started > 3.0:
-            warned = True
-            io.log.info("waiting for %s", " and ".join(
-                w for w, ok in ((f"controller at {cfg.controller}", have_run),
-                                (f"broker (and a worker) at {cfg.policy}"
-                                 + ("" if cfg.policy_name == policies.DEFAULT else
-                                    f" to know policy {cfg.policy_name!r} (its --policy-map)"),
-                                 env_spec)) if not ok))
+        if not noted and now - started > SETUP_NOTE_S:
+            noted = True
+            _note_waiting(cfg, io.log, have_run, env_spec is not None)
     return None
 
 
-def _learn(cfg: Config, io: Links) -> int:
-    log, stop, link, rejects = io.log, io.stop, io.link, io.rejects
-    broker, intake, receipts = io.broker, io.intake, io.receipts
-    name, incarnation = io.name, io.incarnation
-    try:
-        policies.check_name(cfg.policy_name)
-    except ValueError as exc:
-        log.error("--policy-name: %s", exc)
-        return 2
-    try:
-        algo_class = imports.load_object(cfg.algo)
-    except (ImportError, AttributeError, ValueError) as exc:
-        log.error("cannot load --algo %s: %s: %s", cfg.algo, type(exc).__name__, exc)
-        return 2
-    setup = _wait_for_setup(cfg, io)
-    if setup is None:
-        return 0
-    run_dir, env_spec = setup
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _link_latest(run_dir)
-    spec = env_spec.spec
-    action = spaces.action_space(spec)
-    rng = np.random.default_rng(cfg.seed)
-    try:
-        algo = algo_class(spaces.obs_dim(spec), action, cfg.ppo, rng)
-    except Exception as exc:  # user code: one clear line, and the slot reverts a swap
-        log.error("--algo %s failed to start: %s: %s", cfg.algo, type(exc).__name__, exc)
-        return 2
-    params = algo.params
-    # Each policy's learner keeps its own checkpoint and metrics.
-    policy_dir = (run_dir if cfg.policy_name == policies.DEFAULT
-                  else run_dir / f"policy-{cfg.policy_name}")
-    policy_dir.mkdir(exist_ok=True)
-    ckpt_path = policy_dir / "checkpoint.npz"
-    progress = Progress()
-    if ckpt_path.exists():
-        saved, optimizer, progress_dict = checkpoint.load(ckpt_path)
-        progress = Progress(**progress_dict)
-        mismatch = sorted(k for k in params.keys() | saved.keys()
-                          if k not in saved or k not in params or saved[k].shape != params[k].shape)
-        if mismatch:
-            log.error("checkpoint %s does not fit this policy (%s; spaces %s, hidden %s): "
-                      "start a new run or use the old settings", ckpt_path,
-                      ", ".join(mismatch[:4]), spec, cfg.ppo.hidden)
-            return 2
-        params.update(saved)
-        algo.load_optimizer_state(optimizer)
-        log.info("resumed from %s (version %d, generation %d, %d env steps)", ckpt_path,
-                 progress.version, progress.generation, progress.env_steps)
-    progress.generation += 1
-    progress.version = max(progress.version, env_spec.policy_version) + 1
-    returns: collections.deque[float] = collections.deque(progress.recent_returns,
-                                                          maxlen=cfg.target_episodes)
-    metrics = MetricsFiles(policy_dir)  # metrics.jsonl and TensorBoard scalars
-    intake_stats = IntakeStats(cfg.target_episodes)  # policy lag, episode length, link rates
-    log.info("run directory %s; policy %s version %d, generation %d, algorithm %s", policy_dir,
-             cfg.policy_name, progress.version, progress.generation, cfg.algo)
-
-    batch: list[ppo.Trajectory] = []
-    batch_steps = received = 0  # received: env steps this incarnation took in (the credit)
-    batch_ids: list[tuple[str, int]] = []  # (assembler, seq) of what is in `batch`
-    pending: collections.deque[p.Trajectory] = collections.deque()  # received, not yet taken in
-    counts = {"stale_dropped": 0, "updates": 0, "trajectories": 0, "duplicates": 0}
-    receipt = Receipts()
-    t_start = last_record_t = time.monotonic()
-    last_record_steps = progress.env_steps
-    last_data = last_publish = last_ckpt = t_start
-    done = ""  # why this run wants no more updates (the target return, --max-updates)
-    if cfg.max_updates and progress.updates >= cfg.max_updates:  # a resumed, finished run
-        done = f"the run made --max-updates {cfg.max_updates} policy updates already"
-    digest = hashlib.blake2b(digest_size=8)  # of every trajectory taken in, in arrival order
-    last_shutdown_request = 0.0
-    last_receipts = 0.0
-    progress_log = ProgressLog(log, progress.env_steps)  # a line every 5 s, on a fixed beat
-
-    def publish(starving: bool = False) -> None:
-        nonlocal last_publish
-        node.send(broker, p.Weights(trainer=name, incarnation=incarnation, policy=cfg.policy_name,
-                                    version=progress.version, consumed_steps=received,
-                                    batch_steps=cfg.ppo.batch_steps, starving=starving,
-                                    # copies: frames are zero-copy and the update is in place
-                                    params={k: v.copy() for k, v in params.items()}),
-                  block=False)
-        last_publish = time.monotonic()
-
-    def mean_return() -> float | None:
-        return float(np.mean(returns)) if returns else None
-
-    def save() -> None:
-        progress.recent_returns = list(returns)
-        checkpoint.save(ckpt_path, params, algo.optimizer_state(), progress.__dict__)
-
-    def send_receipts(now_or_never: bool = False) -> None:
-        """At most every RECEIPT_INTERVAL_S (one message per trajectory was a third of this
-        process's time), unless `now_or_never` (shutdown)."""
-        nonlocal last_receipts
-        now = time.monotonic()
-        if now - last_receipts < RECEIPT_INTERVAL_S and not now_or_never:
-            return
-        msg = receipt.message(name, incarnation, cfg.policy_name, now)
-        if msg is None:
-            return
-        last_receipts = now
-        if node.send(receipts, msg, block=False):
-            receipt.delivered()
-        elif not receipt.warned and now - (receipt.pending_since or now) > RECEIPTS_WARN_S:
-            receipt.warned = True
-            log.warning("receipts to the assembler at %s undelivered for %.0fs: is --receipts "
-                        "right? The assembler keeps what it sent until they arrive, and pauses "
-                        "the pipeline at its bound", cfg.receipts, RECEIPTS_WARN_S)
-
-    def record(stats: dict[str, float]) -> None:
-        nonlocal last_record_t, last_record_steps
-        now = time.monotonic()
-        rate = (progress.env_steps - last_record_steps) / max(now - last_record_t, 1e-9)
-        last_record_t, last_record_steps = now, progress.env_steps
-        metrics.write({
-            "time": time.time(), "wall_s": round(now - t_start, 3),
-            "env_steps": progress.env_steps, "episodes": progress.episodes,
-            "mean_return": mean_return(), "policy_version": progress.version,
-            "generation": progress.generation, "steps_per_second": round(rate, 1),
-            "stale_dropped": counts["stale_dropped"], "digest": digest.hexdigest(),
-            **intake_stats.take(updated_from=progress.version - 1),
-            **{k: round(v, 6) for k, v in stats.items()},
-        })
-
-    def wrong_policy(policy: str) -> bool:
-        """Another policy's trajectories are refused, not receipted: the assembler keeps them
-        for their own learner."""
-        if policy != cfg.policy_name:
-            rejects.refuse("assembler", p.ProtocolError(
-                "wrong policy", f"a trajectory of policy {policy[:64]!r}; this learner trains "
-                f"{cfg.policy_name!r}: is --trajectories the assembler's endpoint for it?"))
-        return policy != cfg.policy_name
-
-    def on_trajectory(t: p.Trajectory) -> None:
-        problem = checks.trajectory_problem(t, spec, action)
-        if problem:
-            rejects.refuse("assembler", p.ProtocolError("bad trajectory", problem))
-        elif not wrong_policy(t.policy):
-            take_in(t)
-
-    def on_trajectories(b: p.Trajectories) -> None:
-        problem = checks.trajectories_problem(b, spec, action)
-        if problem:
-            rejects.refuse("assembler", p.ProtocolError("bad trajectories", problem))
-        elif not wrong_policy(b.policy):
-            pending.extend(b.split())
-            take_pending()
-
-    def full() -> bool:
-        return batch_steps >= cfg.ppo.batch_steps and not done
-
-    def take_pending(*, all_of_them: bool = False) -> None:
-        """Trajectories of a message are taken in one by one up to a full batch, like those
-        sent alone, so a batch's content never depends on how the assembler grouped them."""
-        while pending and (all_of_them or not full()):
-            take_in(pending.popleft())
-
-    def take_in(t: p.Trajectory) -> None:
-        nonlocal batch_steps, received
-        if not receipt.take(t.assembler, t.seq):
-            counts["duplicates"] += 1  # sent again after a disconnect; we have it already
-            return
-        _digest(digest, t)
-        intake_stats.add(t)
-        n = t.rewards.shape[0]
-        received += n
-        counts["trajectories"] += 1
-        progress.env_steps += n
-        if t.episode_return is not None:
-            progress.episodes += 1
-            returns.append(t.episode_return)
-        if done:
-            receipt.learn([(t.assembler, t.seq)])  # counted, no longer learned from
-            return
-        if int(t.policy_versions.min()) < progress.version - cfg.max_policy_lag:
-            counts["stale_dropped"] += 1
-            receipt.learn([(t.assembler, t.seq)])
-            return
-        batch_ids.append((t.assembler, t.seq))
-        batch.append(ppo.Trajectory(obs=t.obs, actions=t.actions, logp=t.logp, values=t.values,
-                                    rewards=t.rewards, terminated=t.terminated,
-                                    truncated=t.truncated, bootstrap_obs=t.bootstrap_obs))
-        batch_steps += n
-
-    def figures() -> dict:
-        mean = mean_return()
-        return {"algo": cfg.algo, "policy": cfg.policy_name, "policy_version": progress.version,
-                "env_steps": progress.env_steps,
-                "episodes": progress.episodes, "generation": progress.generation,
-                "mean_return": None if mean is None else round(mean, 2),
-                **rejects.figures(), **counts, **intake_stats.last}
-
-    curriculum = Curriculum(link, log)
-
-    def ask_for_reset(stats: dict[str, float]) -> None:
-        """Curriculum: an algorithm with `curriculum(stats) -> options | None` may ask, after an
-        update, for a reset barrier with env options (as `stepbus reset --option` does)."""
-        hook = getattr(algo, "curriculum", None)
-        options = hook(stats) if callable(hook) else None
-        if options is not None:
-            curriculum.want(options)
-
-    intake_handlers = {p.Trajectory: on_trajectory, p.Trajectories: on_trajectories}
-
-    def take_one() -> None:
-        node.handle(intake, rejects, intake_handlers, "assembler")
-
-    save()  # at once, so the next learner's generation is above this one's even if it dies now
-    publish()
-    poller = zmq.Poller()
-    for sock in (broker, intake, *link.sockets()):
-        poller.register(sock, zmq.POLLIN)
-    while io.running():
-        now = time.monotonic()
-        io.beat(now, figures)
-        events = dict(poller.poll(0 if pending and not full() else node.MAX_POLL_MS))
-        for msg in link.poll(events):
-            if isinstance(msg, p.Reply) and curriculum.asked:  # the barrier it asked for
-                curriculum.answered(msg, time.monotonic())
-        curriculum.send_due(time.monotonic())
-        if broker in events:
-            node.drain(broker, lambda: node.recv(broker, rejects))  # late EnvSpec replies
-        take_pending()
-        if intake in events:
-            # Up to a full batch only: the rest waits for the next batch (see the docstring).
-            drain_until = time.monotonic() + node.DRAIN_BUDGET_S  # and the heartbeats wait not
-            for _ in range(1000):
-                if (full() or pending or not intake.poll(0, zmq.POLLIN)
-                        or time.monotonic() > drain_until):
-                    break
-                take_one()
-            last_data = time.monotonic()
-        if full():
-            stats = algo.update(batch, tick=lambda: io.beat(time.monotonic()))
-            receipt.learn(batch_ids)  # only now may the assembler forget them
-            batch, batch_ids, batch_steps = [], [], 0
-            progress.version += 1
-            progress.updates += 1
-            counts["updates"] += 1
-            publish()
-            record(stats)
-            ask_for_reset(stats)
-            mean = mean_return()
-            if (cfg.target_return and len(returns) >= cfg.target_episodes and mean is not None
-                    and mean >= cfg.target_return):
-                done = f"trainer reached mean return {mean:.1f}"
-                log.info("solved: mean return %.1f over the last %d episodes at %d env steps "
-                         "(%.1fs); asking the controller to shut the pipeline down", mean,
-                         len(returns), progress.env_steps, time.monotonic() - t_start)
-            elif cfg.max_updates and progress.updates >= cfg.max_updates:
-                done = f"trainer made --max-updates {cfg.max_updates} policy updates"
-                log.info("%d policy updates made (--max-updates) at %d env steps (%.1fs); asking "
-                         "the controller to shut the pipeline down", progress.updates,
-                         progress.env_steps, time.monotonic() - t_start)
-            if done:
-                save()
-        send_receipts()
-        now = time.monotonic()
-        if done and now - last_shutdown_request > 1.0:  # until the controller broadcasts it
-            last_shutdown_request = now
-            link.send(p.ShutdownRequest(reason=done))
-        if now - last_data > 0.25 and now - last_publish > 0.25:
-            # A restarted broker gets weights; a stalled credit window refills (not once done:
-            # then nothing more is wanted). Changes nothing but the broker's credit.
-            publish(starving=not done)
-        if now - last_ckpt > cfg.checkpoint_interval_s:
-            save()
-            last_ckpt = now
-        progress_log.maybe(progress.env_steps, mean_return(), progress.version)
-    # On a pipeline shutdown the assembler flushes open trajectories as truncated: take them in
-    # (and say so) so that the checkpoint's counts include them. Not on a hand-over (SIGUSR1)
-    # or when the slot is gone: what is not learned from goes to the next learner instead.
-    # It disconnects once it has flushed and heard our receipts (or given up on them).
-    draining = link.shutdown_reason or stop.reason in ("SIGINT", "SIGTERM")
-    deadline = time.monotonic() + (SHUTDOWN_DRAIN_MAX_S if draining else 0)
-    drainer = zmq.Poller()
-    drainer.register(intake, zmq.POLLIN)
-    drainer.register(io.assembler_events, zmq.POLLIN)
-    node.drain(io.assembler_events, io.assembler_events.recv_multipart)  # old news
-    before, drain_end = counts["trajectories"], "nothing to wait for"
-    if draining:
-        take_pending(all_of_them=True)
-    send_receipts(now_or_never=True)  # what the interval held back
-    while (left := deadline - time.monotonic()) > 0:
-        drain_end = "the assembler did not finish"
-        events = dict(drainer.poll(left * 1000))
-        node.drain(intake, take_one)
-        take_pending(all_of_them=True)
-        send_receipts(now_or_never=True)
-        if io.assembler_events in events:
-            drain_end = "the assembler finished"
-            break
-    if draining:
-        log.info("took in %d trajectories after the shutdown began (%s)",
-                 counts["trajectories"] - before, drain_end)
-    save()
-    metrics.close()  # also flushes TensorBoard's events (the process ends with os._exit)
-    log.info("learner stopping (%s); checkpoint at %s; %d trajectories taken in, %d messages "
-             "refused", link.shutdown_reason or stop.reason, ckpt_path, counts["trajectories"],
-             rejects.total)
-    return 0
-
-
-def _digest(h: hashlib.blake2b, t: p.Trajectory) -> None:
-    """Fold one trajectory into a running digest: every field, arrays as dtype, shape and the
-    CRC-32 of their bytes (5x faster than hashing them: observation frames run to hundreds of
-    MB/s), so equal digests mean equal data up to a CRC collision; except the assembler's
-    incarnation and numbering, which name the delivery, not the data (the incarnation is
-    random)."""
-    for f in dataclasses.fields(t):
-        if f.name in ("assembler", "seq"):
-            continue
-        value = getattr(t, f.name)
-        if isinstance(value, np.ndarray):
-            crc = zlib.crc32(np.ascontiguousarray(value))
-            h.update(f"{f.name} {value.dtype.str} {value.shape} {crc}".encode())
-        else:
-            h.update(f"{f.name} {value!r}".encode())
+def _note_waiting(cfg: Config, log: logging.Logger, have_run: bool, have_spec: bool) -> None:
+    broker = f"broker (and a worker) at {cfg.policy}" + (
+        "" if cfg.policy_name == policies.DEFAULT
+        else f" to know policy {cfg.policy_name!r} (its --policy-map)")
+    log.info("waiting for %s", " and ".join(
+        w for w, ok in ((f"controller at {cfg.controller}", have_run), (broker, have_spec))
+        if not ok))
 
 
 def _link_latest(run_dir: Path) -> None:

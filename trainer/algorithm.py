@@ -1,0 +1,113 @@
+"""The model a learner trains, in one place: the learning algorithm (`--algo module:Class`,
+trainer/ppo.py's PPO by default), its params, which the broker acts with, and the spaces that
+trajectories are checked against. The learner knows the model through `Model` only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from stepbus.bus import checks
+from stepbus.bus import protocol as p
+from stepbus.trainer import checkpoint, ppo, spaces
+
+from stepbus import imports
+
+
+class CannotStart(Exception):
+    """The learner cannot run with these settings: it exits with code 2 (and a trainer slot
+    reverts a swap to them)."""
+
+
+class Algorithm(Protocol):
+    """What `--algo` names: a class built as `(obs_dim, action, config, rng)` whose instances
+    have this. `params` keep `trainer.model`'s layout (the broker acts with them) and are
+    updated in place. An optional `curriculum(stats) -> options | None` asks, after an update,
+    for a reset barrier with env options (as `stepbus reset --option` does)."""
+
+    params: dict[str, np.ndarray]
+
+    def update(self, batch: Sequence[ppo.Trajectory],
+               tick: Callable[[], object] | None = None) -> dict[str, float]: ...
+
+    def optimizer_state(self) -> dict[str, np.ndarray]: ...
+
+    def load_optimizer_state(self, state: dict[str, np.ndarray]) -> None: ...
+
+
+AlgorithmClass = Callable[..., Algorithm]
+
+
+def load(path: str) -> AlgorithmClass:
+    """The class `--algo` names. Raises CannotStart."""
+    try:
+        algo_class: AlgorithmClass = imports.load_object(path)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise CannotStart(f"cannot load --algo {path}: {type(exc).__name__}: {exc}") from exc
+    return algo_class
+
+
+class Model:
+    """The algorithm and what it was built for: the spaces of the run's env spec."""
+
+    def __init__(self, algo_class: AlgorithmClass, env_spec: p.EnvSpec,
+                 config: ppo.PPOConfig, seed: int, *, name: str = "") -> None:
+        """Raises CannotStart when the algorithm fails to start (user code: one clear line)."""
+        self.spec, self.config = env_spec.spec, config
+        self.action = spaces.action_space(self.spec)
+        rng = np.random.default_rng(seed)
+        try:
+            self.algo: Algorithm = algo_class(spaces.obs_dim(self.spec), self.action, config,
+                                              rng)
+        except Exception as exc:
+            raise CannotStart(f"--algo {name} failed to start: {type(exc).__name__}: "
+                              f"{exc}") from exc
+        self.params = self.algo.params
+
+    def problem(self, msg: p.Trajectory | p.Trajectories) -> str:
+        """Why trajectories cannot be trained on (empty if they can)."""
+        if isinstance(msg, p.Trajectory):
+            return checks.trajectory_problem(msg, self.spec, self.action)
+        return checks.trajectories_problem(msg, self.spec, self.action)
+
+    @staticmethod
+    def record(t: p.Trajectory) -> ppo.Trajectory:
+        """What the algorithm learns from, of a trajectory off the bus."""
+        return ppo.Trajectory(obs=t.obs, actions=t.actions, logp=t.logp, values=t.values,
+                              rewards=t.rewards, terminated=t.terminated,
+                              truncated=t.truncated, bootstrap_obs=t.bootstrap_obs)
+
+    def update(self, batch: Sequence[ppo.Trajectory],
+               tick: Callable[[], object]) -> dict[str, float]:
+        return self.algo.update(batch, tick=tick)
+
+    def curriculum(self, stats: dict[str, float]) -> dict | None:
+        """Env options for a reset barrier, if the algorithm asks for one after this update."""
+        hook = getattr(self.algo, "curriculum", None)
+        return hook(stats) if callable(hook) else None
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """Copies: frames are sent zero-copy and the next update changes the params in place."""
+        return {k: v.copy() for k, v in self.params.items()}
+
+    def save(self, path: Path, progress: dict[str, Any]) -> None:
+        checkpoint.save(path, self.params, self.algo.optimizer_state(), progress)
+
+    def resume(self, path: Path) -> dict[str, Any]:
+        """Params and optimiser state from the checkpoint at `path`; the progress it carries.
+        Raises CannotStart when its params do not fit this model."""
+        saved, optimizer, progress = checkpoint.load(path)
+        params = self.params
+        mismatch = sorted(k for k in params.keys() | saved.keys()
+                          if k not in saved or k not in params or saved[k].shape != params[k].shape)
+        if mismatch:
+            raise CannotStart(
+                f"checkpoint {path} does not fit this policy ({', '.join(mismatch[:4])}; spaces "
+                f"{self.spec}, hidden {self.config.hidden}): start a new run or use the old "
+                "settings")
+        params.update(saved)
+        self.algo.load_optimizer_state(optimizer)
+        return progress
