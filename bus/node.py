@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import zmq
-from stepbus.bus import protocol as p
-from stepbus.bus import wiring
 from zmq.utils.monitor import recv_monitor_message
 
 from stepbus import entry
+from stepbus.bus import protocol as p
+from stepbus.bus import wiring
 
 HEARTBEAT_INTERVAL_S = 0.5
 LIVENESS_INTERVALS = 3  # a peer silent for this many heartbeat intervals is dead
@@ -534,6 +534,16 @@ class Process:
         """A port to empty before `finish`, and for at most how long ("": none)."""
         return "", 0.0
 
+    def on_drained(self) -> tuple[str, float]:
+        """The `drain_on_stop` port is empty (or its time is up): make the last sends. Returns
+        a port whose replies to them to serve before `finish`, while `awaiting()`, and for at
+        most how long ("": none); `tick` runs before each wait for them."""
+        return "", 0.0
+
+    def awaiting(self) -> bool:
+        """Whether replies on the `on_drained` port are still awaited."""
+        return False
+
     def finish(self) -> None:
         """Shutdown duties (flush, checkpoint), after the loop ends."""
 
@@ -602,6 +612,7 @@ class Loop:
                 self.sync_held()
             proc.stop(self.stop.reason)
             self.drain_remaining()
+            self.await_replies()
             proc.finish()
             return 0
         finally:
@@ -654,6 +665,16 @@ class Loop:
                                 "unexpected kind", msg.KIND.name)
             return
         self.process.deliver(peer or b"", msg)
+
+    def await_replies(self) -> None:
+        name, budget_s = self.process.on_drained()
+        if not name:
+            return
+        port, deadline = self.ports[name], time.monotonic() + budget_s
+        while self.process.awaiting() and time.monotonic() < deadline:
+            self.process.tick(self.process.clock())
+            if port.socket.poll(50, zmq.POLLIN):
+                drain(port.socket, functools.partial(self.take_one, port))
 
     def drain_remaining(self) -> None:
         name, budget_s = self.process.drain_on_stop()

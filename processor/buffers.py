@@ -1,0 +1,194 @@
+"""Experience buffers: one per global agent id, cut into trajectories.
+
+An EXPERIENCE message carries a worker's step result (reward and done flags for the previous
+action, the next observation) plus the action the policy chose on that observation. Pairing them
+per agent gives transitions; a trajectory is cut when the episode ends (terminated or truncated,
+with the final observation as bootstrap), when the agent vanishes (truncated, bootstrapping from
+its last observation), or when `horizon` steps accumulate (bootstrap from the next observation).
+Nothing here touches a socket or a counter: the assembler numbers, counts and sends what comes
+out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from stepbus.bus import policies
+from stepbus.bus import protocol as p
+
+
+class AgentBuffer:
+    """One agent's steps since its last trajectory. Arrays are allocated anew after each
+    trajectory, so what was handed to ZeroMQ is never overwritten."""
+
+    def __init__(self, agent: str, horizon: int, policy: str = policies.DEFAULT) -> None:
+        self.agent, self.horizon, self.policy = agent, horizon, policy
+        self.n = 0
+        self.pending = False  # obs/action at row n chosen, reward not yet seen
+        self.arrays: dict[str, np.ndarray] = {}
+        self.episode_return, self.episode_length = 0.0, 0
+        self.stats_valid = True  # False when we joined mid-episode (assembler restart)
+        self.origin = (-1, -1, -1)  # the trajectory's episode, episode seed, first episode step
+
+    def choose(self, obs: np.ndarray, action: np.ndarray, logp: float, value: float,
+               version: int, episode: int = -1, seed: int = -1) -> None:
+        if self.n == 0:
+            self.origin = (episode, seed, self.episode_length if self.stats_valid else -1)
+        if not self.arrays:
+            h = self.horizon
+            self.arrays = {
+                "obs": np.empty((h, *obs.shape), obs.dtype),
+                "actions": np.empty((h, *action.shape), action.dtype),
+                "logp": np.empty(h, np.float32), "values": np.empty(h, np.float32),
+                "rewards": np.empty(h, np.float32), "policy_versions": np.empty(h, np.int64),
+            }
+        a, n = self.arrays, self.n
+        a["obs"][n], a["actions"][n], a["logp"][n], a["values"][n] = obs, action, logp, value
+        a["policy_versions"][n] = version
+        self.pending = True
+
+    def complete(self, reward: float) -> None:
+        self.arrays["rewards"][self.n] = reward
+        self.n += 1
+        self.pending = False
+        self.episode_return += float(reward)
+        self.episode_length += 1
+
+    def take(self, epoch: int, bootstrap: np.ndarray, *, terminated: bool = False,
+             truncated: bool = False, episode_end: bool = False) -> p.Trajectory | None:
+        """The trajectory so far (None if empty); the buffer starts afresh."""
+        traj = None
+        if self.n:
+            a, n = self.arrays, self.n
+            ended = episode_end and self.stats_valid
+            traj = p.Trajectory(
+                agent=self.agent, epoch=epoch, terminated=terminated, truncated=truncated,
+                episode_return=self.episode_return if ended else None,
+                episode_length=self.episode_length if ended else None,
+                obs=a["obs"][:n], actions=a["actions"][:n], logp=a["logp"][:n],
+                values=a["values"][:n], rewards=a["rewards"][:n],
+                policy_versions=a["policy_versions"][:n],
+                # A copy: a view would pin the whole received message (libzmq's 8 KiB
+                # receive buffer, or the whole frame) for as long as this waits.
+                bootstrap_obs=bootstrap.copy(),
+                assembler="", seq=-1,  # numbered when sent
+                episode=self.origin[0], episode_seed=self.origin[1], episode_step=self.origin[2],
+                policy=self.policy)
+            self.arrays = {}
+        self.n, self.pending = 0, False
+        if episode_end or truncated:
+            self.episode_return, self.episode_length, self.stats_valid = 0.0, 0, True
+        return traj
+
+
+def agent_ids(worker: str, agents: list[str], rows: int) -> list[str]:
+    """Global agent ids, one per row: `worker/env` for single-agent envs and
+    `worker/env/agent` for multi-agent ones (rows are env-major)."""
+    if not agents or rows % len(agents):
+        return [f"{worker}/{i}" for i in range(rows)]
+    return [f"{worker}/{i // len(agents)}/{agents[i % len(agents)]}" for i in range(rows)]
+
+
+@dataclass
+class Completed:
+    """What one message's rewards completed: steps, agents that vanished, trajectories cut."""
+
+    steps: int = 0
+    vanished: int = 0
+    trajectories: list[p.Trajectory] = field(default_factory=list)
+
+
+@dataclass
+class WorkerTrack:
+    """One worker incarnation's agents, from its first message until a reset, a gap, its loss
+    or shutdown closes them."""
+
+    incarnation: str
+    epoch: int
+    agents: list[AgentBuffer]
+    last_obs: np.ndarray
+    seq: int = 0  # of the last message; the next must be seq + 1 or a reset
+    action_shape: tuple | None = None
+
+    @classmethod
+    def start(cls, m: p.Experience, horizon: int) -> WorkerTrack:
+        """A track from m's observations: its rewards belong to actions we never saw."""
+        names = m.agent_policies or [policies.DEFAULT]
+        agents = [AgentBuffer(agent, horizon, names[i % len(names)])
+                  for i, agent in enumerate(agent_ids(m.worker, m.agents, m.obs.shape[0]))]
+        for agent in agents:
+            agent.stats_valid = m.first
+        return cls(m.incarnation, m.epoch, agents, m.obs)
+
+    def break_with(self, m: p.Experience) -> tuple[str, bool]:
+        """Why m cannot continue this track ("" if it can), and whether a message was lost.
+        Sequence numbers continue across resets and broker restarts, so a gap is a lost message
+        even when m starts afresh."""
+        gap = self.incarnation == m.incarnation and m.seq != self.seq + 1
+        why = ("reset" if m.first else
+               "new incarnation" if self.incarnation != m.incarnation else
+               "other shapes" if self.last_obs.shape != m.obs.shape else
+               "sequence gap" if gap else "")
+        return why, gap
+
+    def complete(self, m: p.Experience, horizon: int) -> Completed:
+        """Pair m's rewards with the actions chosen last time; cut what ends or is full."""
+        done = m.terminated | m.truncated
+        final_rows = np.cumsum(done) - 1
+        out = Completed()
+        for i, agent in enumerate(self.agents):
+            if not agent.pending:
+                continue
+            agent.complete(m.reward[i])
+            out.steps += 1
+            if done[i]:
+                term = bool(m.terminated[i])
+                traj = agent.take(m.epoch, m.final_obs[final_rows[i]], terminated=term,
+                                  truncated=not term, episode_end=True)
+            elif m.alive is not None and not m.alive[i]:
+                # Vanished: neither done nor acting next. Closed, not dropped, and
+                # bootstrapped from the last observation we have of it.
+                out.vanished += 1
+                traj = agent.take(m.epoch, self.last_obs[i], truncated=True)
+            elif agent.n >= horizon:
+                traj = agent.take(m.epoch, m.obs[i])
+            else:
+                continue
+            if traj is not None:
+                out.trajectories.append(traj)
+        return out
+
+    def choose(self, m: p.Experience) -> str:
+        """Record the actions m carries on its observations; why not ("" if recorded)."""
+        if m.action is None or m.logp is None or m.value is None:
+            for agent in self.agents:
+                agent.pending = False
+            return ""
+        if self.action_shape is None:
+            self.action_shape = (m.action.shape, m.action.dtype)
+        elif self.action_shape != (m.action.shape, m.action.dtype):
+            return "actions changed shape"
+        k = m.obs.shape[0]
+        episodes = m.episode.tolist() if m.episode is not None else [-1] * k
+        seeds = m.episode_seed.tolist() if m.episode_seed is not None else [-1] * k
+        versions = (m.policy_versions.tolist() if m.policy_versions is not None
+                    else [m.policy_version] * k)
+        for i, agent in enumerate(self.agents):
+            if m.alive is None or m.alive[i]:  # an agent that appears starts here
+                agent.choose(m.obs[i], m.action[i], m.logp[i], m.value[i],
+                             versions[i], episodes[i], seeds[i])
+            else:
+                agent.pending = False  # finished, vanished or not there yet
+        return ""
+
+    def pending(self) -> int:
+        """Actions whose results have not come yet."""
+        return sum(agent.pending for agent in self.agents)
+
+    def close(self) -> list[p.Trajectory]:
+        """Every open trajectory, truncated, bootstrapping from the last observation seen."""
+        taken = (agent.take(self.epoch, self.last_obs[i], truncated=True)
+                 for i, agent in enumerate(self.agents))
+        return [traj for traj in taken if traj is not None]

@@ -1,0 +1,111 @@
+"""Where trajectories go: one outlet per policy, and the ledger of what no learner has learned
+from yet.
+
+Every trajectory is numbered and kept until a learner's RECEIPT says it was learned from:
+ZeroMQ silently drops what was queued toward a learner that died, so whenever a learner
+connects, every trajectory not yet learned from is sent again (same number; a learner ignores
+numbers it has already taken in).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from stepbus.bus import policies, wiring
+from stepbus.bus import protocol as p
+
+# Trajectories waiting for a learner go out together in one TRAJECTORIES message, up to
+# p.MAX_TRAJECTORIES_PER_MESSAGE, and while their observations stay under this many bytes
+# (larger ones go alone, zero-copy: concatenating them would copy frames).
+MAX_BATCHED_OBS_BYTES = wiring.ZERO_COPY_FROM
+
+
+def endpoints(trajectories: str, policy_endpoints: str) -> dict[str, str]:
+    """Each policy's trajectories endpoint ("default": `trajectories`); ValueError if two
+    share one (an ipc path bound twice is taken over)."""
+    found = {policies.DEFAULT: trajectories, **policies.parse_endpoints(policy_endpoints)}
+    if len(set(found.values())) < len(found):
+        raise ValueError(f"--policy-endpoints: each policy needs its own endpoint, not "
+                         f"--trajectories' or another's: {policy_endpoints}")
+    return found
+
+
+def port_name(policy: str) -> str:
+    """The name of a policy's PUSH port; its socket monitor's is this plus " events"."""
+    return "trajectories" if policy == policies.DEFAULT else f"trajectories:{policy}"
+
+
+@dataclass
+class Outlet:
+    """One policy's trajectories port, what waits to be handed to it, and its learners."""
+
+    policy: str
+    endpoint: str
+    held: collections.deque[p.Trajectory] = field(default_factory=collections.deque)
+    connected: int = 0  # learners connected
+    learners: set[str] = field(default_factory=set)  # incarnations that sent receipts
+    last_receipt: float = 0.0  # when the last receipt came
+
+    @property
+    def port(self) -> str:
+        return port_name(self.policy)
+
+    @property
+    def events(self) -> str:
+        """The port of its socket monitor: learners connecting (unlearned trajectories are
+        sent again) and leaving."""
+        return self.port + " events"
+
+
+def next_batch(held: collections.deque[p.Trajectory]) -> list[p.Trajectory]:
+    """The held trajectories that go out in the next message, oldest first: small ones
+    together, within the bounds above; a large one alone."""
+    first = held[0]
+    batch, obs_bytes = [first], first.obs.nbytes
+    for traj in itertools.islice(held, 1, p.MAX_TRAJECTORIES_PER_MESSAGE):
+        obs_bytes += traj.obs.nbytes
+        if (obs_bytes > MAX_BATCHED_OBS_BYTES or traj.obs.dtype != first.obs.dtype
+                or traj.obs.shape[1:] != first.obs.shape[1:]
+                or traj.actions.dtype != first.actions.dtype
+                or traj.actions.shape[1:] != first.actions.shape[1:]):
+            break
+        batch.append(traj)
+    return batch
+
+
+class Ledger:
+    """Trajectory numbers, and the trajectories handed to a socket that no learner has learned
+    from yet (kept to be sent again) or taken in yet (what the intake bound counts)."""
+
+    def __init__(self, incarnation: str) -> None:
+        self.incarnation = incarnation  # receipts name it: those for a predecessor are ignored
+        self.next_seq = 0
+        self.unlearned: collections.OrderedDict[int, p.Trajectory] = collections.OrderedDict()
+        self.untaken: set[int] = set()
+
+    def number(self, traj: p.Trajectory) -> p.Trajectory:
+        traj = dataclasses.replace(traj, assembler=self.incarnation, seq=self.next_seq)
+        self.next_seq += 1
+        return traj
+
+    def sent(self, traj: p.Trajectory) -> None:
+        self.unlearned[traj.seq] = traj
+        self.untaken.add(traj.seq)
+
+    def take_back(self, policy: str) -> list[p.Trajectory]:
+        """A policy's trajectories not learned from, oldest first, to be sent again."""
+        again = [traj for traj in self.unlearned.values() if traj.policy == policy]
+        for traj in again:
+            del self.unlearned[traj.seq]
+            self.untaken.discard(traj.seq)
+        return again
+
+    def receipt(self, taken: Iterable[int], learned: Iterable[int]) -> None:
+        self.untaken.difference_update(taken)
+        for seq in learned:
+            self.unlearned.pop(seq, None)
+            self.untaken.discard(seq)
