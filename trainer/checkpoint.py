@@ -13,7 +13,7 @@ import numpy as np
 def save(path: Path, params: dict[str, np.ndarray], optimizer: dict[str, np.ndarray],
          progress: dict[str, Any]) -> None:
     """Write to a temp file, then rename: a reader never sees half a checkpoint."""
-    arrays = {f"param/{k}": v for k, v in params.items()}
+    arrays: dict[str, Any] = {f"param/{k}": v for k, v in params.items()}
     arrays |= {f"optimizer/{k}": v for k, v in optimizer.items()}
     arrays["meta"] = np.frombuffer(json.dumps({"progress": progress}).encode(), dtype=np.uint8)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -1,0 +1,298 @@
+"""The learner's state machine in-process: trajectories in as they arrive off the wire, its
+weights, receipts and requests read back from an outbox, time from an explicit clock. A real
+learner in a real pipeline is test_pipeline's, test_receipts' and test_trainer_slot's."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import zmq
+from scripted_algos import CurriculumPPO
+
+from stepbus.bus import node
+from stepbus.bus import protocol as p
+from stepbus.trainer import checkpoint, learner, ppo
+from stepbus.trainer.algorithm import Model
+from stepbus.workers import envs
+
+SPEC = dataclasses.asdict(envs.space_spec(gym.make("CartPole-v1")))
+T0 = 1000.0
+BATCH = 64  # env steps per update here
+STEPS = 20  # per trajectory: an update every 4 of them
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = T0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def wire(msg: p.Message) -> p.Message:
+    """The message as a learner receives it: encoded and decoded (read-only arrays)."""
+    return p.decode(p.encode(msg))
+
+
+def trajectory(seq: int, *, version: int = 1, steps: int = STEPS, assembler: str = "a1",
+               obs_dim: int = 4, policy: str = "default", ret: float | None = None
+               ) -> p.Trajectory:
+    rng = np.random.default_rng(seq)
+    return p.Trajectory(
+        agent=f"w0/{seq % 4}", epoch=0, terminated=ret is not None, truncated=False,
+        episode_return=ret, episode_length=None if ret is None else steps,
+        obs=rng.normal(size=(steps, obs_dim)).astype(np.float32),
+        actions=rng.integers(0, 2, steps), logp=np.full(steps, -0.69, np.float32),
+        values=np.zeros(steps, np.float32), rewards=np.ones(steps, np.float32),
+        policy_versions=np.full(steps, version, np.int64),
+        bootstrap_obs=rng.normal(size=obs_dim).astype(np.float32), assembler=assembler,
+        seq=seq, policy=policy)
+
+
+class Bench:
+    """One learner object on an outbox, the test playing the assembler, the broker and the
+    controller."""
+
+    def __init__(self, run_dir: Path, *, newest_version: int = 0,
+                 algo_class: type = ppo.PPO, **cfg: object) -> None:
+        self.clock = Clock()
+        self.out = node.Outbox()
+        self.cfg = learner.Config(ppo=ppo.PPOConfig(batch_steps=BATCH, minibatch_size=BATCH,
+                                                    n_epochs=2),
+                                  checkpoint_interval_s=60.0, **cfg)  # type: ignore[arg-type]
+        self.run_dir = run_dir
+        spec = p.EnvSpec(env_id="CartPole-v1", spec=SPEC, policy_version=newest_version)
+        model = Model(algo_class, spec, self.cfg.ppo, self.cfg.seed, name=self.cfg.algo)
+        self.learner = learner.Learner(
+            self.cfg, model, learner.Progress(), run_dir, self.out,
+            logging.getLogger("test.learner"), name="t0", incarnation="i1",
+            newest_version=newest_version, clock=self.clock)
+
+    def deliver(self, *msgs: p.Message) -> None:
+        """Each message as the loop hands it over, then the loop's tick until it has no more
+        to do at once (an update per tick)."""
+        for msg in msgs:
+            self.learner.deliver(b"", wire(msg), now=self.clock.t)
+        while self.learner.tick(self.clock.t) == 0.0:
+            pass
+
+    def later(self, seconds: float) -> None:
+        """Time passes; the timers due by then run."""
+        self.clock.t += seconds
+        self.learner.run_timers(self.clock.t)
+
+    def weights(self) -> list[p.Weights]:
+        return self.out.take(p.Weights, port="policy")
+
+    def receipts(self) -> list[p.Receipt]:
+        return self.out.take(p.Receipt, port="receipts")
+
+    def records(self) -> list[dict]:
+        path = self.run_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture
+def bench(tmp_path: Path) -> Iterator[Bench]:
+    b = Bench(tmp_path)
+    yield b
+    b.learner.metrics.close()
+
+
+def test_a_full_batch_is_learned_from_and_weights_go_out_with_ever_higher_versions(
+        tmp_path: Path) -> None:
+    b = Bench(tmp_path, newest_version=5)
+    first = b.weights()
+    assert [w.version for w in first] == [6], "published at once, above the broker's newest"
+    b.deliver(*(trajectory(seq) for seq in range(3)))  # 60 steps: not a full batch
+    assert b.weights() == [] and b.learner.counts.updates == 0
+    b.deliver(trajectory(3))
+    sent = b.weights()
+    assert [(w.version, w.consumed_steps, w.starving) for w in sent] == [(7, 80, False)]
+    assert not np.array_equal(sent[0].params["pi.0.w"], first[0].params["pi.0.w"]), "learned"
+    b.deliver(*(trajectory(seq, version=7) for seq in range(4, 8)))
+    assert [w.version for w in b.weights()] == [8]
+    records = b.records()
+    assert [(r["policy_version"], r["env_steps"]) for r in records] == [(7, 80), (8, 160)]
+    assert records[0]["digest"] != records[1]["digest"]
+    assert b.learner.figures()["updates"] == 2 and b.learner.figures()["trajectories"] == 8
+    b.learner.metrics.close()
+
+
+def test_receipts_name_what_was_taken_in_and_after_the_update_what_was_learned(
+        bench: Bench) -> None:
+    bench.deliver(*(trajectory(seq) for seq in range(3)))
+    assert bench.receipts() == [], "sent by a timer, after the messages at hand"
+    bench.later(0.0)
+    (r,) = bench.receipts()
+    assert (r.trainer, r.incarnation, r.assembler, r.policy) == ("t0", "i1", "a1", "default")
+    assert r.taken.tolist() == [0, 1, 2] and r.learned.tolist() == []
+    bench.deliver(trajectory(3))  # the batch is full: learned from
+    bench.later(learner.RECEIPT_INTERVAL_S * 0.75)
+    assert bench.receipts() == [], "at most one receipt per interval"
+    bench.later(learner.RECEIPT_INTERVAL_S * 0.5)
+    (r,) = bench.receipts()
+    assert r.taken.tolist() == [3] and r.learned.tolist() == [0, 1, 2, 3]
+    bench.later(1.0)
+    assert bench.receipts() == [], "nothing new: nothing sent"
+
+
+def test_a_bad_trajectory_or_another_policys_is_refused_counted_and_not_receipted(
+        bench: Bench) -> None:
+    bench.deliver(trajectory(0, obs_dim=5), trajectory(1, policy="red"))
+    figures = bench.learner.figures()
+    assert figures["rejected"] == 2 and figures["rejected_bad_trajectory"] == 1
+    assert figures["rejected_wrong_policy"] == 1
+    assert figures["trajectories"] == 0 and figures["env_steps"] == 0
+    bench.later(1.0)
+    assert bench.receipts() == []
+    bad = p.Trajectories.of([trajectory(2), trajectory(3, steps=5)])
+    bench.deliver(dataclasses.replace(bad, lengths=[20, 20]))  # lengths the arrays do not have
+    assert bench.learner.figures()["rejected_bad_trajectories"] == 1
+
+
+def test_a_trajectory_acted_beyond_the_policy_lag_is_dropped_counted_and_receipted_learned(
+        tmp_path: Path) -> None:
+    b = Bench(tmp_path, newest_version=20, max_policy_lag=8)  # the learner's version: 21
+    b.deliver(trajectory(0, version=12), trajectory(1, version=13))
+    assert b.learner.counts.stale_dropped == 1 and b.learner.counts.trajectories == 2
+    assert b.learner.batch.ids == [("a1", 1)], "version 13 is 8 behind: still learned from"
+    b.later(learner.RECEIPT_INTERVAL_S)
+    (r,) = b.receipts()
+    assert r.taken.tolist() == [0, 1] and r.learned.tolist() == [0], "the assembler forgets it"
+    b.deliver(*(trajectory(seq, version=21) for seq in range(2, 5)))
+    assert [w.version for w in b.weights()] == [21, 22]
+    assert b.records()[0]["stale_dropped"] == 1
+    b.learner.metrics.close()
+
+
+def test_a_trajectory_sent_again_is_counted_as_a_duplicate_and_not_taken_twice(
+        bench: Bench) -> None:
+    bench.deliver(trajectory(0), trajectory(1), trajectory(0))
+    assert bench.learner.counts.duplicates == 1 and bench.learner.counts.trajectories == 2
+    assert bench.learner.progress.env_steps == 2 * STEPS
+
+
+def test_a_message_spanning_two_batches_is_learned_one_update_per_tick_the_intake_held(
+        bench: Bench) -> None:
+    lrn = bench.learner
+    lrn.deliver(b"", wire(p.Trajectories.of([trajectory(seq) for seq in range(8)])),
+                now=T0)
+    assert lrn.batch.steps == 80 and len(lrn.pending) == 4, "taken in up to a full batch"
+    assert lrn.holds("trajectories"), "the rest waits in the assembler's queue"
+    assert lrn.tick(T0) == 0.0 and lrn.counts.updates == 1, "more to do at once"
+    assert lrn.holds("trajectories")
+    assert lrn.tick(T0) == np.inf and lrn.counts.updates == 2 and not lrn.pending
+    assert not lrn.holds("trajectories")
+    assert [w.version for w in bench.weights()] == [1, 2, 3]
+
+
+def test_weights_go_out_again_on_a_quiet_link_marked_starving(bench: Bench) -> None:
+    bench.weights()
+    bench.later(learner.QUIET_S / 2)
+    bench.deliver(trajectory(0))  # data: the link is not quiet
+    bench.later(learner.QUIET_S / 2)
+    assert bench.weights() == []
+    bench.later(learner.QUIET_S / 2)
+    (w,) = bench.weights()
+    assert w.starving and w.version == 1 and w.consumed_steps == STEPS
+    bench.later(learner.QUIET_S)
+    assert [w.starving for w in bench.weights()] == [True], "and again while it stays quiet"
+
+
+def test_a_solved_run_learns_no_more_and_asks_the_controller_to_shut_down_until_it_does(
+        tmp_path: Path) -> None:
+    b = Bench(tmp_path, max_updates=1, target_return=0.0)
+    b.deliver(*(trajectory(seq) for seq in range(4)))
+    assert b.learner.phase is learner.Phase.SOLVED and b.learner.progress.updates == 1
+    b.later(0.0)
+    (req,) = b.out.take(p.ShutdownRequest, port="controller")
+    assert "--max-updates 1" in req.reason
+    (r,) = b.receipts()
+    assert r.learned.tolist() == [0, 1, 2, 3]
+    b.deliver(*(trajectory(seq, version=2) for seq in range(4, 9)))
+    assert b.learner.counts.updates == 1, "no more updates"
+    b.later(learner.RECEIPT_INTERVAL_S)
+    (r,) = b.receipts()
+    assert r.learned.tolist() == [4, 5, 6, 7, 8], "taken in means done with"
+    b.later(learner.SHUTDOWN_REQUEST_INTERVAL_S)
+    assert len(b.out.take(p.ShutdownRequest)) == 1, "asked again"
+    weights = b.weights()
+    assert [w.version for w in weights[:2]] == [1, 2] and len(weights) > 2, "and republished"
+    assert not any(w.starving for w in weights), "nothing more wanted: not starving"
+    _, _, saved = checkpoint.load(tmp_path / learner.CHECKPOINT)
+    assert saved["updates"] == 1, "checkpointed when solved"
+    b.learner.metrics.close()
+
+
+def test_at_shutdown_the_assembler_flush_is_taken_in_until_it_disconnects_then_checkpointed(
+        bench: Bench, tmp_path: Path) -> None:
+    lrn = bench.learner
+    bench.deliver(trajectory(0))
+    bench.deliver(p.Shutdown(reason="operator"))
+    assert lrn.phase is learner.Phase.DRAINING and not lrn.stop_reason
+    (r,) = bench.receipts()
+    assert r.taken.tolist() == [0], "what the interval held back goes out at once"
+    bench.deliver(*(trajectory(seq) for seq in range(1, 5)))  # the flush: a full batch
+    assert lrn.counts.updates == 0 and lrn.counts.trajectories == 5, "taken in, not learned"
+    bench.later(0.0)
+    (r,) = bench.receipts()
+    assert r.taken.tolist() == [1, 2, 3, 4] and r.learned.tolist() == []
+    lrn.on_socket_event("assembler_events", zmq.EVENT_DISCONNECTED)
+    assert lrn.stop_reason == "operator"
+    lrn.finish()
+    _, _, saved = checkpoint.load(tmp_path / learner.CHECKPOINT)
+    assert saved["env_steps"] == 5 * STEPS and saved["generation"] == 1
+
+
+def test_at_shutdown_what_waits_behind_a_full_batch_is_taken_in_and_not_learned_from(
+        bench: Bench) -> None:
+    lrn = bench.learner
+    lrn.deliver(b"", wire(p.Trajectories.of([trajectory(seq) for seq in range(8)])), now=T0)
+    assert len(lrn.pending) == 4 and lrn.full()
+    lrn.deliver(b"", wire(p.RunState(run_id="r1", epoch=0, options={}, shutting_down=True)),
+                now=T0)
+    assert lrn.phase is learner.Phase.DRAINING and not lrn.pending
+    assert lrn.counts.trajectories == 8 and lrn.tick(T0) == np.inf
+    assert lrn.counts.updates == 0 and not lrn.holds("trajectories")
+    (r,) = bench.receipts()
+    assert r.taken.tolist() == list(range(8)) and r.learned.tolist() == []
+
+
+def test_the_shutdown_drain_ends_after_its_time_if_the_assembler_never_disconnects(
+        bench: Bench) -> None:
+    bench.learner.on_signal("SIGTERM")
+    bench.later(learner.SHUTDOWN_DRAIN_MAX_S - 0.25)
+    assert not bench.learner.stop_reason
+    bench.later(0.25)
+    assert bench.learner.stop_reason == "SIGTERM"
+
+
+def test_a_hand_over_leaves_at_once_without_taking_in_what_waits(bench: Bench) -> None:
+    lrn = bench.learner
+    lrn.deliver(b"", wire(p.Trajectories.of([trajectory(seq) for seq in range(8)])), now=T0)
+    lrn.on_signal("SIGUSR1")
+    assert lrn.stop_reason == "SIGUSR1" and lrn.phase is learner.Phase.LEARNING
+    assert len(lrn.pending) == 4, "left for the next learner: the assembler sends it again"
+
+
+def test_a_curriculum_reset_is_asked_for_and_asked_again_while_another_barrier_runs(
+        tmp_path: Path) -> None:
+    b = Bench(tmp_path, algo_class=CurriculumPPO)
+    b.deliver(*(trajectory(seq) for seq in range(8)))  # two updates: the second asks
+    b.later(0.0)
+    (req,) = b.out.take(p.ResetRequest, port="controller")
+    assert req.options == {"level": 2}
+    b.deliver(p.Reply(ok=False, detail="a reset barrier is already running"))
+    b.later(0.0)
+    assert b.out.take(p.ResetRequest) == [], "not before RETRY_S"
+    b.later(learner.Curriculum.RETRY_S)
+    assert [r.options for r in b.out.take(p.ResetRequest)] == [{"level": 2}]
+    b.learner.metrics.close()
