@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 from conftest import Cluster
 from PIL import Image
-from stepbus.bus import protocol as p
-from stepbus.trainer import metrics
 from tensorboardX.proto import event_pb2
 from tensorboardX.record_writer import masked_crc32c
+
+from stepbus.bus import protocol as p
+from stepbus.trainer import metrics
 
 UPDATES = 20
 

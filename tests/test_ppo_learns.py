@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import gymnasium as gym
 import numpy as np
 import pytest
+
 from stepbus.trainer.model import ActionSpace, Adam, act, init_params
 from stepbus.trainer.ppo import PPOConfig, Trajectory, ppo_update
 

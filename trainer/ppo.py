@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from stepbus.trainer.model import (
     ActionSpace,
     Adam,
