@@ -71,7 +71,7 @@ class Config:
                 "workers expected back within it; 0: act on whoever is ready)"})
     max_steps_ahead: int = field(default=0, metadata={
         "help": "credit window in env steps beyond what the trainer received "
-                "(0: two trainer batches + 34 per env)"})
+                "(0: two trainer batches + the horizon + 2 per env)"})
     seed: int = field(default=0, metadata={"help": "seeds the policy's action sampling"})
     deterministic: bool = field(default=False, metadata={
         "help": "reproducible runs (with one worker): wait for every worker's reply and batch "
@@ -392,6 +392,8 @@ class Broker(node.Process):
 
     def on_run_state(self, peer: bytes, msg: p.RunState) -> None:
         super().on_run_state(peer, msg)
+        for slot in self.slots:
+            slot.credit.horizon = msg.horizon or slot.credit.horizon
         if msg.epoch > self.barrier.epoch:  # a missed broadcast
             self.begin_barrier(msg.epoch, msg.options)
         self.answer_deferred()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 import zmq
+
 from stepbus.bus import node, wiring
 from stepbus.bus import protocol as p
 
@@ -203,7 +204,15 @@ class Controller(node.Process):
         for peer in self.peers.by_id.values():
             endpoints.update(peer.binds)
         return p.RunState(run_id=self.run_id, epoch=self.epoch, options=self.options,
-                          shutting_down=self.phase is Phase.SHUTTING_DOWN, endpoints=endpoints)
+                          shutting_down=self.phase is Phase.SHUTTING_DOWN, endpoints=endpoints,
+                          horizon=self.horizon())
+
+    def horizon(self) -> int:
+        """The trajectory horizon a registered assembler reports (0: none has), so the broker's
+        credit window allows for the run's real partial trajectories."""
+        said = [peer.figures.get("horizon") for peer in self.peers.by_id.values()
+                if peer.role == "assembler"]
+        return max((h for h in said if isinstance(h, int) and 0 < h < 2**31), default=0)
 
     # -- liveness
     def on_heartbeat(self, peer: bytes, msg: p.Heartbeat) -> None:

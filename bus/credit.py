@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# Steps per env the window leaves for what is neither trained on nor trainable yet: a partial
-# trajectory in the assembler (up to the default horizon, 32), the step awaiting its reward, and
-# the step in flight. Too small a window deadlocks until the trainer reports itself starving.
-HORIZON_ALLOWANCE = 32 + 2
+# Per env row the window also leaves room for what is neither trained on nor trainable yet: a
+# partial trajectory in the assembler (up to its horizon), the step awaiting its reward, and the
+# step in flight. Too small a window deadlocks until the trainer reports itself starving. The
+# horizon is the run's, as the assembler tells the controller; until it has, its default.
+DEFAULT_HORIZON = 32  # the assembler's --horizon default
+STEPS_BEYOND_HORIZON = 2  # the step awaiting its reward and the step in flight
 MAX_PENDING_VERSIONS = 64  # deterministic mode: versions received, not yet due (a few normally)
 # Deterministic mode: how long the trainer may say it starves while we wait for it to take in
 # steps it never gets (lost data, or a horizon longer than the window allows) before we give up
@@ -36,6 +38,7 @@ class Credit:
 
     max_steps_ahead: int = 0  # a fixed window (0: from the trainer's batch and the rows)
     rows: int = 0  # rows of live workers the policy acts for: each may hold a partial trajectory
+    horizon: int = DEFAULT_HORIZON  # the longest partial trajectory the assembler holds
     produced: int = 0
     baseline: int = 0
     consumed: int = 0
@@ -50,7 +53,8 @@ class Credit:
         return self.produced - self.baseline - self.consumed
 
     def window(self) -> int:
-        return self.max_steps_ahead or 2 * self.batch_steps + HORIZON_ALLOWANCE * self.rows
+        allowance = self.horizon + STEPS_BEYOND_HORIZON
+        return self.max_steps_ahead or 2 * self.batch_steps + allowance * self.rows
 
     def full(self) -> bool:
         """Stepping must wait for the trainer's next report."""

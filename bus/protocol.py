@@ -25,7 +25,8 @@ Who sends what (sender -> receiver, socket pair):
     ENV_SPEC          broker -> trainer         ROUTER -> DEALER   spaces the workers declared
     WEIGHTS           trainer -> broker         DEALER -> ROUTER   versioned policy parameters
     HEARTBEAT         any -> controller         DEALER -> ROUTER   registration, liveness, figures
-    RUN_STATE         controller -> any         ROUTER -> DEALER   reply to every HEARTBEAT
+    RUN_STATE         controller -> any         ROUTER -> DEALER   reply to every HEARTBEAT; the
+                                                                   run's epoch, endpoints, horizon
     STATUS_REQUEST    cli -> controller         DEALER -> ROUTER
     STATUS_REPLY      controller -> cli         ROUTER -> DEALER
     RESET_REQUEST     cli/trainer -> controller DEALER -> ROUTER   start a reset barrier
@@ -714,6 +715,7 @@ class RunState(Message):
     options: dict[str, Json]
     shutting_down: bool
     endpoints: dict[str, str] = field(default_factory=dict)
+    horizon: int = 0  # the assembler's trajectory horizon in steps (0: no assembler has said)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import Any
 
 import zmq
 
-from stepbus.bus import checks, node, policies, shm, wiring
+from stepbus.bus import checks, credit, node, policies, shm, wiring
 from stepbus.bus import protocol as p
 from stepbus.processor.buffers import WorkerTrack
 from stepbus.processor.outlets import Ledger, Outlet, endpoints, next_batch, port_name
@@ -41,7 +41,8 @@ class Config:
     receipts: str = wiring.endpoint("receipts", "PULL endpoint to bind for trainers' receipts")
     controller: str = wiring.endpoint("controller", "controller endpoint to connect")
     broadcast: str = wiring.endpoint("broadcast", "controller broadcast endpoint to connect")
-    horizon: int = field(default=32, metadata={"help": "longest trajectory, in steps"})
+    horizon: int = field(default=credit.DEFAULT_HORIZON, metadata={
+        "help": "longest trajectory, in steps (the broker's credit window allows for it)"})
     max_buffered: int = field(default=10_000, metadata={
         "help": "trajectories no learner has taken in yet (unsent, or queued toward one); at "
                 "this bound, intake and so stepping pause"})
@@ -327,7 +328,7 @@ class Assembler(node.Process):
         return port == "experience" and self.room <= 0
 
     def figures(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self.counts), "held": self.held(),
+        return {**dataclasses.asdict(self.counts), "horizon": self.cfg.horizon, "held": self.held(),
                 "untaken": len(self.ledger.untaken), "unlearned": len(self.ledger.unlearned),
                 "last_swap_gap_s": self.last_swap_gap_s, **self.rejects.figures(),
                 "open_agents": sum(len(t.agents) for t in self.tracks.values())}

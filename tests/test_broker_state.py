@@ -392,3 +392,17 @@ def test_a_worker_that_says_hello_again_while_we_wait_on_it_is_reset_once_a_mess
     [again] = bench.commands_to(w)
     assert isinstance(again, p.Reset) and again.seq == lost.seq + 1
     assert bench.figure("workers") == 1 and bench.figure("workers_lost") == 0
+
+
+
+def test_credit_window_allows_for_the_horizon_the_run_state_names() -> None:
+    """The allowance per env row is the assembler's real horizon (+2), not its default."""
+    bench = Bench()
+    bench.join("w1", num_envs=4)
+    credit = bench.broker.slots[0].credit
+    default_window = credit.window()
+    state = p.RunState(run_id="r", epoch=0, options={}, shutting_down=False, horizon=128)
+    bench.deliver(b"", state)
+    assert credit.window() == default_window + (128 - 32) * 4
+    bench.deliver(b"", dataclasses.replace(state, horizon=0))  # 0: no assembler has said
+    assert credit.window() == default_window + (128 - 32) * 4

@@ -263,3 +263,12 @@ def test_after_a_signal_the_controller_broadcasts_shutdown_and_exits_when_the_gr
     assert not bench.ctl.stop_reason
     bench.ctl.tick(T0 + 4.1)
     assert bench.ctl.stop_reason == "shutdown grace over"
+
+
+def test_the_run_state_names_the_horizon_the_assembler_reports():
+    bench = Bench()
+    assert bench.beat(b"broker", "broker", T0).horizon == 0, "no assembler has said yet"
+    bench.beat(b"assembler", "assembler", T0, horizon=128)
+    assert bench.beat(b"broker", "broker", T0 + 0.5).horizon == 128
+    bench.beat(b"worker", "worker", T0 + 0.5, horizon=7)  # only the assembler's counts
+    assert bench.beat(b"broker", "broker", T0 + 0.6).horizon == 128
