@@ -40,12 +40,14 @@ from typing import Any
 
 import numpy as np
 import zmq
+
+from stepbus import policy
 from stepbus.bus import checks, node, policies, wiring
 from stepbus.bus import protocol as p
 from stepbus.bus.barrier import ResetBarrier
 from stepbus.bus.credit import Credit, DueVersions, Weights
 from stepbus.bus.worker_table import Worker, WorkerTable
-from stepbus.trainer import model, spaces
+from stepbus.policy import Policy
 
 # How long a new broker defers new workers' hellos until the controller has told it the run's
 # epoch and reset options: a broker restarted mid-run must not reset envs without the last
@@ -104,42 +106,52 @@ class BrokerCounts:
 
 
 class PolicySlot:
-    """One policy: the weights it acts with, its credit window, and (deterministic mode) the
-    versions received and not due yet. The only place the broker touches the model: building
-    for the spaces, checking weights, loading them for inference, acting."""
+    """One policy: the model it acts with, its credit window, and (deterministic mode) the
+    versions received and not due yet. The only place the broker touches the model, and only
+    through the `Policy` interface (stepbus/policy.py): built once the first worker tells the
+    spaces; weights that come before them are held until then."""
 
-    def __init__(self, name: str, rng: np.random.Generator, max_steps_ahead: int) -> None:
-        self.name, self.rng = name, rng
-        self.params: model.Params | None = None
-        self.version = -1  # the version we act with
+    def __init__(self, name: str, rng: np.random.Generator, max_steps_ahead: int,
+                 model: str = policy.DEFAULT) -> None:
+        self.name, self.rng, self.model = name, rng, model
+        self.policy: Policy | None = None
+        self.early: tuple[Weights, int] | None = None  # weights that came before the spaces
         self.newest = -1  # the newest version received (deterministic mode: maybe not yet due)
-        self.spec: dict[str, Any] | None = None
-        self.action_space: model.ActionSpace | None = None
         self.credit = Credit(max_steps_ahead)
         self.due = DueVersions()
 
     @property
-    def loaded(self) -> bool:
-        return self.params is not None
+    def version(self) -> int:
+        """The version we act with (-1: none yet)."""
+        if self.policy is not None:
+            return self.policy.version
+        return self.early[1] if self.early is not None else -1
 
-    def build(self, spec: dict[str, Any]) -> None:
+    @property
+    def loaded(self) -> bool:
+        return self.version >= 0
+
+    def build(self, spec: p.SpaceSpec) -> None:
         """Act on these spaces; weights that came before them and do not fit are dropped."""
-        self.spec, self.action_space = spec, spaces.action_space(spec)
-        if self.params is not None and self.check(self.params):
-            self.params, self.version = None, -1
+        self.policy = policy.make_policy(self.model, spec)
+        early, self.early = self.early, None
+        if early is not None and not self.policy.weights_problem(early[0]):
+            self.policy.load(*early)
 
     def check(self, params: Weights) -> str:
         """Why these weights cannot drive inference (empty: they can, or no spaces yet)."""
-        return checks.weights_problem(params, self.spec, self.action_space)
+        return self.policy.weights_problem(params) if self.policy is not None else ""
 
     def load(self, params: Weights, version: int) -> None:
-        # Inference params: a wide (pixel) input's first layer in float32 (see model).
-        self.params, self.version = model.for_inference(params), version
+        if self.policy is None:
+            self.early = (params, version)
+        else:
+            self.policy.load(params, version)
 
     def act(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Actions, their log-probabilities and the values for a batch of observations."""
-        assert self.params is not None and self.action_space is not None
-        return model.act(self.params, obs, self.action_space, self.rng)
+        assert self.policy is not None
+        return self.policy.act(obs, self.rng)
 
 
 class Broker(node.Process):
@@ -207,7 +219,7 @@ class Broker(node.Process):
                 return False
             self.env_id, self.spec = msg.env_id, msg.spec
             for slot in self.slots:
-                slot.build(msg.spec)
+                slot.build(p.from_map(p.SpaceSpec, msg.spec))
         elif msg.spec != self.spec:
             self.counts.spec_refused += 1
             self.refuse(msg.worker, "spec mismatch",
