@@ -174,7 +174,7 @@ class Broker(node.Process):
         self.barrier = ResetBarrier()
         self.counts = BrokerCounts()
         self.env_id = ""
-        self.spec: dict[str, Any] | None = None  # the spaces every worker must share
+        self.spec: p.SpaceSpec | None = None  # the spaces every worker must share
         self.assembler_blocked = False  # only true while it is what holds ready work back
         self.held_by = ""  # with several policies: the one whose weights or window holds us
         self.rate_steps, self.rate_since, self.steps_per_s = 0, self.now, 0.0
@@ -219,7 +219,7 @@ class Broker(node.Process):
                 return False
             self.env_id, self.spec = msg.env_id, msg.spec
             for slot in self.slots:
-                slot.build(p.from_map(p.SpaceSpec, msg.spec))
+                slot.build(msg.spec)
         elif msg.spec != self.spec:
             self.counts.spec_refused += 1
             self.refuse(msg.worker, "spec mismatch",
@@ -276,8 +276,8 @@ class Broker(node.Process):
         not a batch we can read)."""
         if w.segment is None or self.spec is None or msg.obs.shape[0] != 0:
             return None
-        view = w.segment.view(msg.obs_slot, np.dtype(self.spec["obs_dtype"]),
-                              tuple(self.spec["obs_shape"]))
+        view = w.segment.view(msg.obs_slot, np.dtype(self.spec.obs_dtype),
+                              policy.obs_shape(self.spec))
         return view if view is not None and w.segment.holds(msg.obs_slot, msg.seq) else None
 
     def on_remote_error(self, peer: bytes, msg: p.RemoteError) -> None:

@@ -8,32 +8,17 @@ returns why a message cannot be used, or an empty string; the caller refuses and
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any, TypeAlias
 
 import numpy as np
-from stepbus.bus import policies
-from stepbus.bus import protocol as p
 
 from stepbus import policy
+from stepbus.bus import policies
+from stepbus.bus import protocol as p
 from stepbus.policy import ActionSpace
 
 MAX_ENVS_PER_WORKER = 65_536
 MAX_BATCH_STEPS = 10_000_000
 MAX_TRAJECTORY_STEPS = 1_000_000
-
-Spec: TypeAlias = p.SpaceSpec | Mapping[str, Any]
-"""The spaces, as a SpaceSpec or (as WORKER_HELLO and ENV_SPEC carry them) the map of one."""
-
-
-def _obs_shape(spec: Spec) -> tuple[int, ...]:
-    return tuple(spec.obs_shape if isinstance(spec, p.SpaceSpec) else spec["obs_shape"])
-
-
-def _spaces(spec: Spec) -> p.SpaceSpec:
-    """Raises ProtocolError for a map that is not a SpaceSpec."""
-    return spec if isinstance(spec, p.SpaceSpec) else p.from_map(p.SpaceSpec, spec)
-
 
 def rows_problem(m: p.StepResult | p.Experience, rows: int) -> str:
     """The optional per-row arrays: `alive` (bool), `episode` and `episode_seed` (integers)."""
@@ -54,13 +39,13 @@ def agents_problem(agents: list[str], num_envs: int) -> str:
     return ""
 
 
-def result_problem(r: p.StepResult, num_envs: int, spec: Spec | None) -> str:
+def result_problem(r: p.StepResult, num_envs: int, spec: p.SpaceSpec | None) -> str:
     """Why a worker's result cannot be used (empty if it can): shapes must match its hello.
     `num_envs` counts rows: envs x agents for multi-agent envs."""
     k = num_envs
     if spec is None:
         return "no spaces declared"
-    obs_shape = _obs_shape(spec)
+    obs_shape = policy.obs_shape(spec)
     if r.obs.shape != (k, *obs_shape):
         return f"obs shape {r.obs.shape}, expected {(k, *obs_shape)}"
     if any(a.shape != (k,) for a in (r.reward, r.terminated, r.truncated)):
@@ -73,29 +58,28 @@ def result_problem(r: p.StepResult, num_envs: int, spec: Spec | None) -> str:
     return rows_problem(r, k)
 
 
-def weights_problem(params: dict[str, np.ndarray], spec: Spec | None,
+def weights_problem(params: dict[str, np.ndarray], spec: p.SpaceSpec | None,
                     action_space: ActionSpace | None, model: str = policy.DEFAULT) -> str:
     """Why weights cannot drive inference (empty if they can), as the policy `model` for these
     spaces judges them. A process that holds its Policy asks it directly."""
     if spec is None or action_space is None:
         return ""  # judged when the first worker tells us the spaces
     try:
-        return policy.make_policy(model, _spaces(spec)).weights_problem(params)
-    except (p.ProtocolError, ValueError) as exc:
+        return policy.make_policy(model, spec).weights_problem(params)
+    except ValueError as exc:
         return f"{type(exc).__name__}: {exc}"[:200]
 
 
-def spec_problem(spec: Spec) -> str:
+def spec_problem(spec: p.SpaceSpec) -> str:
     """Why a worker's declared spaces are unusable (empty if usable)."""
     try:
-        spaces = _spaces(spec)
-        action = policy.action_space(spaces)
-    except (p.ProtocolError, ValueError) as exc:
+        action = policy.action_space(spec)
+    except ValueError as exc:
         return f"{type(exc).__name__}: {exc}"[:200]
-    if len(spaces.obs_shape) >= p.MAX_NDIM or not all(d > 0 for d in spaces.obs_shape):
-        return f"obs_shape {spaces.obs_shape}"[:200]
-    if spaces.obs_dtype not in p.ALLOWED_DTYPES:
-        return f"obs_dtype {spaces.obs_dtype}"[:200]
+    if len(spec.obs_shape) >= p.MAX_NDIM or not all(d > 0 for d in spec.obs_shape):
+        return f"obs_shape {spec.obs_shape}"[:200]
+    if spec.obs_dtype not in p.ALLOWED_DTYPES:
+        return f"obs_dtype {spec.obs_dtype}"[:200]
     if action.kind == "box" and not (
             len(action.shape) < p.MAX_NDIM and all(d > 0 for d in action.shape)
             and len(action.low) == len(action.high) == math.prod(action.shape)):
@@ -134,7 +118,7 @@ def experience_problem(m: p.Experience) -> str:
     return rows_problem(m, k)
 
 
-def trajectory_problem(t: p.Trajectory, spec: Spec, action: ActionSpace) -> str:
+def trajectory_problem(t: p.Trajectory, spec: p.SpaceSpec, action: ActionSpace) -> str:
     """Why a trajectory cannot be trained on (empty if it can)."""
     n = t.rewards.shape[0]
     if not 1 <= n <= MAX_TRAJECTORY_STEPS or t.rewards.ndim != 1:
@@ -143,7 +127,7 @@ def trajectory_problem(t: p.Trajectory, spec: Spec, action: ActionSpace) -> str:
             or _steps_problem(t, n, (), spec, action))
 
 
-def trajectories_problem(b: p.Trajectories, spec: Spec, action: ActionSpace) -> str:
+def trajectories_problem(b: p.Trajectories, spec: p.SpaceSpec, action: ActionSpace) -> str:
     """Why a batch of trajectories cannot be trained on (empty if it can): checked as a whole,
     so a batch costs a few array operations, not a few per trajectory."""
     count = len(b.seqs)
@@ -175,10 +159,10 @@ def _episode_problem(ret: float | None, length: int | None) -> str:
 
 
 def _steps_problem(t: p.Trajectory | p.Trajectories, n: int, bootstraps: tuple[int, ...],
-                   spec: Spec, action: ActionSpace) -> str:
+                   spec: p.SpaceSpec, action: ActionSpace) -> str:
     """The step arrays: `n` rows each, fitting the spaces; `bootstraps` leads the bootstrap
     observations' shape (one trajectory: none)."""
-    obs_shape = _obs_shape(spec)
+    obs_shape = policy.obs_shape(spec)
     if any(a.shape != (n,) for a in (t.logp, t.values, t.policy_versions)):
         return "logp, values and policy_versions need one entry per step"
     if t.policy_versions.dtype.kind not in "iu":

@@ -418,7 +418,7 @@ class WorkerHello(Message):
     env_id: str
     num_envs: int
     seed: int
-    spec: dict[str, Json]  # SpaceSpec as a map
+    spec: SpaceSpec
     seq: int  # the last sequence number it answered; a new broker continues above it
     # Multi-agent envs: each env's possible agents, in row order (rows = num_envs x agents).
     agents: list[str] = field(default_factory=list)
@@ -669,7 +669,7 @@ class EnvSpec(Message):
 
     KIND: ClassVar[Kind] = Kind.ENV_SPEC
     env_id: str
-    spec: dict[str, Json]
+    spec: SpaceSpec
     policy_version: int
 
 

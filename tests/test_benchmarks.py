@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import subprocess
@@ -13,8 +12,10 @@ import uuid
 
 import numpy as np
 from conftest import REPO
+
+from stepbus import policy
 from stepbus.bus import checks
-from stepbus.trainer import consume, ppo, spaces
+from stepbus.trainer import consume, ppo
 from stepbus.workers import bench_envs
 from stepbus.workers.envs import make_env, space_spec
 
@@ -130,9 +131,9 @@ def test_frames_are_84x84x4_uint8_read_only_and_about_free_to_step() -> None:
 
 
 def test_consume_only_weights_fit_what_the_broker_serves() -> None:
-    spec = dataclasses.asdict(space_spec(bench_envs.heavy_tailed()))
-    action = spaces.action_space(spec)
-    algo = consume.ConsumeOnly(spaces.obs_dim(spec), action, ppo.PPOConfig(),
+    spec = space_spec(bench_envs.heavy_tailed())
+    action = policy.action_space(spec)
+    algo = consume.ConsumeOnly(policy.obs_dim(spec), action, ppo.PPOConfig(),
                                np.random.default_rng(0))
     assert checks.weights_problem(algo.params, spec, action) == ""
     before = {k: v.copy() for k, v in algo.params.items()}

@@ -10,14 +10,15 @@ import logging
 import gymnasium as gym
 import numpy as np
 import pytest
+
 from stepbus.bus import broker, node, worker_table
 from stepbus.bus import protocol as p
 from stepbus.bus.credit import DETERMINISM_GIVE_UP_S
 from stepbus.trainer import model
 from stepbus.workers import envs
 
-SPEC = dataclasses.asdict(envs.space_spec(gym.make("CartPole-v1")))
-OBS_DIM = SPEC["obs_shape"][0]
+SPEC = envs.space_spec(gym.make("CartPole-v1"))
+OBS_DIM = SPEC.obs_shape[0]
 T0 = 1000.0
 
 

@@ -30,9 +30,9 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+
 from stepbus.bus import checks
 from stepbus.bus import protocol as p
-
 from stepbus.policy import ActionSpace
 
 
@@ -124,6 +124,10 @@ def assert_same(expected: Any, got: Any, where: str) -> None:
         assert type(got) is list and len(got) == len(expected), where
         for i, value in enumerate(expected):
             assert_same(value, got[i], f"{where}[{i}]")
+    elif dataclasses.is_dataclass(expected) and not isinstance(expected, type):  # a record
+        assert type(got) is type(expected), where
+        for f in dataclasses.fields(expected):
+            assert_same(getattr(expected, f.name), getattr(got, f.name), f"{where}.{f.name}")
     elif isinstance(expected, float):
         assert type(got) is float, where
         assert struct.pack("<d", got) == struct.pack("<d", expected), f"{where}: {got!r}"
@@ -308,12 +312,14 @@ def test_a_record_round_trips_through_msgpack_as_the_map_of_its_fields(spec: p.S
     assert_same_record(spec, p.from_map(p.SpaceSpec, wire))
 
 
-def test_a_hello_spec_sent_as_a_map_reads_back_as_the_space_spec_the_worker_declared() -> None:
+def test_a_hello_spec_reads_back_as_the_space_spec_the_worker_declared() -> None:
     hello = p.WorkerHello(worker="w", incarnation="i", env_id="Pong", num_envs=2, seed=0,
-                          spec=p.to_map(PIXELS), seq=0)
-    got = p.decode([bytes(f) for f in p.encode(hello)])
+                          spec=PIXELS, seq=0)
+    frames = [bytes(f) for f in p.encode(hello)]
+    assert msgpack.unpackb(frames[0], raw=False)[2]["spec"] == PIXELS_MAP, "a map on the wire"
+    got = p.decode(frames)
     assert isinstance(got, p.WorkerHello)
-    assert_same_record(PIXELS, p.from_map(p.SpaceSpec, got.spec))
+    assert_same_record(PIXELS, got.spec)
 
 
 RECORD_REFUSALS = [
@@ -330,6 +336,7 @@ RECORD_REFUSALS = [
     ("a float in an int list", {**PIXELS_MAP, "obs_shape": [84.0, 84, 4]},
      "SpaceSpec.obs_shape"),
     ("a bool in an int list", {**PIXELS_MAP, "action_shape": [True]}, "SpaceSpec.action_shape"),
+    ("a str in an int list", {**PIXELS_MAP, "obs_shape": ["84", 84, 4]}, "SpaceSpec.obs_shape"),
     ("a str in a float list", {**PIXELS_MAP, "action_low": ["-1"]}, "SpaceSpec.action_low"),
     ("a nil in a float list", {**PIXELS_MAP, "action_high": [None]}, "SpaceSpec.action_high"),
     ("nil where str expected", {**PIXELS_MAP, "obs_dtype": None}, "SpaceSpec.obs_dtype"),
@@ -346,6 +353,20 @@ def test_a_map_that_is_not_the_record_is_refused_naming_what_is_wrong(value: Any
                                                                       detail: str) -> None:
     with pytest.raises(p.ProtocolError) as info:
         p.from_map(p.SpaceSpec, value)
+    assert info.value.reason == "bad field"
+    assert detail in info.value.detail
+
+
+@pytest.mark.parametrize(("value", "detail"), [case[1:] for case in RECORD_REFUSALS],
+                         ids=[case[0] for case in RECORD_REFUSALS])
+def test_a_hello_whose_spec_is_not_a_space_spec_is_refused_when_decoded(value: Any,
+                                                                         detail: str) -> None:
+    hello = p.WorkerHello(worker="w", incarnation="i", env_id="Pong", num_envs=2, seed=0,
+                          spec=PIXELS, seq=0)
+    version, kind, fields, descs = msgpack.unpackb(p.encode(hello)[0], raw=False)
+    header = msgpack.packb([version, kind, {**fields, "spec": value}, descs], use_bin_type=True)
+    with pytest.raises(p.ProtocolError) as info:
+        p.decode([header])
     assert info.value.reason == "bad field"
     assert detail in info.value.detail
 

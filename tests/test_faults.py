@@ -8,6 +8,7 @@ import time
 import numpy as np
 import zmq
 from conftest import Cluster, recv_message, send_message, status_rows, wait_for
+
 from stepbus.bus import protocol as p
 
 
@@ -109,8 +110,7 @@ def test_a_late_reply_from_a_worker_the_broker_still_knows_is_dropped_as_stale(
              "trainer": cluster.start("trainer", "--target-return", "0")}
     worker = cluster.socket(zmq.DEALER, cluster.endpoints["steps"])
     worker.setsockopt(zmq.IDENTITY, b"scripted")
-    spec = {"obs_shape": [4], "obs_dtype": "<f4", "action_kind": "discrete", "action_n": 2,
-            "action_shape": [], "action_low": [], "action_high": []}
+    spec = p.SpaceSpec([4], "<f4", "discrete", action_n=2)
     hello = p.WorkerHello(worker="scripted", incarnation="s1", env_id="CartPole-v1",
                           num_envs=1, seed=0, spec=spec, seq=0)
 

@@ -15,8 +15,11 @@ import numpy as np
 import pytest
 import zmq
 from conftest import Cluster, send_message, wait_for
+
 from stepbus.bus import node, wiring
 from stepbus.bus import protocol as p
+
+CARTPOLE_SPEC = p.SpaceSpec([4], "<f4", "discrete", action_n=2)
 
 
 class Touch:
@@ -69,10 +72,8 @@ def test_hostile_messages_on_every_bound_socket_are_refused_and_learning_goes_on
     # A liar: a well-formed worker hello with the right spaces, then results of the wrong shape.
     liar = cluster.socket(zmq.DEALER, cluster.endpoints["steps"])
     liar.setsockopt(zmq.IDENTITY, b"liar")
-    real_spec = {"obs_shape": [4], "obs_dtype": "<f4", "action_kind": "discrete", "action_n": 2,
-                 "action_shape": [], "action_low": [], "action_high": []}
     send_message(liar, p.WorkerHello(worker="liar", incarnation="x", env_id="CartPole-v1",
-                                     num_envs=2, seed=0, spec=real_spec, seq=0))
+                                     num_envs=2, seed=0, spec=CARTPOLE_SPEC, seq=0))
     assert liar.poll(5000), "the broker answers a good hello with a reset"
     reset = p.decode(liar.recv_multipart())
     assert isinstance(reset, p.Reset)
@@ -92,7 +93,7 @@ def test_hostile_messages_on_every_bound_socket_are_refused_and_learning_goes_on
     trainer.close(linger=1000)
     squatter = cluster.socket(zmq.DEALER, cluster.endpoints["steps"])
     send_message(squatter, p.WorkerHello(worker="squatter", incarnation="s", env_id="x",
-                                         num_envs=-1000, seed=0, spec=real_spec, seq=0))
+                                         num_envs=-1000, seed=0, spec=CARTPOLE_SPEC, seq=0))
     squatter.close(linger=1000)
 
     def rejected_by_role() -> dict[str, int]:
@@ -113,10 +114,6 @@ def test_hostile_messages_on_every_bound_socket_are_refused_and_learning_goes_on
     assert "bad step result" in broker_log and "liar" in broker_log
     assert "bad weights" in broker_log and "num_envs -1000" in broker_log
     assert "Traceback" not in cluster.dump()
-
-
-CARTPOLE_SPEC = {"obs_shape": [4], "obs_dtype": "<f4", "action_kind": "discrete", "action_n": 2,
-                 "action_shape": [], "action_low": [], "action_high": []}
 
 
 def trajectory(n: int = 32, **changes) -> p.Trajectory:

@@ -22,7 +22,7 @@ from stepbus.trainer import checkpoint, learner, ppo
 from stepbus.trainer.algorithm import Model
 from stepbus.workers import envs
 
-SPEC = dataclasses.asdict(envs.space_spec(gym.make("CartPole-v1")))
+SPEC = envs.space_spec(gym.make("CartPole-v1"))
 T0 = 1000.0
 BATCH = 64  # env steps per update here
 STEPS = 20  # per trajectory: an update every 4 of them

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+
 from stepbus.bus import node, shm
 from stepbus.bus import protocol as p
 from stepbus.workers import worker
@@ -184,7 +185,7 @@ def test_the_hello_repeats_while_the_broker_is_silent_and_carries_the_last_seq()
         (hello,) = hellos_at(T0)
         assert (hello.worker, hello.incarnation, hello.seq) == ("w", w.incarnation, 0)
         assert (hello.env_id, hello.num_envs, hello.agents) == ("CartPole-v1", 1, [])
-        assert hello.spec["obs_shape"] == [4] and hello.shm == ""
+        assert hello.spec.obs_shape == [4] and hello.shm == ""
         assert hellos_at(T0 + 0.4) == []
         assert len(hellos_at(T0 + 0.5)) == 1
         clock.t = T0 + 0.6

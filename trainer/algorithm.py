@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+
+from stepbus import imports, policy
 from stepbus.bus import checks
 from stepbus.bus import protocol as p
-from stepbus.trainer import checkpoint, ppo, spaces
-
-from stepbus import imports
+from stepbus.trainer import checkpoint, ppo
 
 
 class CannotStart(Exception):
@@ -57,10 +57,10 @@ class Model:
                  config: ppo.PPOConfig, seed: int, *, name: str = "") -> None:
         """Raises CannotStart when the algorithm fails to start (user code: one clear line)."""
         self.spec, self.config = env_spec.spec, config
-        self.action = spaces.action_space(self.spec)
+        self.action = policy.action_space(self.spec)
         rng = np.random.default_rng(seed)
         try:
-            self.algo: Algorithm = algo_class(spaces.obs_dim(self.spec), self.action, config,
+            self.algo: Algorithm = algo_class(policy.obs_dim(self.spec), self.action, config,
                                               rng)
         except Exception as exc:
             raise CannotStart(f"--algo {name} failed to start: {type(exc).__name__}: "

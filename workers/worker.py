@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import zmq
+
 from stepbus.bus import node, shm, wiring
 from stepbus.bus import protocol as p
 from stepbus.workers.envset import EnvFailure, EnvSet
@@ -159,7 +160,7 @@ class Worker(node.Process):
         self.no_rows = np.zeros((0, *self.envs.spec.obs_shape), self.envs.obs_dtype)
         self.hello = p.WorkerHello(
             worker=cfg.name, incarnation=self.incarnation, env_id=cfg.env,
-            num_envs=cfg.envs_per_worker, seed=cfg.seed, spec=dataclasses.asdict(self.envs.spec),
+            num_envs=cfg.envs_per_worker, seed=cfg.seed, spec=self.envs.spec,
             seq=0, agents=self.envs.agents, shm=self.segment.name if self.segment else "",
             shm_nonce=self.segment.nonce.hex() if self.segment else "")
         self.every("hello", HELLO_INTERVAL_S, self.say_hello, first_due=self.now)
