@@ -19,7 +19,7 @@ from scripted_algos import CurriculumPPO
 from stepbus.bus import node
 from stepbus.bus import protocol as p
 from stepbus.trainer import checkpoint, learner, ppo
-from stepbus.trainer.algorithm import Model
+from stepbus.trainer.algorithm import CannotStart, Model
 from stepbus.workers import envs
 
 SPEC = envs.space_spec(gym.make("CartPole-v1"))
@@ -296,3 +296,17 @@ def test_a_curriculum_reset_is_asked_for_and_asked_again_while_another_barrier_r
     b.later(learner.Curriculum.RETRY_S)
     assert [r.options for r in b.out.take(p.ResetRequest)] == [{"level": 2}]
     b.learner.metrics.close()
+
+
+def test_a_checkpoint_of_another_architecture_is_refused_naming_the_parameters_that_differ(
+        tmp_path: Path) -> None:
+    env_spec = p.EnvSpec(env_id="CartPole-v1", spec=SPEC, policy_version=-1)
+    small = Model(ppo.PPO, env_spec, ppo.PPOConfig(hidden=(8,)), seed=0)
+    small.save(tmp_path / "small.npz", {"updates": 1})
+    again = Model(ppo.PPO, env_spec, ppo.PPOConfig(hidden=(8,)), seed=1)
+    assert again.resume(tmp_path / "small.npz") == {"updates": 1}
+    assert all(np.array_equal(again.params[k], v) for k, v in small.params.items())
+    wide = Model(ppo.PPO, env_spec, ppo.PPOConfig(hidden=(16,)), seed=0)
+    with pytest.raises(CannotStart, match=r"does not fit this policy \(pi\.0\.b, pi\.0\.w, "
+                                          r"pi\.1\.w, vf\.0\.b; spaces SpaceSpec\(obs_shape"):
+        wide.resume(tmp_path / "small.npz")

@@ -1,6 +1,7 @@
 """The model a learner trains, in one place: the learning algorithm (`--algo module:Class`,
 trainer/ppo.py's PPO by default), its params, which the broker acts with, and the spaces that
-trajectories are checked against. The learner knows the model through `Model` only.
+trajectories are checked against. The learner knows the model through `Model` only, and
+`Model` knows the spaces and parameters through `stepbus.policy`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class CannotStart(Exception):
 
 class Algorithm(Protocol):
     """What `--algo` names: a class built as `(obs_dim, action, config, rng)` whose instances
-    have this. `params` keep `trainer.model`'s layout (the broker acts with them) and are
+    have this. `params` keep `stepbus.models.mlp`'s layout (the broker acts with them) and are
     updated in place. An optional `curriculum(stats) -> options | None` asks, after an update,
     for a reset barrier with env options (as `stepbus reset --option` does)."""
 
@@ -101,9 +102,9 @@ class Model:
         Raises CannotStart when its params do not fit this model."""
         saved, optimizer, progress = checkpoint.load(path)
         params = self.params
-        mismatch = sorted(k for k in params.keys() | saved.keys()
-                          if k not in saved or k not in params or saved[k].shape != params[k].shape)
-        if mismatch:
+        if policy.fingerprint(saved) != policy.fingerprint(params):
+            mismatch = sorted(k for k in params.keys() | saved.keys() if k not in saved
+                              or k not in params or saved[k].shape != params[k].shape)
             raise CannotStart(
                 f"checkpoint {path} does not fit this policy ({', '.join(mismatch[:4])}; spaces "
                 f"{self.spec}, hidden {self.config.hidden}): start a new run or use the old "
