@@ -305,9 +305,9 @@ class Pipeline:
     def status(self, timeout_s: float = 3.0) -> tuple[float, list[dict]]:
         """(when the reply came, monotonic; status rows) from the controller."""
         import zmq
+
         from stepbus.bus import node, wiring
         from stepbus.bus import protocol as p
-
         from stepbus.cli import STATUS_REPLY_MAX_BYTES
 
         ctx = zmq.Context.instance()

@@ -19,9 +19,11 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
+
 from stepbus.bus import protocol as p
 from stepbus.bus import wiring
-from stepbus.trainer import model
+from stepbus.models import mlp
+from stepbus.policy import ActionSpace
 
 TESTS_DIR = Path(__file__).parent
 REPO = TESTS_DIR.parent
@@ -222,8 +224,8 @@ def act_as_trainer(cluster: Cluster, obs_dim: int) -> tuple[zmq.Socket, zmq.Sock
     """The test in the trainer's place: it publishes weights for a 2-action policy (so the
     broker steps) and takes the assembler's trajectories. Returns (weights, trajectories)."""
     trainer = cluster.socket(zmq.DEALER, cluster.endpoints["policy"])
-    params = model.init_params(obs_dim, model.ActionSpace("discrete", n=2), (8,),
-                               np.random.default_rng(0))
+    params = mlp.init_params(obs_dim, ActionSpace("discrete", n=2), (8,),
+                             np.random.default_rng(0))
     send_message(trainer, p.Weights(trainer="t", incarnation="t1", policy="default", version=1,
                                     consumed_steps=0, batch_steps=256, starving=False,
                                     params=params))

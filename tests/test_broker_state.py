@@ -14,7 +14,8 @@ import pytest
 from stepbus.bus import broker, node, worker_table
 from stepbus.bus import protocol as p
 from stepbus.bus.credit import DETERMINISM_GIVE_UP_S
-from stepbus.trainer import model
+from stepbus.models import mlp
+from stepbus.policy import ActionSpace
 from stepbus.workers import envs
 
 SPEC = envs.space_spec(gym.make("CartPole-v1"))
@@ -35,8 +36,8 @@ def weights(version: int, consumed: int = 0, *, starving: bool = False, batch_st
             ) -> p.Weights:
     """A trainer's WEIGHTS report with real MLP weights (that always pick `favourite`, if
     given, so a row's action tells which policy chose it)."""
-    params = model.init_params(OBS_DIM, model.ActionSpace("discrete", n=2), (8,),
-                               np.random.default_rng(version))
+    params = mlp.init_params(OBS_DIM, ActionSpace("discrete", n=2), (8,),
+                             np.random.default_rng(version))
     if favourite >= 0:
         params["pi.1.b"] = np.where(np.arange(2) == favourite, 50.0, 0.0)
     return p.Weights(trainer=f"t-{policy}", incarnation=incarnation, policy=policy,

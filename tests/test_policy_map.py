@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 import zmq
 from conftest import Cluster, TrajectoryInbox, send_message, status_rows, wait_for
+
 from stepbus.bus import checks, policies
 from stepbus.bus import protocol as p
-from stepbus.trainer import model
+from stepbus.models import mlp
+from stepbus.policy import ActionSpace
 
 
 def test_a_policy_map_picks_the_first_matching_pattern_and_falls_back_to_default():
@@ -44,8 +46,8 @@ def test_per_row_policy_versions_out_of_range_are_refused():
 def weights(policy: str, version: int, favourite: int) -> p.Weights:
     """A 2-action policy that always picks `favourite`, so each row's action shows which
     policy chose it."""
-    params = model.init_params(2, model.ActionSpace("discrete", n=2), (8,),
-                               np.random.default_rng(0))
+    params = mlp.init_params(2, ActionSpace("discrete", n=2), (8,),
+                             np.random.default_rng(0))
     params["pi.1.b"] = np.where(np.arange(2) == favourite, 50.0, 0.0)
     return p.Weights(trainer=f"t-{policy}", incarnation=f"{policy}1", policy=policy,
                      version=version, consumed_steps=0, batch_steps=256, starving=False,

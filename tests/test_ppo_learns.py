@@ -12,7 +12,8 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from stepbus.trainer.model import ActionSpace, Adam, act, init_params
+from stepbus.models.mlp import Adam, act, init_params
+from stepbus.policy import ActionSpace
 from stepbus.trainer.ppo import PPOConfig, Trajectory, ppo_update
 
 N_ENVS = 8

@@ -19,10 +19,12 @@ from conftest import (
     wait_for,
 )
 from scripted_envs import STAMP_SHAPE, stamp
+from test_deterministic import TIMING, cluster_of_its_own
+
 from stepbus.bus import protocol as p
 from stepbus.bus import shm
-from stepbus.trainer import model
-from test_deterministic import TIMING, cluster_of_its_own
+from stepbus.models import mlp
+from stepbus.policy import ActionSpace
 
 ENV = ("--env", "scripted_envs:stamp_frames", "--envs-per-worker", "8")
 OBS_DIM = int(np.prod(STAMP_SHAPE))
@@ -47,8 +49,8 @@ class Checker:
 
     def __init__(self, c: Cluster) -> None:
         self.weights, self.inbox = act_as_trainer(c, OBS_DIM)
-        self.params = model.init_params(OBS_DIM, model.ActionSpace("discrete", n=2), (8,),
-                                        np.random.default_rng(0))
+        self.params = mlp.init_params(OBS_DIM, ActionSpace("discrete", n=2), (8,),
+                                      np.random.default_rng(0))
         self.steps = 0
         self.next_step: dict[str, tuple[int, int]] = {}  # agent -> (episode seed, next step)
 

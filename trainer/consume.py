@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from stepbus.trainer.model import ActionSpace, Params, init_params
+
+from stepbus.models.mlp import init_params
+from stepbus.policy import ActionSpace, Params
 from stepbus.trainer.ppo import PPOConfig, Trajectory
 
 

@@ -13,16 +13,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stepbus.trainer.model import (
-    ActionSpace,
+from stepbus.models.mlp import (
     Adam,
-    Params,
     clip_grad_norm,
     infer_action_space,
     init_params,
     ppo_loss_and_grads,
     value,
 )
+from stepbus.policy import ActionSpace, Params
 
 
 @dataclass
@@ -252,7 +251,7 @@ class PPO:
 
     Any class with this constructor, `params`, `update`, `optimizer_state` and
     `load_optimizer_state` can replace it: `--algo module:Class`, also in a live
-    `stepbus trainer swap`. `params` must keep `trainer.model`'s layout, because the broker
+    `stepbus trainer swap`. `params` must keep `stepbus.models.mlp`'s layout, because the broker
     serves the policy from them; they are updated in place.
     """
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
+
 from stepbus.bus import protocol as p
 from stepbus.workers.envs import (
     agents_of,
