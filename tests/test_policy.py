@@ -5,6 +5,7 @@ judge weights and spaces through the policy without knowing the MLP."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -207,10 +208,18 @@ def test_declared_spaces_a_policy_can_serve_pass() -> None:
     assert checks.spec_problem(CARTPOLE) == checks.spec_problem(PENDULUM) == ""
 
 
-def test_the_checks_and_the_policy_seam_load_nothing_from_the_trainer() -> None:
-    code = ("import sys; import stepbus.bus.checks, stepbus.bus.protocol, stepbus.policy, "
-            "stepbus.models.mlp; "
-            "print(sorted(m for m in sys.modules if m.startswith('stepbus.trainer')))")
+def test_every_bus_module_and_the_policy_seam_load_nothing_from_the_trainer() -> None:
+    code = """
+import importlib, json, pkgutil, sys
+import stepbus.bus
+bus = sorted(m.name for m in pkgutil.iter_modules(stepbus.bus.__path__, "stepbus.bus."))
+for name in [*bus, "stepbus.policy", "stepbus.models.mlp"]:
+    importlib.import_module(name)
+print(json.dumps([bus, sorted(m for m in sys.modules if m.startswith("stepbus.trainer"))]))
+"""
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60)
-    assert out.stdout.strip() == "[]"
+    bus, trainer = json.loads(out.stdout)
+    assert {"stepbus.bus.broker", "stepbus.bus.checks", "stepbus.bus.controller",
+            "stepbus.bus.protocol"} <= set(bus), bus
+    assert trainer == []
