@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import itertools
 import json
 import os
 import platform
@@ -563,12 +564,10 @@ def _timed_actions(send: Callable[[np.ndarray], None], actions: np.ndarray, per_
                    seconds: float, warmup: float) -> tuple[float, float]:
     """`_timed` for a vectorizer that takes one row of `actions` per call, cycling through
     them (random actions drawn once, so drawing them is not what is measured)."""
-    i = 0
+    counter = itertools.count()
 
     def step() -> None:
-        nonlocal i
-        send(actions[i % len(actions)])
-        i += 1
+        send(actions[next(counter) % len(actions)])
 
     return _timed(step, per_call, seconds, warmup)
 
@@ -589,12 +588,10 @@ def peer_main(spec: dict[str, Any]) -> int:
         env = make()
         actions = rng.integers(_action_n(env), size=4096).tolist()
         env.reset(seed=0)
-        i = 0
+        counter = itertools.count()
 
         def step() -> None:
-            nonlocal i
-            _, _, terminated, truncated, _ = env.step(actions[i & 4095])
-            i += 1
+            _, _, terminated, truncated, _ = env.step(actions[next(counter) & 4095])
             if terminated or truncated:
                 env.reset()
 

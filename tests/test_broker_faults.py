@@ -11,6 +11,7 @@ from typing import Any
 
 import zmq
 from conftest import Cluster, recv_message, send_message, wait_for
+
 from stepbus.bus import protocol as p
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+
 from stepbus.bus import controller, node
 from stepbus.bus import protocol as p
 

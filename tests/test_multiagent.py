@@ -8,6 +8,7 @@ import logging
 import numpy as np
 import pytest
 from conftest import Cluster, act_as_trainer, wait_for
+
 from stepbus.bus import protocol as p
 from stepbus.workers.worker import Config, EnvSet
 

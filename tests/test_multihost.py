@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, Cluster
+
 from stepbus.bus import wiring
 
 sys.path.insert(0, str(REPO / "benchmarks"))

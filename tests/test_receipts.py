@@ -8,6 +8,7 @@ import tracemalloc
 
 import zmq
 from conftest import Cluster, status_rows, wait_for
+
 from stepbus.trainer import learner
 from stepbus.trainer.learner import LEARNED_KEPT, Receipts
 

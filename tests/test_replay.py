@@ -7,6 +7,7 @@ import collections
 
 import numpy as np
 from conftest import Cluster, act_as_trainer
+
 from stepbus.bus import protocol as p
 from stepbus.workers.replay import replay_episode
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import zmq
 from conftest import Cluster, status_rows, wait_for
+
 from stepbus.bus import wiring
 
 JUNK = [b"not a stepbus message"]  # counted as rejected by whichever process it reaches

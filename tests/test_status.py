@@ -11,9 +11,9 @@ import time
 
 import zmq
 from conftest import Cluster, act_as_trainer, send_message, status_rows, wait_for
-from stepbus.bus import protocol as p
 
 from stepbus import status
+from stepbus.bus import protocol as p
 
 COLUMNS = ["ROLE", "NAME", "HOST", "PID", "UP", "BEAT", "STEPS/S", "QUEUES", "DROPPED",
            "REJECTED", "VERSION", "LAG", "DATA LAG"]

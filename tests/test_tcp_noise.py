@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import pytest
 import zmq
 from conftest import Cluster, Proc, wait_for
+
 from stepbus.bus import wiring
 
 REPO = Path(__file__).resolve().parent.parent
