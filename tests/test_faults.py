@@ -88,13 +88,26 @@ def test_reset_options_an_environment_rejects_fail_the_barrier_clearly_and_the_r
     assert procs["worker0"].popen.poll() is None
 
 
-def test_a_horizon_longer_than_the_credit_window_allows_for_grows_the_window_instead_of_stalling(
+def test_the_credit_window_allows_for_the_horizon_the_assembler_runs_with(cluster: Cluster):
+    """The assembler's --horizon reaches the broker through the controller's run state."""
+    for role in ("controller", "broker", "worker"):
+        cluster.start(role)
+    cluster.start("trainer", "--batch-steps", "256")
+    cluster.start("assembler", "--horizon", "500")
+    # Two batches, and for each of the 8 envs a partial trajectory of up to 500 steps, the step
+    # awaiting its reward and the step in flight.
+    wait_for(lambda: figure(cluster, "broker", "credit_window") == 2 * 256 + 8 * 502, 60,
+             "a credit window that allows for the assembler's horizon")
+
+
+def test_a_window_too_small_for_the_partial_trajectories_grows_instead_of_stalling(
         cluster: Cluster):
-    procs = {"controller": cluster.start("controller"), "broker": cluster.start("broker"),
+    procs = {"controller": cluster.start("controller"),
+             "broker": cluster.start("broker", "--max-steps-ahead", "256"),
              "assembler": cluster.start("assembler", "--horizon", "500"),
              "worker": cluster.start("worker"),
              "trainer": cluster.start("trainer", "--target-return", "200")}
-    # 8 envs x 500 steps can sit in partial trajectories: far more than the default window.
+    # 8 envs x 500 steps can sit in partial trajectories: far more than a 256-step window.
     wait_for(lambda: figure(cluster, "broker", "credit_topups") >= 1, 60, "a credit top-up")
     codes = {name: proc.wait(90) for name, proc in procs.items()}
     assert codes == dict.fromkeys(procs, 0), cluster.dump()
