@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from stepbus.bus import node, policies, shm
 from stepbus.bus import protocol as p
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from stepbus.bus import protocol as p
-from stepbus.workers.bench_envs import FRAME_SHAPE, _frame_pool
 
+from stepbus.bus import protocol as p
 from stepbus.models import mlp
 from stepbus.policy import ActionSpace, make_policy
+from stepbus.workers.bench_envs import FRAME_SHAPE, _frame_pool
 
 SPACE = ActionSpace("discrete", n=4)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from stepbus.trainer.ppo import PPOConfig, Trajectory, compute_gae, ppo_update
 
 from stepbus.models.mlp import (
     Adam,
@@ -19,6 +18,7 @@ from stepbus.models.mlp import (
     ppo_loss_and_grads,
 )
 from stepbus.policy import ActionSpace
+from stepbus.trainer.ppo import PPOConfig, Trajectory, compute_gae, ppo_update
 
 SPACES = {
     "discrete": ActionSpace("discrete", n=3),

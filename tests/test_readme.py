@@ -12,9 +12,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from stepbus.bus import wiring
-
 from stepbus import cli, clidoc
+from stepbus.bus import wiring
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

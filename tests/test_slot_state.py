@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+
 from stepbus.bus import node
 from stepbus.bus import protocol as p
 from stepbus.trainer import slot

@@ -8,6 +8,7 @@ import time
 import gymnasium as gym
 import numpy as np
 import pytest
+
 from stepbus.workers.envs import episode_seed, make_env, space_spec
 from stepbus.workers.worker import Config, EnvFailure, EnvSet
 

@@ -9,6 +9,7 @@ import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from stepbus.bus import protocol as p
 from stepbus.trainer import ppo
 

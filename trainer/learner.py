@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import zmq
+
 from stepbus.bus import node, policies, wiring
 from stepbus.bus import protocol as p
 from stepbus.trainer import algorithm, ppo

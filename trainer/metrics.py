@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from stepbus.bus import protocol as p
 
 FLUSH_S = 5  # TensorBoard events reach the disk at least this often (metrics.jsonl: each line)

@@ -11,9 +11,9 @@ import hashlib
 from typing import Any
 
 import gymnasium as gym
-from stepbus.bus import protocol as p
 
 from stepbus import imports
+from stepbus.bus import protocol as p
 
 
 def make_env(env: str) -> Any:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from stepbus.workers.envs import make_env, seed_spaces
 
 
