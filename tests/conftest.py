@@ -270,3 +270,14 @@ class TrajectoryInbox:
 
 def send_message(sock: zmq.Socket, msg: p.Message) -> None:
     sock.send_multipart(p.encode(msg), copy=False)
+
+
+class ManualClock:
+    """A clock a test moves by hand (`clock.t += s`): process objects read time only from it,
+    so their timers and liveness are tested without sleeping."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t

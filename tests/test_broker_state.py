@@ -10,6 +10,7 @@ import logging
 import gymnasium as gym
 import numpy as np
 import pytest
+from conftest import ManualClock
 
 from stepbus.bus import broker, node, worker_table
 from stepbus.bus import protocol as p
@@ -21,14 +22,6 @@ from stepbus.workers import envs
 SPEC = envs.space_spec(gym.make("CartPole-v1"))
 OBS_DIM = SPEC.obs_shape[0]
 T0 = 1000.0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = T0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def weights(version: int, consumed: int = 0, *, starving: bool = False, batch_steps: int = 256,
@@ -51,7 +44,7 @@ class Bench:
 
     def __init__(self, *, run_state: bool = True, blocked: set[str] | None = None,
                  policy_map: str = "", **cfg: object) -> None:
-        self.clock = Clock()
+        self.clock = ManualClock(T0)
         self.out = node.Outbox(blocked)
         self.broker = broker.Broker(broker.Config(policy_map=policy_map, **cfg),  # type: ignore
                                     self.out, logging.getLogger("test.broker"),

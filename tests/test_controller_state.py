@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from conftest import ManualClock
 
 from stepbus.bus import controller, node
 from stepbus.bus import protocol as p
@@ -16,19 +17,11 @@ T0 = 1000.0
 LIVENESS_S = controller.LIVENESS_S
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = T0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 class Bench:
     """One controller object on an outbox, the test playing every process and the CLI."""
 
     def __init__(self, **cfg: float) -> None:
-        self.clock = Clock()
+        self.clock = ManualClock(T0)
         self.out = node.Outbox()
         config = controller.Config(controller="ipc:///sb/controller",
                                    broadcast="ipc:///sb/broadcast", **cfg)  # type: ignore[arg-type]

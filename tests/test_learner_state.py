@@ -14,6 +14,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import zmq
+from conftest import ManualClock
 from scripted_algos import CurriculumPPO
 
 from stepbus.bus import node
@@ -26,14 +27,6 @@ SPEC = envs.space_spec(gym.make("CartPole-v1"))
 T0 = 1000.0
 BATCH = 64  # env steps per update here
 STEPS = 20  # per trajectory: an update every 4 of them
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = T0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def wire(msg: p.Message) -> p.Message:
@@ -62,7 +55,7 @@ class Bench:
 
     def __init__(self, run_dir: Path, *, newest_version: int = 0,
                  algo_class: type = ppo.PPO, **cfg: object) -> None:
-        self.clock = Clock()
+        self.clock = ManualClock(T0)
         self.out = node.Outbox()
         self.cfg = learner.Config(ppo=ppo.PPOConfig(batch_steps=BATCH, minibatch_size=BATCH,
                                                     n_epochs=2),

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+from conftest import ManualClock
 
 from stepbus.bus import node
 from stepbus.bus import protocol as p
@@ -37,20 +38,12 @@ time.sleep(60)
 SILENT = "import time; time.sleep(60)"
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = T0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 class Bench:
     """One slot object running `code` as its learner, on an outbox."""
 
     def __init__(self, code: str, *, args: tuple[str, ...] = (),
                  problem: str = "") -> None:
-        self.clock = Clock()
+        self.clock = ManualClock(T0)
         self.out = node.Outbox()
         self.slot = slot.Slot(self.out, logging.getLogger("test.slot"), name="slot",
                               args=list(args), validate=lambda flags: problem,

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from conftest import ManualClock
 
 from stepbus.bus import node, shm
 from stepbus.bus import protocol as p
@@ -21,18 +22,10 @@ from stepbus.workers.worker import Config, Phase, Worker
 T0 = 1000.0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = T0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 class Bench:
     """One worker on an outbox, the test playing its broker and controller."""
 
-    def __init__(self, *, clock: Clock | None = None, **cfg: object) -> None:
+    def __init__(self, *, clock: ManualClock | None = None, **cfg: object) -> None:
         cfg.setdefault("name", "w")
         self.cfg = Config(**cfg)  # type: ignore[arg-type]
         self.out = node.Outbox()
@@ -173,7 +166,7 @@ def test_an_env_that_cannot_be_made_is_one_clear_error():
 
 
 def test_the_hello_repeats_while_the_broker_is_silent_and_carries_the_last_seq():
-    clock = Clock()
+    clock = ManualClock(T0)
     bench = Bench(clock=clock, envs_per_worker=1)
     w = bench.worker
     try:
