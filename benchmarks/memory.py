@@ -1,4 +1,4 @@
-"""Resident memory of every stepbus process over a long run: does anything grow (issue 6, target 5)?
+"""Resident memory of every stepbus process over a long run: does anything grow?
 
     python benchmarks/memory.py                          # 60 s warm-up, then 10 minutes
     python benchmarks/memory.py --minutes 0.5 --warmup 5 # a quick look

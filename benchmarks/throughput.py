@@ -133,7 +133,7 @@ def plans(mode: str) -> dict[str, Plan]:
                                async_envs=[4, 16], methods=["fork"]),
                 "scaling": Plan(stepbus=grid((1, 2, 4, 16), (8,)), async_envs=[],
                                 methods=["fork"], others=False)}
-    # CartPole: the grid, and 2 x 256, where per-message costs matter least.
+    # CartPole: workers x envs per worker, and 2 x 256, where per-message costs matter least.
     return {"cartpole": Plan(stepbus=grid((1, 2, 4), (1, 8, 32, 128)) + grid((2,), (256,)),
                              async_envs=[2, 4, 8, 16], methods=["fork", "forkserver", "spawn"]),
             # 2 x 128: per-message costs (broker ~0.9 ms, assembler ~0.4 ms of CPU) spread over

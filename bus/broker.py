@@ -30,6 +30,7 @@ have weights, and pauses while any of them is a window ahead of its trainer.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -133,10 +134,14 @@ class PolicySlot:
 
     def build(self, spec: p.SpaceSpec) -> None:
         """Act on these spaces; weights that came before them and do not fit are dropped."""
-        self.policy = policy.make_policy(self.model, spec)
+        self.policy = built = policy.make_policy(self.model, spec)
         early, self.early = self.early, None
-        if early is not None and not self.policy.weights_problem(early[0]):
-            self.policy.load(*early)
+        if early is not None and not built.weights_problem(early[0]):
+            built.load(*early)
+        self.due.pending = collections.deque(
+            due for due in self.due.pending if not built.weights_problem(due[2]))
+        # Dropped versions are not the newest: the trainer's republished ones are taken again.
+        self.newest = max([self.version, *(due[1] for due in self.due.pending)])
 
     def check(self, params: Weights) -> str:
         """Why these weights cannot drive inference (empty: they can, or no spaces yet)."""

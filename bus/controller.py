@@ -94,7 +94,7 @@ class VersionHistory:
         return max(newest - v, 0)
 
 
-LIVENESS_S = node.HEARTBEAT_INTERVAL_S * node.LIVENESS_INTERVALS  # silent this long: dead
+LIVENESS_S = node.LIVENESS_S
 SWAP_TIMEOUT_S = 30.0  # a slot stops its learner (<= 4 s) and watches the new one (3 s)
 REBROADCAST_S = 0.2  # while shutting down, Shutdown again this often for late subscribers
 KINDS = (p.Heartbeat, p.StatusRequest, p.ResetRequest, p.BarrierDone, p.ShutdownRequest,
@@ -200,9 +200,11 @@ class Controller(node.Process):
         super().deliver(peer, msg, now)
 
     def state(self) -> p.RunState:
-        endpoints = {"controller": self.cfg.controller, "broadcast": self.cfg.broadcast}
+        endpoints: dict[str, str] = {}
         for peer in self.peers.by_id.values():
             endpoints.update(peer.binds)
+        # Last: a registered peer cannot advertise another controller or broadcast address.
+        endpoints.update(controller=self.cfg.controller, broadcast=self.cfg.broadcast)
         return p.RunState(run_id=self.run_id, epoch=self.epoch, options=self.options,
                           shutting_down=self.phase is Phase.SHUTTING_DOWN, endpoints=endpoints,
                           horizon=self.horizon())

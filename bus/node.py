@@ -1,5 +1,5 @@
-"""What every stepbus process shares: quiet signal handling, the controller link, and the
-accounting of untrusted input. Each process module is one poll loop built from these parts."""
+"""What every stepbus process shares: the `Process` base class and the one `Loop` that runs
+it, quiet signal handling, the controller link, and the accounting of untrusted input."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from stepbus.bus import wiring
 
 HEARTBEAT_INTERVAL_S = 0.5
 LIVENESS_INTERVALS = 3  # a peer silent for this many heartbeat intervals is dead
+LIVENESS_S = HEARTBEAT_INTERVAL_S * LIVENESS_INTERVALS
 MAX_POLL_MS = 200  # upper bound on any poll, so a stop signal is seen within it
 
 
@@ -151,39 +152,6 @@ def recv(sock: zmq.Socket, rejects: RejectLog, *,
     except p.ProtocolError as exc:
         rejects.refuse(_sender_name(sender, sock, frames), exc)
         return sender, None
-
-
-def serve(sock: zmq.Socket, rejects: RejectLog,
-          handlers: dict[type, Callable[[bytes, Any, float], None]]) -> None:
-    """Handle every queued message on a ROUTER socket by its kind; kinds this socket does not
-    take are refused like any other bad input."""
-
-    def one() -> None:
-        sender, msg = recv(sock, rejects, routed=True)
-        if msg is None or sender is None:
-            return
-        handler = handlers.get(type(msg))
-        if handler is None:
-            rejects.refuse(_sender_name(sender, sock),
-                           p.ProtocolError("unexpected kind", msg.KIND.name))
-        else:
-            handler(sender, msg, time.monotonic())
-
-    drain(sock, one)
-
-
-def handle(sock: zmq.Socket, rejects: RejectLog, handlers: dict[type, Callable[[Any], None]],
-           sender: str) -> None:
-    """Receive one message on a non-ROUTER socket and hand it to the handler for its kind
-    (`serve`'s counterpart); kinds this socket does not take are refused like bad input."""
-    _, msg = recv(sock, rejects)
-    if msg is None:
-        return
-    handler = handlers.get(type(msg))
-    if handler is None:
-        rejects.refuse(sender, p.ProtocolError("unexpected kind", msg.KIND.name))
-    else:
-        handler(msg)
 
 
 def _sender_name(sender: bytes | None, sock: zmq.Socket, frames: Any = ()) -> str:
@@ -315,7 +283,7 @@ class ControllerLink:
         while not stop and not self.shutdown_reason:
             now = time.monotonic()
             next_beat = self.beat(now)
-            self.poll(dict(poller.poll(int(max(0, min(next_beat - now, 0.25)) * 1000))))
+            self.poll(dict(poller.poll(math.ceil(max(0.0, min(next_beat - now, 0.25)) * 1000))))
             if address := self.advertised(name):
                 self.log.info("%s endpoint %s (the controller says)", name, address)
                 return address
@@ -465,6 +433,8 @@ class Process:
     # -- timers
     def every(self, name: str, interval_s: float, action: Callable[[float], None],
               first_due: float | None = None) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"timer {name!r}: interval {interval_s!r} s must be > 0")
         due = self.now + interval_s if first_due is None else first_due
         self.timers[name] = Timer(name, due, action, interval_s)
 
@@ -477,9 +447,11 @@ class Process:
     def run_timers(self, now: float) -> float:
         """Run the due timers; the time the next one is due (inf: none)."""
         for timer in [t for t in self.timers.values() if t.due <= now]:
+            if self.timers.get(timer.name) is not timer:
+                continue  # cancelled or replaced by an action earlier in this pass
             if timer.interval_s:
                 timer.due = max(timer.due + timer.interval_s, now)
-            elif self.timers.get(timer.name) is timer:
+            else:
                 del self.timers[timer.name]
             timer.action(now)
         return min((t.due for t in self.timers.values()), default=math.inf)
@@ -553,6 +525,10 @@ def peer_name(peer: bytes) -> str:
     return peer.decode(errors="replace") if peer.isascii() else peer.hex()
 
 
+# What the controller link may bring: anything else on it is refused, never dispatched.
+LINK_KINDS = (p.RunState, p.Shutdown, p.Barrier, p.Reply, p.TrainerSwap)
+
+
 class Loop:
     """The one loop every process runs on: poll until the next deadline (timer, heartbeat, the
     process's own), decode, dispatch by kind, drain in time-bounded passes, heartbeat through
@@ -563,11 +539,12 @@ class Loop:
         """`link` None: no heartbeats and no controller messages (the controller itself)."""
         self.process, self.ports, self.link, self.stop = process, ports, link, stop
         self.poller = zmq.Poller()
-        link_sockets = link.sockets() if link is not None else []
-        for sock in (*link_sockets, *(port.socket for port in ports.values())):
+        for sock in link.sockets() if link is not None else []:
             self.poller.register(sock, zmq.POLLIN)
         self.watch_out: set[str] = set()  # ports polled for POLLOUT (see `watch_writable`)
         self.held: set[str] = set()  # ports not polled for input (see `Process.holds`)
+        for name in ports:
+            self.register(name)
         self.watch_fds: set[int] = set()  # the process's `wake_on_readable_fds`, as polled
         self.signalled = False  # the process was told of a signal
 
@@ -623,6 +600,7 @@ class Loop:
         """Tell the process of a signal (once); whether the loop is to end."""
         if self.stop and not self.signalled:
             self.signalled = True
+            self.process.now = self.process.clock()
             self.process.on_signal(self.stop.reason)
         return bool(self.process.stop_reason)
 
@@ -638,7 +616,11 @@ class Loop:
     def pass_once(self, events: dict[zmq.Socket, int]) -> None:
         if self.link is not None:
             for msg in self.link.poll(events, everything=True):
-                self.process.deliver(b"", msg)
+                if isinstance(msg, LINK_KINDS):
+                    self.process.deliver(b"", msg)
+                else:
+                    self.link.rejects.refuse(f"controller {self.link.controller}", p.ProtocolError(
+                        "unexpected kind", msg.KIND.name))
         for name, port in self.ports.items():
             if port.socket not in events or self.process.holds(name):
                 continue

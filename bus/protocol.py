@@ -59,7 +59,7 @@ from typing import Any, ClassVar, TypeVar, Union
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: RUN_STATE carries the run's horizon
 
 # Decoding cost grows with the header's bytes and its lists and maps (each one allocated,
 # checked, freed), so both are bounded: any header, valid or not, decodes in about 2 ms.
@@ -557,8 +557,8 @@ class Trajectory(Message):
 @dataclass(frozen=True)
 class Trajectories(Message):
     """Trajectories of one policy in one message, their steps concatenated in order: at one
-    message each, sending and receiving them was the largest cost of small-observation envs
-    (issue 6). Trajectory i is steps `sum(lengths[:i])` to `sum(lengths[:i + 1])` of every step
+    message each, sending and receiving them was the largest cost of small-observation envs.
+    Trajectory i is steps `sum(lengths[:i])` to `sum(lengths[:i + 1])` of every step
     array and row i of `bootstrap_obs`; the lists hold each one's fields as in `Trajectory`."""
 
     KIND: ClassVar[Kind] = Kind.TRAJECTORIES

@@ -20,7 +20,7 @@ import numpy as np
 from stepbus.bus import node, policies, shm
 from stepbus.bus import protocol as p
 
-LIVENESS_S = node.HEARTBEAT_INTERVAL_S * node.LIVENESS_INTERVALS
+LIVENESS_S = node.LIVENESS_S
 MAX_DEFERRED_HELLOS = 1000  # hellos are untrusted: a flood of names cannot grow memory
 MAX_REMEMBERED_WORKERS = 10_000  # lost workers whose last sequence number we keep
 

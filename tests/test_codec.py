@@ -470,6 +470,7 @@ def frames_of(kind: Any, fields: Any, descs: Any = None, arrays: Any = (),
     return [pack([version, kind, fields, [] if descs is None else descs]), *arrays]
 
 
+V = p.PROTOCOL_VERSION
 I8 = np.dtype(np.int64).str
 ACTIONS = np.arange(2, dtype=np.int64).tobytes()
 STEP_FIELDS = {"epoch": 1, "seq": 2, "policy_version": 3}
@@ -481,8 +482,8 @@ TRAJ_FIELDS = {"agent": "a", "epoch": 0, "terminated": False, "truncated": False
 TRAJ_ARRAYS = ["obs", "actions", "logp", "values", "rewards", "policy_versions", "bootstrap_obs"]
 
 
-def step(fields: Any = None, descs: Any = None, arrays: Any = None, *, version: Any = 1,
-         kind: Any = p.Kind.STEP) -> list[bytes]:
+def step(fields: Any = None, descs: Any = None, arrays: Any = None, *,
+         version: Any = p.PROTOCOL_VERSION, kind: Any = p.Kind.STEP) -> list[bytes]:
     """A valid STEP message with one part replaced."""
     return frames_of(kind, STEP_FIELDS if fields is None else fields,
                      [["actions", I8, [2]]] if descs is None else descs,
@@ -511,7 +512,7 @@ def with_field(kind: p.Kind, base: dict[str, Any], **changes: Any) -> list[bytes
 
 def whole_header_of_size(size: int) -> list[bytes]:
     """A valid TRAINER_HELLO whose header frame is exactly `size` bytes (size > 300)."""
-    fixed = len(pack([1, 7, {"trainer": "", "policy": ""}, []]))
+    fixed = len(pack([p.PROTOCOL_VERSION, 7, {"trainer": "", "policy": ""}, []]))
     for extra in (2, 4):  # str16 or str32: 3 or 5 header bytes instead of fixstr's 1
         text = "x" * (size - fixed - extra)
         frames = frames_of(p.Kind.TRAINER_HELLO, {"trainer": text, "policy": ""})
@@ -574,13 +575,13 @@ CORPUS_CASES: list[tuple[str, list[bytes], str]] = [
     ("a header that is nil", [pack(None)], "bad header"),
     ("a header that is bin", [pack(b"\x94\x01\x03")], "bad header"),
     ("an empty header list", [pack([])], "bad header"),
-    ("a header of three items", [pack([1, 3, STEP_FIELDS])], "bad header"),
-    ("a header of five items", [pack([1, 3, STEP_FIELDS, [], []])], "bad header"),
+    ("a header of three items", [pack([p.PROTOCOL_VERSION, 3, STEP_FIELDS])], "bad header"),
+    ("a header of five items", [pack([p.PROTOCOL_VERSION, 3, STEP_FIELDS, [], []])], "bad header"),
     ("fields that are a list", step(fields=[1, 2, 3]), "bad header"),
     ("arrays that are a map", frames_of(p.Kind.STEP, STEP_FIELDS, {}), "bad header"),
     # version
     *[(f"protocol version {v!r}", step(version=v), "protocol version")
-      for v in (0, 2, -1, 2**64 - 1, "1", b"\x01", None, True, 1.0, [1], {"v": 1})],
+      for v in (0, V - 1, V + 1, -1, 2**64 - 1, "1", b"\x01", None, True, 1.0, [1], {"v": 1})],
     # kind
     *[(f"kind {k!r}", step(kind=k), "unknown kind")
       for k in (*UNUSED_KINDS, -1, 2**63, 2**64 - 1, "STEP", b"\x03", True, None, 3.0, [3])],
@@ -864,9 +865,9 @@ ATTACKS: dict[str, Callable[[Payload], list[Any]]] = {
     "as the whole header via msgpack_numpy": lambda e: [e.mn_array],
     "as a whole msgpack_numpy header":
         lambda e: [msgpack_numpy.packb(
-            [1, 2, {"epoch": 1, "seq": 0, "options": {"x": e.evil_array}}, []])],
+            [V, 2, {"epoch": 1, "seq": 0, "options": {"x": e.evil_array}}, []])],
     "as a msgpack_numpy header with an array descriptor":
-        lambda e: [msgpack_numpy.packb([1, 3, STEP_FIELDS, [["actions", e.evil_array, [2]]]]),
+        lambda e: [msgpack_numpy.packb([V, 3, STEP_FIELDS, [["actions", e.evil_array, [2]]]]),
                    ACTIONS],
     "as a raw pickle header": lambda e: [e.pickled],
     "as the version": lambda e: step(version=e.evil_map),
@@ -1153,7 +1154,7 @@ def test_random_bytes_decode_or_raise_protocol_error(frames: list[bytes]) -> Non
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. Cost: every rejection takes under 10 ms of CPU (the issue's bound per hostile message).
+# 5. Cost: every rejection takes under 10 ms of CPU (the bound per hostile message).
 
 REJECTION_BUDGET_S = 0.010
 

@@ -1,5 +1,5 @@
 """The learner's record of trajectories taken in: a trajectory sent again is not taken twice,
-and the record stays the same size however long the run (issue 6, target 5: flat RSS)."""
+and the record stays the same size however long the run (flat RSS)."""
 
 from __future__ import annotations
 

@@ -231,8 +231,6 @@ class Worker(node.Process):
         self.send("steps", dataclasses.replace(result, incarnation=self.incarnation,
                                                epoch=self.epoch, seq=self.seq))
 
-    def on_barrier(self, peer: bytes, msg: p.Barrier) -> None:
-        """Broadcast to every process; the broker runs barriers and sends us the RESET."""
 
     # -- errors and liveness while envs run
     def report(self, error: p.RemoteError) -> None:
