@@ -22,6 +22,7 @@ import pytest
 import zmq
 from conftest import Cluster, Proc, wait_for
 
+from stepbus.bus import protocol as p
 from stepbus.bus import wiring
 
 REPO = Path(__file__).resolve().parent.parent
@@ -358,7 +359,8 @@ def test_noise_on_every_bound_tcp_port_leaves_processes_serving_and_memory_flat(
     noisy.connect(cluster.endpoints["steps"])
     started = time.monotonic()
     for i in range(300):
-        noisy.send_multipart([b"\xc1"] if i % 2 else [b"\x94\x01\x63\x80\x90"])
+        unknown_kind = bytes([0x94, p.PROTOCOL_VERSION, 0x63, 0x80, 0x90])  # [V, 99, {}, []]
+        noisy.send_multipart([b"\xc1"] if i % 2 else [unknown_kind])
     noisy.close(linger=2000)
     broker = wait_for(lambda: (row := rows_by_role(cluster)["broker"])["rejected"] == 301 and row,
                       10, "the broker counting all 300")
