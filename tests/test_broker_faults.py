@@ -191,6 +191,9 @@ def test_a_restarted_broker_resets_workers_into_the_runs_epoch_with_its_options(
                              for w in ("w0", "w1")), 10, "both workers' hellos at the new broker")
         procs["controller"].signal(signal.SIGCONT)
         wait_for(lambda: len(cluster.metrics()) >= records + 2, 30, "training after the restart")
+        # Training may go on from data already in the pipeline: wait for the new broker's resets.
+        wait_for(lambda: len(reset_log.read_text().splitlines()) > logged, 30,
+                 "the new broker's resets")
         resets = [json.loads(line) for line in reset_log.read_text().splitlines()[logged:]]
         assert resets and all(r == {"level": 3} for r in resets), resets
         # Its first heartbeat may predate the controller's answer: wait for the epoch it took.
