@@ -17,6 +17,7 @@ that policy's learner.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -29,7 +30,15 @@ import zmq
 from stepbus.bus import checks, credit, node, policies, shm, wiring
 from stepbus.bus import protocol as p
 from stepbus.processor.buffers import WorkerTrack
-from stepbus.processor.outlets import Ledger, Outlet, endpoints, next_batch, port_name
+from stepbus.processor.outlets import (
+    TWO_LEARNERS_TURNS,
+    TWO_LEARNERS_WARNING_S,
+    Ledger,
+    Outlet,
+    endpoints,
+    next_batch,
+    port_name,
+)
 
 SHUTDOWN_FLUSH_S = 1.0  # how long shutdown waits for a trainer to take the last trajectories
 
@@ -62,6 +71,10 @@ class Counts:
     closed_truncated: int = 0  # open trajectories closed by a reset, loss, gap or shutdown
     gaps: int = 0  # experience messages lost between broker and assembler
     resent: int = 0  # trajectories sent again to a learner that connected
+    backlog_resends: int = 0  # times they were (at most once per outlets.RESEND_INTERVAL_S)
+    learner_handshakes: int = 0  # ZeroMQ handshakes completed on a trajectories port
+    resends_deferred: int = 0  # handshakes within the interval, served at its end
+    learners_interleaved: int = 0  # receipts of a policy's learners taking turns (two at once)
     trainer_swaps: int = 0  # a new learner incarnation took over a policy
     joined_mid_episode: int = 0  # rows seen first mid-episode (this assembler restarted)
     steps_lost: int = 0  # actions whose results will never come
@@ -251,25 +264,35 @@ class Assembler(node.Process):
                 self.ledger.sent(traj)
 
     def on_socket_event(self, port: str, event: int) -> None:
+        """A peer of a trajectories port completed its ZeroMQ handshake (with CURVE: was
+        authenticated). A bare TCP connection never gets here: one that does not finish the
+        handshake is no learner, so a port scan sends nothing again."""
+        if event != zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            return
+        self.now = self.clock()
         outlet = self.by_events[port]
-        if event == zmq.EVENT_ACCEPTED:
-            outlet.connected += 1
-            if outlet.connected == 2:
-                self.log.warning("two learners connected to %s: each trajectory goes to one of "
-                                 "them; run one learner per trajectories endpoint",
-                                 outlet.endpoint)
+        self.counts.learner_handshakes += 1
+        if self.now >= outlet.next_resend:
             self.send_unlearned_again(outlet)
-        elif event == zmq.EVENT_DISCONNECTED:
-            outlet.connected = max(0, outlet.connected - 1)
+        elif outlet.resend_timer not in self.timers:  # handshakes within the interval: one
+            self.counts.resends_deferred += 1
+            self.at(outlet.resend_timer, outlet.next_resend,
+                    functools.partial(self.resend_later, outlet))
+
+    def resend_later(self, outlet: Outlet, now: float) -> None:
+        self.now = now
+        self.send_unlearned_again(outlet)
 
     def send_unlearned_again(self, outlet: Outlet) -> None:
         """A learner that disconnected took with it what was queued toward it and what it had
-        not learned from. Sent again when a learner connects: by then libzmq has surely
+        not learned from. Sent again when a learner has connected: by then libzmq has surely
         dropped the dead connection (sending at the disconnect itself can still land in it)."""
+        outlet.last_resend = self.now
         again = self.ledger.take_back(outlet.policy)
         if not again:
             return
         self.counts.resent += len(again)
+        self.counts.backlog_resends += 1
         self.log.info("a learner connected to %s: sending %d trajectories not yet learned from "
                       "(again)", outlet.endpoint, len(again))
         outlet.held.extendleft(reversed(again))
@@ -289,7 +312,9 @@ class Assembler(node.Process):
                 return
         if m.incarnation not in outlet.learners:
             self.new_learner(outlet, m)
-        outlet.last_receipt = self.now
+        elif m.incarnation != outlet.last_learner:
+            self.two_learners(outlet, m)
+        outlet.last_receipt, outlet.last_learner = self.now, m.incarnation
         self.ledger.receipt(m.taken.tolist(), m.learned.tolist())
 
     def new_learner(self, outlet: Outlet, m: p.Receipt) -> None:
@@ -306,6 +331,19 @@ class Assembler(node.Process):
         if len(outlet.learners) > 1000:  # a flood of fake incarnations cannot grow memory
             outlet.learners.clear()
         outlet.learners.add(m.incarnation)
+
+    def two_learners(self, outlet: Outlet, m: p.Receipt) -> None:
+        """Receipts from a learner that another one had taken over from: both are alive, each
+        taking some of the policy's trajectories (a swap never goes back)."""
+        self.counts.learners_interleaved += 1
+        outlet.turns += 1
+        if (outlet.turns >= TWO_LEARNERS_TURNS
+                and self.now - outlet.two_learners_warned >= TWO_LEARNERS_WARNING_S):
+            outlet.two_learners_warned = self.now
+            self.log.warning("two learners take trajectories from %s (incarnations %s and %s "
+                             "send receipts in turn): each gets only some of them; run one "
+                             "learner per trajectories endpoint", outlet.endpoint,
+                             outlet.last_learner, m.incarnation)
 
     # -- what the loop asks
     def held(self) -> int:
@@ -385,9 +423,10 @@ def run(cfg: Config) -> int:
     try:
         assembler = Assembler(cfg, node.SocketPorts(pushes), log,
                               outlet_endpoints=outlet_endpoints)
+        # Completed handshakes only: a raw TCP connection adds no event (and the monitor's
+        # queue, which blocks libzmq's I/O thread when full, stays empty under a port scan).
         events = {name + " events": node.Port(sock.get_monitor_socket(
-            zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED), monitor=True)
-            for name, sock in pushes.items()}
+            zmq.EVENT_HANDSHAKE_SUCCEEDED), monitor=True) for name, sock in pushes.items()}
         ports = {**events,
                  "receipts": node.Port(receipts, (p.Receipt,), name_of_peer="trainer"),
                  "experience": node.Port(intake, (p.Experience, p.WorkerLost),

@@ -3,8 +3,9 @@ from yet.
 
 Every trajectory is numbered and kept until a learner's RECEIPT says it was learned from:
 ZeroMQ silently drops what was queued toward a learner that died, so whenever a learner
-connects, every trajectory not yet learned from is sent again (same number; a learner ignores
-numbers it has already taken in).
+completes its ZeroMQ handshake, every trajectory not yet learned from is sent again (same
+number; a learner ignores numbers it has already taken in), at most once per
+RESEND_INTERVAL_S.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -22,6 +24,20 @@ from stepbus.bus import protocol as p
 # p.MAX_TRAJECTORIES_PER_MESSAGE, and while their observations stay under this many bytes
 # (larger ones go alone, zero-copy: concatenating them would copy frames).
 MAX_BATCHED_OBS_BYTES = wiring.ZERO_COPY_FROM
+
+# At most one backlog resend per outlet within this many seconds: a peer that handshakes over
+# and over (a crash-looping learner, or anyone who can complete a ZeroMQ handshake) makes the
+# assembler send its backlog at most once per interval, never once per handshake. A handshake
+# within the interval is not lost: the backlog goes once more when the interval ends. One second
+# is shorter than a learner's restart (0.5 s back-off plus its start-up), so a swap waits for
+# nothing but its own handshake.
+RESEND_INTERVAL_S = 1.0
+# Two learners taking one policy's trajectories (each gets some of them) show as receipts from
+# incarnations taking turns. A departed learner's last receipt read after its successor's first
+# makes two turns, so the warning needs a third; then it comes at most once per this many
+# seconds.
+TWO_LEARNERS_TURNS = 3
+TWO_LEARNERS_WARNING_S = 60.0
 
 
 def endpoints(trajectories: str, policy_endpoints: str) -> dict[str, str]:
@@ -46,9 +62,12 @@ class Outlet:
     policy: str
     endpoint: str
     held: collections.deque[p.Trajectory] = field(default_factory=collections.deque)
-    connected: int = 0  # learners connected
     learners: set[str] = field(default_factory=set)  # incarnations that sent receipts
     last_receipt: float = 0.0  # when the last receipt came
+    last_learner: str = ""  # the incarnation that sent it
+    turns: int = 0  # receipts from an incarnation seen before, after another's
+    last_resend: float = -math.inf  # when the backlog last went out again
+    two_learners_warned: float = -math.inf
 
     @property
     def port(self) -> str:
@@ -56,9 +75,19 @@ class Outlet:
 
     @property
     def events(self) -> str:
-        """The port of its socket monitor: learners connecting (unlearned trajectories are
-        sent again) and leaving."""
+        """The port of its socket monitor: completed handshakes (unlearned trajectories are
+        sent again)."""
         return self.port + " events"
+
+    @property
+    def resend_timer(self) -> str:
+        """The timer of a resend put off to the end of RESEND_INTERVAL_S."""
+        return self.port + " resend"
+
+    @property
+    def next_resend(self) -> float:
+        """When the backlog may go out again (at once, if that is past)."""
+        return self.last_resend + RESEND_INTERVAL_S
 
 
 def next_batch(held: collections.deque[p.Trajectory]) -> list[p.Trajectory]:

@@ -381,16 +381,99 @@ def test_a_full_outlet_holds_trajectories_and_wakes_the_loop_when_writable():
     assert bench.asm.figures()["held"] == 0 and bench.asm.wake_on_writable == set()
 
 
+HANDSHAKE = zmq.EVENT_HANDSHAKE_SUCCEEDED
+
+
 def test_a_learner_connecting_gets_what_was_not_learned_from_again_with_the_same_numbers(
         bench):
     s = Script(k=3)
     bench.feed(s.first(), *[s.step() for _ in range(4)])
     assert [t.seq for t in bench.trajectories()] == [0, 1, 2]
     bench.feed(bench.receipt(taken=[0, 1, 2], learned=[1]))
-    bench.asm.on_socket_event("trajectories events", zmq.EVENT_ACCEPTED)
+    bench.asm.on_socket_event("trajectories events", HANDSHAKE)
     again = bench.trajectories()
     assert [(t.seq, t.agent) for t in again] == [(0, "w/0"), (2, "w/2")]
-    assert bench.asm.figures()["resent"] == 2 and bench.asm.figures()["untaken"] == 2
+    figures = bench.asm.figures()
+    assert figures["resent"] == 2 and figures["untaken"] == 2
+    assert figures["learner_handshakes"] == 1 and figures["backlog_resends"] == 1
+
+
+def test_a_tcp_connection_that_never_completes_a_handshake_sends_nothing_again(bench):
+    """Accepts, disconnects and failed handshakes are not learners coming or going (the
+    assembler's monitor does not even ask for them; were they delivered, they are ignored)."""
+    s = Script(k=3)
+    bench.feed(s.first(), *[s.step() for _ in range(4)])
+    assert len(bench.trajectories()) == 3
+    for event in (zmq.EVENT_ACCEPTED, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                  zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+                  zmq.EVENT_DISCONNECTED) * 500:
+        bench.asm.on_socket_event("trajectories events", event)
+    assert bench.trajectories() == []
+    figures = bench.asm.figures()
+    assert figures["resent"] == figures["learner_handshakes"] == 0
+    assert figures["unlearned"] == 3
+
+
+def test_handshakes_in_quick_succession_send_the_backlog_once_now_and_once_at_the_interval(
+        bench, caplog):
+    """A peer handshaking over and over cannot make the assembler send its backlog once per
+    handshake: once at the first, once more when the interval ends, whatever came between."""
+    s = Script(k=3)
+    bench.feed(s.first(), *[s.step() for _ in range(4)])
+    assert len(bench.trajectories()) == 3
+    with caplog.at_level(logging.INFO, "test.assembler"):
+        bench.asm.on_socket_event("trajectories events", HANDSHAKE)
+        assert len(bench.trajectories()) == 3, "the first handshake: at once"
+        for _ in range(200):  # 200 handshakes within the interval
+            bench.t += (outlets.RESEND_INTERVAL_S - 0.01) / 200
+            bench.asm.on_socket_event("trajectories events", HANDSHAKE)
+            bench.asm.run_timers(bench.t)
+            bench.asm.tick(bench.t)
+        assert bench.trajectories() == [], "nothing more within the interval"
+        bench.t = T0 + outlets.RESEND_INTERVAL_S
+        bench.asm.run_timers(bench.t)
+        bench.asm.tick(bench.t)
+        assert [t.seq for t in bench.trajectories()] == [0, 1, 2], "once more at its end"
+        for _ in range(20):  # long after: nothing pending
+            bench.t += 1.0
+            bench.asm.run_timers(bench.t)
+            bench.asm.tick(bench.t)
+        assert bench.trajectories() == []
+    figures = bench.asm.figures()
+    assert figures["learner_handshakes"] == 201 and figures["resends_deferred"] == 1
+    assert figures["backlog_resends"] == 2 and figures["resent"] == 6
+    assert caplog.text.count("a learner connected") == 2
+
+
+def test_a_handshake_within_the_interval_gets_what_was_unlearned_when_the_interval_ends(bench):
+    """A peer that handshook just before a real learner took the immediate resend; the
+    learner's own handshake, within the interval, still gets everything unlearned then."""
+    bench.asm.on_socket_event("trajectories events", HANDSHAKE)  # nothing unlearned yet
+    s = Script(k=2)
+    bench.t += 0.2
+    bench.feed(s.first(), *[s.step() for _ in range(4)])
+    assert [t.seq for t in bench.trajectories()] == [0, 1]
+    bench.asm.on_socket_event("trajectories events", HANDSHAKE)
+    assert bench.trajectories() == []
+    bench.t = T0 + outlets.RESEND_INTERVAL_S
+    bench.asm.run_timers(bench.t)
+    bench.asm.tick(bench.t)
+    assert [t.seq for t in bench.trajectories()] == [0, 1]
+
+
+def test_two_learners_taking_turns_are_warned_of_and_a_late_receipt_after_a_swap_is_not(
+        bench, caplog):
+    with caplog.at_level(logging.WARNING, "test.assembler"):
+        # A swap whose old learner's last receipt is read after the new one's first.
+        for incarnation in ("L1", "L2", "L1", "L2", "L2"):
+            bench.t += 0.1
+            bench.feed(bench.receipt(incarnation=incarnation))
+        assert "two learners" not in caplog.text
+        for incarnation in ("L1", "L2") * 10:  # two at once
+            bench.t += 0.1
+            bench.feed(bench.receipt(incarnation=incarnation))
+    assert caplog.text.count("two learners take trajectories") == 1, "once a minute"
+    assert bench.asm.figures()["learners_interleaved"] == 2 + 20
 
 
 def test_a_new_learner_incarnation_is_a_swap_timed_from_the_last_receipt(bench):

@@ -1,6 +1,7 @@
 """Bytes that are not ZeroMQ on every bound TCP port: refused by libzmq before they can become
-messages, with no process dying and no memory kept. Plus the socket options that make it so
-(ZAP domain, MAXMSGSIZE, loopback defaults), each shown to matter against a plain socket."""
+messages, with no process dying and no memory kept, and no connection that never completes a
+ZeroMQ handshake taken for a learner. Plus the socket options that make it so (ZAP domain,
+MAXMSGSIZE, loopback defaults), each shown to matter against a plain socket."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import math
 import os
 import random
 import socket
+import struct
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -369,3 +372,68 @@ def test_noise_on_every_bound_tcp_port_leaves_processes_serving_and_memory_flat(
     assert broker["rejected_from"].startswith("noisy:300, ")
     lines = procs["broker"].output().count("dropped message from noisy")
     assert 1 <= lines <= 1 + math.ceil(elapsed), f"{lines} lines in {elapsed:.1f} s"
+
+    learning_goes_on_through_raw_connections(cluster, procs["assembler"], all_ports)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. A learning pipeline under a flood of raw TCP connections: none of them is a learner.
+
+RAW_CONNECTIONS_PER_PORT = 2000
+
+
+def raw_connection(port: int, seed: int) -> bool:
+    """Open, write nothing, random bytes or a broken-off greeting, close (half of them with a
+    reset); whether the connection was made. None of it can complete a ZeroMQ handshake."""
+    rnd = random.Random(seed)
+    try:
+        sock = connect(port, timeout=5.0)
+    except OSError:
+        return False
+    with sock:
+        if rnd.random() < 0.5:  # close with RST: also leaves no TIME_WAIT behind
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        what = rnd.randrange(3)
+        if what == 1:
+            send_quietly(sock, rnd.randbytes(rnd.randint(1, 2000)))
+        elif what == 2:
+            send_quietly(sock, greeting(mechanism=rnd.choice(MECHANISMS))[:rnd.randint(1, 63)]
+                         + rnd.randbytes(rnd.randint(0, 200)))
+    return True
+
+
+def learning_goes_on_through_raw_connections(cluster: Cluster, assembler: Proc,
+                                             ports: list[int]) -> None:
+    """RAW_CONNECTIONS_PER_PORT raw connections, from 16 threads at once, to every port of a
+    pipeline that is learning: the assembler sends nothing again and logs no learner (it
+    used to resend its whole backlog for each TCP accept), and the policy version rises."""
+    cluster.start("worker", "--name", "w0")
+    cluster.start("learner", "--target-return", "0")
+    wait_for(lambda: len(cluster.metrics()) >= 3, 60, "the learner's third policy update")
+    asked = time.monotonic()
+    before = rows_by_role(cluster)["assembler"]
+    lines_before = assembler.output().count("a learner connected")
+    work = [(port, i) for i in range(RAW_CONNECTIONS_PER_PORT) for port in ports]
+    with ThreadPoolExecutor(16) as pool:
+        made = sum(pool.map(lambda job: raw_connection(*job), work))
+    blast_s = time.monotonic() - asked
+    version = cluster.metrics()[-1]["policy_version"]
+    wait_for(lambda: cluster.metrics()[-1]["policy_version"] >= version + 3, 30,
+             "three more policy updates after the noise")
+    # Figures from a heartbeat the assembler sent after the last connection: `before` was
+    # sent at most last_heartbeat_s before we asked.
+    later_by_s = blast_s + before["last_heartbeat_s"] + 0.2
+    after = wait_for(lambda: (a := rows_by_role(cluster)["assembler"])["uptime_s"]
+                     >= before["uptime_s"] + later_by_s and a, 10,
+                     "the assembler's figures from after the noise", interval=0.5)
+    print(f"raw connections: {made} of {len(work)} made in {blast_s:.1f} s; assembler before "
+          f"{before}, after {after}")
+    assert made >= 0.99 * len(work), "the connections were made"
+    # Before: the learner's own handshake and those of the ZeroMQ peers by hand above.
+    assert after["learner_handshakes"] == before["learner_handshakes"] > 0
+    assert after["resent"] == before["resent"] == 0 and after["backlog_resends"] == 0
+    assert after["rejected"] == before["rejected"], "no raw bytes became a message"
+    log = assembler.output()
+    assert log.count("a learner connected") == lines_before == 0, log[-3000:]
+    assert "two learners" not in log
+    assert all(proc.popen.poll() is None for proc in cluster.procs), cluster.dump()
