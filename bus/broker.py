@@ -210,25 +210,26 @@ class Broker(node.Process):
         """The hello is usable: its rows in range, its agents well named, the run's spaces
         (the first usable hello sets them)."""
         if not 1 <= msg.num_envs <= checks.MAX_ENVS_PER_WORKER:
-            self.refuse(msg.worker, "bad hello", f"num_envs {msg.num_envs}")
+            self.refuse("bad hello", f"num_envs {msg.num_envs}", claims=msg.worker)
             return False
         problem = checks.agents_problem(msg.agents, msg.num_envs)
         if problem:
-            self.refuse(msg.worker, "bad hello", problem)
+            self.refuse("bad hello", problem, claims=msg.worker)
             return False
         if self.spec is None:
             problem = checks.spec_problem(msg.spec)
             if problem:
                 self.counts.spec_refused += 1
-                self.refuse(msg.worker, "bad spec", problem)
+                self.refuse("bad spec", problem, claims=msg.worker)
                 return False
             self.env_id, self.spec = msg.env_id, msg.spec
             for slot in self.slots:
                 slot.build(msg.spec)
         elif msg.spec != self.spec:
             self.counts.spec_refused += 1
-            self.refuse(msg.worker, "spec mismatch",
-                        f"{msg.env_id} {msg.spec} differs from {self.env_id} {self.spec}")
+            self.refuse("spec mismatch",
+                        f"{msg.env_id} {msg.spec} differs from {self.env_id} {self.spec}",
+                        claims=msg.worker)
             return False
         return True
 
@@ -260,14 +261,14 @@ class Broker(node.Process):
         if msg.obs_slot != -1:  # the rows are in its segment: read them in place
             view = self.segment_rows(w, msg)
             if view is None:
-                self.refuse(w.name, "bad step result",
-                            f"obs_slot {msg.obs_slot} is not a batch we can read")
+                self.refuse("bad step result",
+                            f"obs_slot {msg.obs_slot} is not a batch we can read", claims=w.name)
                 self.reset_worker(w)
                 return
             msg = dataclasses.replace(msg, obs=view)
         problem = checks.result_problem(msg, w.num_envs, self.spec)
         if problem:
-            self.refuse(w.name, "bad step result", problem)
+            self.refuse("bad step result", problem, claims=w.name)
             self.reset_worker(w)
             return
         if msg.epoch != self.barrier.epoch:  # drained from before a barrier: keep it, reset
@@ -345,8 +346,9 @@ class Broker(node.Process):
                            shm_nonce=w.shm_nonce if segment is not None else "")
         if not self.send("experience", msg):
             self.counts.experience_dropped += 1
-            self.refuse("assembler", "experience dropped",
-                        "the assembler's queue is full or it went away")
+            # Not the worker's fault: counted against the socket it could not go out on.
+            self.rejects.refuse(f"assembler at {self.cfg.experience}", p.ProtocolError(
+                "experience dropped", "the assembler's queue is full or it went away"))
 
     def experience_obs(self, w: Worker, r: p.StepResult) -> tuple[np.ndarray, int]:
         """A result's observations as the assembler gets them, and their slot: the slot alone
@@ -366,8 +368,9 @@ class Broker(node.Process):
     def known_policy(self, trainer: str, name: str) -> PolicySlot | None:
         slot = self.by_name.get(name)
         if slot is None:
-            self.refuse(trainer, "unknown policy",
-                        f"{name[:64]!r}: --policy-map names {', '.join(self.by_name)}")
+            self.refuse("unknown policy",
+                        f"{name[:64]!r}: --policy-map names {', '.join(self.by_name)}",
+                        claims=trainer)
         return slot
 
     def on_trainer_hello(self, peer: bytes, msg: p.TrainerHello) -> None:
@@ -379,8 +382,8 @@ class Broker(node.Process):
     def on_weights(self, peer: bytes, msg: p.Weights) -> None:
         if not (1 <= msg.batch_steps <= checks.MAX_BATCH_STEPS and 0 <= msg.consumed_steps < 2**53
                 and 0 <= msg.version < 2**53):
-            self.refuse(msg.trainer, "bad weights", f"batch_steps {msg.batch_steps}, "
-                        f"consumed_steps {msg.consumed_steps}, version {msg.version}")
+            self.refuse("bad weights", f"batch_steps {msg.batch_steps}, consumed_steps "
+                        f"{msg.consumed_steps}, version {msg.version}", claims=msg.trainer)
             return
         slot = self.known_policy(msg.trainer, msg.policy)
         if slot is None:
@@ -388,7 +391,7 @@ class Broker(node.Process):
         if msg.version > slot.newest:  # judged before anything else is taken from the message
             problem = slot.check(msg.params)
             if problem:
-                self.refuse(msg.trainer, "bad weights", problem)
+                self.refuse("bad weights", problem, claims=msg.trainer)
                 return
             slot.newest = msg.version
             if not self.cfg.deterministic:
@@ -425,7 +428,7 @@ class Broker(node.Process):
 
     def answer_deferred(self) -> None:
         for ident, hello in self.table.take_deferred():
-            self.on_worker_hello(ident, hello)
+            self.deliver(ident, hello, self.now)  # refused, it is counted against `ident`
 
     def begin_barrier(self, epoch: int, options: dict[str, Any]) -> None:
         if not self.barrier.begin(epoch, options):

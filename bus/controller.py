@@ -193,11 +193,12 @@ class Controller(node.Process):
         log.info("run %s: controller on %s, broadcasts on %s", self.run_id, cfg.controller,
                  cfg.broadcast)
 
-    def deliver(self, peer: bytes, msg: p.Message, now: float | None = None) -> None:
+    def deliver(self, peer: bytes, msg: p.Message, now: float | None = None, *,
+                sender: node.Sender | str = "") -> None:
         """Any message from a registered process counts as its heartbeat."""
         now = self.clock() if now is None else now
         self.peers.seen(peer, now)
-        super().deliver(peer, msg, now)
+        super().deliver(peer, msg, now, sender=sender)
 
     def state(self) -> p.RunState:
         endpoints: dict[str, str] = {}
@@ -332,8 +333,9 @@ class Controller(node.Process):
         """Only the slot of the pending swap replies to the controller; it goes on to whoever
         asked for the swap."""
         if self.pending_swap is None or peer != self.pending_swap.slot:
-            who = self.peers.by_id[peer].name if peer in self.peers.by_id else peer.hex()
-            self.refuse(who, "unexpected kind", "REPLY")
+            registered = self.peers.by_id.get(peer)
+            self.refuse("unexpected kind", "REPLY",
+                        claims=registered.name if registered is not None else "")
             return
         self.send("router", msg, to=self.pending_swap.requester)
         self.pending_swap = None

@@ -67,6 +67,7 @@ class RejectLog:
     MAX_NAME = 64  # characters of a sender name kept (ROUTER identities reach 255 bytes)
     FIGURE_REASONS = 5  # reasons shown as rejected_<reason>; the rest add up in one figure
     FIGURE_SENDERS = 3  # senders named in rejected_from
+    FIGURE_NAME = 40  # characters of each: "10.0.0.5 on tcp://10.0.0.1:7344" fits
 
     def __init__(self, log: logging.Logger,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -76,7 +77,10 @@ class RejectLog:
         self._next_line: dict[str, float] = {}  # sender -> earliest time of its next log line
         self._unlogged: Counter[str] = Counter()  # sender -> refusals since its last line
 
-    def refuse(self, sender: str, error: p.ProtocolError) -> None:
+    def refuse(self, sender: str, error: p.ProtocolError, *, claims: str = "") -> None:
+        """Count and maybe log a refusal. `sender` is the transport's name for the peer (a
+        ROUTER routing id, a TCP peer address), never a name the message gives: that one may
+        come as `claims`, which only the log line shows ("claims to be ...")."""
         sender = sender[:self.MAX_NAME]
         if sender not in self.by_sender and len(self.by_sender) >= self.MAX_SENDERS:
             sender = self.OTHER_SENDERS
@@ -88,9 +92,11 @@ class RejectLog:
             return
         self._next_line[sender] = now + self.LOG_INTERVAL_S
         unlogged = self._unlogged.pop(sender, 0)
-        self.log.warning("dropped message from %s: %s%s", sender, error,
-                         f" (and {unlogged} more from it since its last line)" if unlogged
-                         else "")
+        claim = claims[:self.MAX_NAME]
+        self.log.warning("dropped message from %s%s: %s%s", sender,
+                         f" (claims to be {claim!r})" if claim and claim != sender else "",
+                         error, f" (and {unlogged} more from it since its last line)"
+                         if unlogged else "")
 
     @property
     def total(self) -> int:
@@ -99,7 +105,8 @@ class RejectLog:
     def figures(self) -> dict[str, int | str]:
         """Scalars for a status row: `rejected` (all), and once anything was refused
         `rejected_<reason>` for the most frequent reasons (`rejected_other_reasons` for the
-        rest) and `rejected_from`, the senders refused most, e.g. "liar:12, 6b8b4567:3 (+2)"."""
+        rest) and `rejected_from`, the senders refused most as the transport names them, e.g.
+        "liar:12, 006b8b4567:3, 10.0.0.9 on tcp://10.0.0.5:7344:1 (+2)"."""
         figures: dict[str, int | str] = {"rejected": self.total}
         reasons = self.counts.most_common()
         for reason, n in reasons[:self.FIGURE_REASONS]:
@@ -109,7 +116,8 @@ class RejectLog:
         if self.by_sender:
             senders = sorted(((sum(c.values()), name) for name, c in self.by_sender.items()),
                              reverse=True)
-            named = ", ".join(f"{name[:24]}:{n}" for n, name in senders[:self.FIGURE_SENDERS])
+            named = ", ".join(f"{name[:self.FIGURE_NAME]}:{n}"
+                              for n, name in senders[:self.FIGURE_SENDERS])
             more = len(senders) - self.FIGURE_SENDERS
             figures["rejected_from"] = named + (f" (+{more})" if more > 0 else "")
         return figures
@@ -139,33 +147,57 @@ def recv(sock: zmq.Socket, rejects: RejectLog, *,
          routed: bool = False) -> tuple[bytes | None, p.Message | None]:
     """Receive one message without blocking; a refused one is counted and returned as None,
     as is none at all (poll's readable is a hint: with CURVE it can come before a message)."""
+    peer, msg, _ = recv_from(sock, rejects, routed=routed)
+    return peer, msg
+
+
+def recv_from(sock: zmq.Socket, rejects: RejectLog, *, routed: bool = False
+              ) -> tuple[bytes | None, p.Message | None, Sender]:
+    """`recv`, and who sent the message as the transport names it."""
     try:
         frames = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
     except zmq.Again:
-        return None, None
-    sender: bytes | None = None
+        return None, None, Sender()
+    peer: bytes | None = None
     if routed:
-        sender = frames[0].bytes
+        peer = frames[0].bytes
         frames = frames[1:]
+    sender = Sender(peer or b"", sock, frames[-1] if frames else None)
     try:
-        return sender, p.decode(frames)
+        return peer, p.decode(frames), sender
     except p.ProtocolError as exc:
-        rejects.refuse(_sender_name(sender, sock, frames), exc)
-        return sender, None
+        rejects.refuse(str(sender), exc)
+        return peer, None, sender
 
 
-def _sender_name(sender: bytes | None, sock: zmq.Socket, frames: Any = ()) -> str:
-    """A ROUTER peer's routing id (its name, or hex when it set none); otherwise the TCP peer's
-    address, which the peer cannot choose, or failing that (ipc) the endpoint."""
-    if sender is not None:
-        return peer_name(sender)
-    last = sock.getsockopt(zmq.LAST_ENDPOINT)
-    endpoint = last.decode(errors="replace") if isinstance(last, bytes) else str(last)
-    try:
-        address = frames[-1].get("Peer-Address") if endpoint.startswith("tcp://") else ""
-    except (AttributeError, IndexError, zmq.ZMQError):
-        address = ""
-    return f"{address} on {endpoint}" if address else f"peer of {endpoint}"
+class Sender:
+    """Who sent the message in hand, as the transport names it: a ROUTER peer's routing id
+    (its name, or hex when it set none); otherwise the TCP peer's address, which the peer
+    cannot choose, or failing that (ipc) the endpoint. Worked out only when a refusal asks
+    (`str`), so taking a message in costs nothing more."""
+
+    __slots__ = ("frame", "peer", "socket")
+
+    def __init__(self, peer: bytes = b"", socket: zmq.Socket | None = None,
+                 frame: Any = None) -> None:
+        self.peer, self.socket, self.frame = peer, socket, frame
+
+    def __str__(self) -> str:
+        if self.peer:
+            return peer_name(self.peer)
+        if self.socket is None:
+            return UNNAMED_SENDER
+        last = self.socket.getsockopt(zmq.LAST_ENDPOINT)
+        endpoint = last.decode(errors="replace") if isinstance(last, bytes) else str(last)
+        try:
+            address = (self.frame.get("Peer-Address") if endpoint.startswith("tcp://")
+                       and self.frame is not None else "")
+        except (AttributeError, zmq.ZMQError):
+            address = ""
+        return f"{address} on {endpoint}" if address else f"peer of {endpoint}"
+
+
+UNNAMED_SENDER = "(sender unknown)"  # a refusal outside any message's handling
 
 
 DRAIN_BUDGET_S = 0.05  # one drain may not keep a loop from its heartbeats longer than this
@@ -372,7 +404,6 @@ class Port:
     socket: zmq.Socket
     kinds: tuple[type, ...] = ()
     routed: bool = False
-    name_of_peer: str = ""  # how refusals name an unrouted sender ("" : the transport peer)
     monitor: bool = False  # a socket monitor: events for `Process.on_socket_event`
 
 
@@ -402,7 +433,8 @@ class Timer:
 class Process:
     """State and handlers of one stepbus process, free of sockets: `Loop` delivers decoded
     messages to `on_<kind>(peer, msg)` (`peer` is the ROUTER identity, b"" elsewhere), runs due
-    timers and `tick` after every poll, and sends `figures()` in each heartbeat."""
+    timers and `tick` after every poll, and sends `figures()` in each heartbeat. A handler
+    refuses what it cannot use with `refuse`, which names the sender as the transport does."""
 
     role: ClassVar[str] = ""
 
@@ -411,6 +443,7 @@ class Process:
         self.ports, self.log, self.clock = ports, log, clock
         self.name = name or self.role
         self.rejects = RejectLog(log, clock)
+        self.sender: Sender | str = UNNAMED_SENDER  # of the message being handled
         self.run_state: p.RunState | None = None  # the controller's latest word
         self.stop_reason = ""  # set: the loop ends, and `finish` does the shutdown duties
         self.timers: dict[str, Timer] = {}
@@ -427,8 +460,11 @@ class Process:
              block: bool = False) -> bool:
         return self.ports.send(port, msg, to=to, block=block)
 
-    def refuse(self, peer: str, reason: str, detail: str = "") -> None:
-        self.rejects.refuse(peer, p.ProtocolError(reason, detail))
+    def refuse(self, reason: str, detail: str = "", *, claims: str = "") -> None:
+        """Refuse the message being handled, counted against its sender as the transport
+        names it (`deliver` keeps it), never a name the message chose: the message's own
+        say of who sent it goes in `claims`, which only the log line shows."""
+        self.rejects.refuse(str(self.sender), p.ProtocolError(reason, detail), claims=claims)
 
     # -- timers
     def every(self, name: str, interval_s: float, action: Callable[[float], None],
@@ -457,14 +493,21 @@ class Process:
         return min((t.due for t in self.timers.values()), default=math.inf)
 
     # -- messages
-    def deliver(self, peer: bytes, msg: p.Message, now: float | None = None) -> None:
-        """Hand one decoded message to its `on_<kind>` method (a test calls this directly)."""
+    def deliver(self, peer: bytes, msg: p.Message, now: float | None = None, *,
+                sender: Sender | str = "") -> None:
+        """Hand one decoded message to its `on_<kind>` method (a test calls this directly).
+        `sender`: who sent it as the transport names it, for refusals (default: the ROUTER
+        identity `peer`)."""
         self.now = self.clock() if now is None else now
-        handler = getattr(self, "on_" + msg.KIND.name.lower(), None)
-        if handler is None:
-            self.refuse(peer_name(peer) or self.role, "unexpected kind", msg.KIND.name)
-            return
-        handler(peer, msg)
+        handling, self.sender = self.sender, sender or Sender(peer)
+        try:
+            handler = getattr(self, "on_" + msg.KIND.name.lower(), None)
+            if handler is None:
+                self.refuse("unexpected kind", msg.KIND.name)
+                return
+            handler(peer, msg)
+        finally:
+            self.sender = handling  # a message handled inside another's handler: back to it
 
     def on_run_state(self, peer: bytes, msg: p.RunState) -> None:
         self.run_state = msg  # the link has logged the registration
@@ -615,11 +658,12 @@ class Loop:
 
     def pass_once(self, events: dict[zmq.Socket, int]) -> None:
         if self.link is not None:
+            controller = f"controller {self.link.controller}"  # what the link connects to
             for msg in self.link.poll(events, everything=True):
                 if isinstance(msg, LINK_KINDS):
-                    self.process.deliver(b"", msg)
+                    self.process.deliver(b"", msg, sender=controller)
                 else:
-                    self.link.rejects.refuse(f"controller {self.link.controller}", p.ProtocolError(
+                    self.link.rejects.refuse(controller, p.ProtocolError(
                         "unexpected kind", msg.KIND.name))
         for name, port in self.ports.items():
             if port.socket not in events or self.process.holds(name):
@@ -638,15 +682,14 @@ class Loop:
         self.process.on_socket_event(name, int(event["event"]))
 
     def take_one(self, port: Port) -> None:
-        peer, msg = recv(port.socket, self.process.rejects, routed=port.routed)
+        peer, msg, sender = recv_from(port.socket, self.process.rejects, routed=port.routed)
         if msg is None:
             return
         if not isinstance(msg, port.kinds):
-            self.process.refuse(_sender_name(peer, port.socket) if port.routed
-                                else port.name_of_peer or _sender_name(None, port.socket),
-                                "unexpected kind", msg.KIND.name)
+            self.process.rejects.refuse(str(sender), p.ProtocolError("unexpected kind",
+                                                                     msg.KIND.name))
             return
-        self.process.deliver(peer or b"", msg)
+        self.process.deliver(peer or b"", msg, sender=sender)
 
     def await_replies(self) -> None:
         name, budget_s = self.process.on_drained()

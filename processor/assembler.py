@@ -173,7 +173,7 @@ class Assembler(node.Process):
     def reject(self, m: p.Experience, reason: str, detail: str, why: str) -> None:
         """Count and log a message we cannot use; the worker's open trajectories end there
         (truncated), since the steps in it are lost to them."""
-        self.refuse(m.worker, reason, detail)
+        self.refuse(reason, f"worker {m.worker[:64]!r}: {detail}")
         if m.worker in self.tracks:
             self.close(m.worker, why)
 
@@ -304,11 +304,11 @@ class Assembler(node.Process):
             return  # meant for the assembler this one replaced
         outlet = self.outlets.get(m.policy)
         if outlet is None:
-            self.refuse(m.trainer, "bad receipt", f"policy {m.policy[:64]!r}")
+            self.refuse("bad receipt", f"policy {m.policy[:64]!r}", claims=m.trainer)
             return
         for arr in (m.taken, m.learned):
             if arr.dtype.kind not in "iu" or arr.ndim != 1:
-                self.refuse(m.trainer, "bad receipt", f"{arr.dtype} {arr.shape}")
+                self.refuse("bad receipt", f"{arr.dtype} {arr.shape}", claims=m.trainer)
                 return
         if m.incarnation not in outlet.learners:
             self.new_learner(outlet, m)
@@ -428,9 +428,8 @@ def run(cfg: Config) -> int:
         events = {name + " events": node.Port(sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED), monitor=True) for name, sock in pushes.items()}
         ports = {**events,
-                 "receipts": node.Port(receipts, (p.Receipt,), name_of_peer="trainer"),
-                 "experience": node.Port(intake, (p.Experience, p.WorkerLost),
-                                         name_of_peer="broker"),
+                 "receipts": node.Port(receipts, (p.Receipt,)),
+                 "experience": node.Port(intake, (p.Experience, p.WorkerLost)),
                  **{name: node.Port(sock) for name, sock in pushes.items()}}
         return node.Loop(assembler, ports, link, stop).run()
     finally:

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from stepbus import __version__, single_thread_blas  # noqa: F401  (before numpy loads)
 from stepbus import plot as stepbus_plot
 from stepbus import status as status_view
-from stepbus.bus import broker, controller, node, wiring
+from stepbus.bus import broker, controller, node, supervisor, wiring
 from stepbus.bus import protocol as p
 from stepbus.processor import assembler
 from stepbus.trainer import learner, slot
@@ -55,6 +55,12 @@ KEYS_HELP = ("create CURVE keys: a server keypair (for the processes that bind: 
 PLOT_HELP = ("draw RUN_DIR's metrics.jsonl into one PNG: mean return vs env steps and vs wall "
              "time, env steps/s, policy lag p50/p99 (one line per policy); exits 1 if RUN_DIR "
              "has no metrics")
+SUPERVISE_HELP = (
+    "run `stepbus ROLE FLAGS` as a child and restart it whenever it dies (what each Procfile "
+    "line does): at once if it had run 30 s, else after 0.5, 1, 2, 5, 10, 30 s; after "
+    "--quick-deaths quick deaths in a row it gives up, with the child's last error in `stepbus "
+    "status` and the log. A child that exits 0 (a shutdown) ends the supervisor with 0; "
+    "SIGINT/SIGTERM are passed on, SIGKILL after 4 s")
 SWAP_HELP = ("replace the learner in the running trainer slot: the current learner "
              "checkpoints and exits, a new one resumes the checkpoint with the slot's flags "
              "plus these (any `stepbus learner` flag, e.g. --lr 3e-4 or --algo "
@@ -250,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                              metavar="KEY=VALUE",
                              help="passed to env.reset(options=...); VALUE parsed as JSON "
                                   "when it is JSON, else a string; repeatable")
+    _add_supervise_parser(sub)
     keys = sub.add_parser("keys", help=KEYS_HELP, description=KEYS_HELP)
     keys.add_argument("--dir", default="keys", help="directory to create the keys in")
     keys.add_argument("--client-of", default="", metavar="KEYS_DIR",
@@ -257,6 +264,36 @@ def build_parser() -> argparse.ArgumentParser:
                            "keypair and the server's public key from KEYS_DIR, whose "
                            "authorized/ gets the new public key")
     return parser
+
+
+def _add_supervise_parser(sub: Any) -> None:
+    cmd = sub.add_parser("supervise", help=SUPERVISE_HELP, description=SUPERVISE_HELP,
+                         usage="stepbus supervise [options] ROLE [ROLE FLAGS ...]")
+    cmd.add_argument("role", metavar="ROLE", choices=supervisor.SUPERVISED_ROLES,
+                     help=f"the process to run: {', '.join(supervisor.SUPERVISED_ROLES)} (the "
+                          "trainer slot supervises its learners itself)")
+    cmd.add_argument("flags", nargs=argparse.REMAINDER, metavar="ROLE FLAGS",
+                     help="the role's own flags, checked before anything starts")
+    cmd.add_argument("--quick-deaths", type=int, default=supervisor.QUICK_DEATHS_LIMIT,
+                     metavar="N", help="give up after N deaths in a row of children that ran "
+                     f"under 30 s each [default: {supervisor.QUICK_DEATHS_LIMIT}]")
+    cmd.add_argument("--on-give-up", choices=[g.value for g in supervisor.GiveUp], default=None,
+                     help="exit: exit 1, which ends a honcho run; stay: keep reporting the "
+                          "last error while the run goes on [default: stay for a worker, one "
+                          "of many; exit for every other role]")
+
+
+def _supervise(args: argparse.Namespace) -> int:
+    if args.quick_deaths < 1:
+        raise SystemExit(f"stepbus supervise: --quick-deaths must be at least 1, not "
+                         f"{args.quick_deaths}")
+    child = build_parser().parse_args([args.role, *args.flags])  # bad flags: exit 2 here
+    config = _build_config(PROCESSES[args.role][0], child)
+    give_up = (supervisor.GiveUp(args.on_give_up) if args.on_give_up
+               else supervisor.default_give_up(args.role))
+    return supervisor.run(args.role, args.flags, controller=config.controller,
+                          security=config.security, give_up=give_up,
+                          quick_deaths_limit=args.quick_deaths)
 
 
 def swap_parser() -> argparse.ArgumentParser:
@@ -308,13 +345,14 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
 
-    if args.command in PROCESSES:
-        cls, run, _ = PROCESSES[args.command]
-        config = _build_config(cls, args)
-        if args.command == "trainer":
-            code = slot.run(config, argv[1:], learner_flags_problem)
+    if args.command in PROCESSES or args.command == "supervise":
+        if args.command == "supervise":
+            code = _supervise(args)
+        elif args.command == "trainer":
+            code = slot.run(_build_config(learner.Config, args), argv[1:], learner_flags_problem)
         else:
-            code = run(config)
+            cls, run, _ = PROCESSES[args.command]
+            code = run(_build_config(cls, args))
         # Sockets are closed and files written by now. Skip interpreter finalisation: it restores
         # default signal handlers, so honcho's SIGTERM to a process already exiting would turn
         # a clean exit 0 into death by signal.

@@ -6,7 +6,8 @@ from __future__ import annotations
 import signal
 import sys
 
-PROCESS_COMMANDS = ("controller", "broker", "worker", "assembler", "trainer", "learner")
+PROCESS_COMMANDS = ("controller", "broker", "worker", "assembler", "trainer", "learner",
+                    "supervise")
 EARLY_SIGNALS: list[int] = []  # read by the process's stop flag once its loop starts
 
 

@@ -325,6 +325,18 @@ def test_well_formed_but_inconsistent_experience_is_refused_and_serving_goes_on(
     assert f"{len(broken)} messages refused" in caplog.text
 
 
+def test_refused_experience_is_counted_against_the_broker_connection_naming_the_worker(
+        bench, caplog):
+    """The broker sends every worker's experience: a refusal names the connection it came on
+    (as the loop's transport names it), and the worker only in the detail."""
+    s = Script(worker="w7")
+    broken = dataclasses.replace(s.first(), reward=np.zeros(3, np.float32))
+    with caplog.at_level(logging.WARNING, "test.assembler"):
+        bench.asm.deliver(b"", broken, now=bench.t, sender="10.0.0.9 on tcp://0.0.0.0:7344")
+    assert bench.asm.figures()["rejected_from"] == "10.0.0.9 on tcp://0.0.0.0:7344:1"
+    assert "from 10.0.0.9 on tcp://0.0.0.0:7344: bad experience: worker 'w7': " in caplog.text
+
+
 def test_actions_that_change_shape_are_refused_and_cut_the_workers_trajectories(bench):
     s = Script()
     bench.feed(s.first(), s.step())

@@ -15,6 +15,7 @@ from conftest import ManualClock
 from stepbus.bus import broker, node, worker_table
 from stepbus.bus import protocol as p
 from stepbus.bus.credit import DETERMINISM_GIVE_UP_S
+from stepbus.bus.node import RejectLog
 from stepbus.models import mlp
 from stepbus.policy import ActionSpace
 from stepbus.workers import envs
@@ -43,9 +44,9 @@ class Bench:
     controller."""
 
     def __init__(self, *, run_state: bool = True, blocked: set[str] | None = None,
-                 policy_map: str = "", **cfg: object) -> None:
+                 policy_map: str = "", out: node.Outbox | None = None, **cfg: object) -> None:
         self.clock = ManualClock(T0)
-        self.out = node.Outbox(blocked)
+        self.out = out or node.Outbox(blocked)
         self.broker = broker.Broker(broker.Config(policy_map=policy_map, **cfg),  # type: ignore
                                     self.out, logging.getLogger("test.broker"),
                                     rules=broker.policies.parse_map(policy_map),
@@ -359,8 +360,70 @@ def test_a_learner_of_an_unknown_policy_is_refused_by_name(caplog: pytest.LogCap
         bench.deliver(b"typo-ident", p.TrainerHello(trainer="typo", policy="blue"))
     figures = bench.broker.figures()
     assert figures["rejected_unknown_policy"] == 1
-    assert figures["rejected_from"].startswith("typo")
+    assert figures["rejected_from"] == "typo-ident:1", "its routing id, not the name it gives"
     assert "'blue': --policy-map names default, red" in caplog.text
+    assert "from typo-ident (claims to be 'typo'): unknown policy" in caplog.text
+
+
+def test_every_refusal_names_the_routing_id_never_a_name_in_the_message(
+        caplog: pytest.LogCaptureFixture):
+    """A hostile peer naming a real worker or trainer in its messages has its refusals
+    counted against its own routing id: the peer it names is never blamed."""
+    bench = Bench()
+    w = bench.join("w0")
+    bench.deliver(b"t", weights(1))
+    hello = p.WorkerHello(worker="w0", incarnation="x", env_id="CartPole-v1", num_envs=0,
+                          seed=0, spec=SPEC, seq=0)
+    bad = weights(4)
+    lies = [(hello, "'w0'): bad hello"),
+            (dataclasses.replace(hello, num_envs=2, spec=dataclasses.replace(SPEC, obs_shape=[5])),
+             "'w0'): spec mismatch"),
+            (dataclasses.replace(weights(2), batch_steps=0), "'t-default'): bad weights"),
+            (weights(3, policy="blue"), "'t-blue'): unknown policy"),
+            (dataclasses.replace(bad, params={**bad.params, "pi.0.w": np.zeros((3, 8))}),
+             "'t-default'): bad weights")]
+    for lie, line in lies:
+        bench.later(RejectLog.LOG_INTERVAL_S)  # each one logged
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="test.broker"):
+            bench.deliver(b"mallory", lie)
+        assert f"dropped message from mallory (claims to be {line}" in caplog.text
+    with caplog.at_level(logging.WARNING, logger="test.broker"):
+        bench.answer(w, rows=3)  # the real w0 sends a result of the wrong shape: its own
+    assert "dropped message from w0: bad step result" in caplog.text, "a claim that is its id"
+    figures = bench.broker.figures()
+    assert figures["rejected"] == 6
+    assert figures["rejected_from"] == "mallory:5, w0:1"
+
+
+def test_a_deferred_hello_refused_later_is_counted_against_its_sender_not_the_controller():
+    bench = Bench(run_state=False)
+    bench.deliver(b"mallory", p.WorkerHello(
+        worker="w0", incarnation="x", env_id="CartPole-v1", num_envs=0, seed=0, spec=SPEC,
+        seq=0))
+    assert bench.figure("rejected") == 0, "deferred until the run state comes"
+    bench.broker.deliver(b"", p.RunState(run_id="r", epoch=0, options={}, shutting_down=False),
+                         now=bench.clock.t, sender="controller tcp://127.0.0.1:7340")
+    assert bench.figure("rejected_from") == "mallory:1"
+
+
+class FullExperienceQueue(node.Outbox):
+    """The experience port says it has room, then cannot queue: the race (the assembler's
+    queue filled or it went away in between) that the broker counts as dropped."""
+
+    def send(self, port: str, msg: p.Message, *, to: bytes | None = None,
+             block: bool = False) -> bool:
+        return port != "experience" and super().send(port, msg, to=to, block=block)
+
+
+def test_a_result_the_assembler_cannot_take_is_counted_against_its_socket_not_the_worker():
+    bench = Bench(out=FullExperienceQueue())
+    w = bench.join("w0")
+    bench.deliver(b"t", weights(1))
+    bench.answer(w)
+    bench.tick()  # acts: its experience goes out (outside any message's handling)
+    assert bench.figure("experience_dropped") == 1
+    assert bench.figure("rejected_from") == f"assembler at {broker.Config().experience}:1"
 
 
 def test_weights_that_do_not_fit_the_spaces_are_refused_and_not_acted_with():

@@ -18,6 +18,7 @@ from conftest import Cluster, send_message, wait_for
 
 from stepbus.bus import node, wiring
 from stepbus.bus import protocol as p
+from stepbus.processor import assembler
 
 CARTPOLE_SPEC = p.SpaceSpec([4], "<f4", "discrete", action_n=2)
 
@@ -56,6 +57,9 @@ def corpus(marker: Path) -> list[list[bytes]]:
     ]
 
 
+SQUATTER_HELLOS = 30  # more than any other peer's refusals: first in rejected_from
+
+
 def test_hostile_messages_on_every_bound_socket_are_refused_and_learning_goes_on(
         cluster: Cluster, tmp_path: Path):
     marker = tmp_path / "unpickled"
@@ -91,19 +95,26 @@ def test_hostile_messages_on_every_bound_socket_are_refused_and_learning_goes_on
                                         version=10**6, consumed_steps=0,
                                         batch_steps=batch_steps, starving=True, params=params))
     trainer.close(linger=1000)
-    squatter = cluster.socket(zmq.DEALER, cluster.endpoints["steps"])
-    send_message(squatter, p.WorkerHello(worker="squatter", incarnation="s", env_id="x",
-                                         num_envs=-1000, seed=0, spec=CARTPOLE_SPEC, seq=0))
+    # A squatter with a routing id of its own, saying hello in the real worker's name: its
+    # refusals are counted against its id, never against w0.
+    squatter = zmq.Context.instance().socket(zmq.DEALER)
+    squatter.setsockopt(zmq.IDENTITY, b"squatter")
+    squatter.connect(cluster.endpoints["steps"])
+    for _ in range(SQUATTER_HELLOS):
+        send_message(squatter, p.WorkerHello(worker="w0", incarnation="s", env_id="x",
+                                             num_envs=-1000, seed=0, spec=CARTPOLE_SPEC, seq=0))
     squatter.close(linger=1000)
 
-    def rejected_by_role() -> dict[str, int]:
+    def rejected_by_role() -> dict[str, dict]:
         status = cluster.cli("status", "--json", "--timeout", "2")
         rows = json.loads(status.stdout)["processes"] if status.returncode == 0 else []
-        return {r["role"]: r.get("rejected", 0) for r in rows}
+        return {r["role"]: r for r in rows}
 
-    wait_for(lambda: all(rejected_by_role().get(role, 0) > 0 for role in
-                         ("controller", "broker", "assembler")), 30,
-             "every attacked process to report refused messages")
+    rows = wait_for(lambda: (r := rejected_by_role()) and all(
+        r.get(role, {}).get("rejected", 0) > 0 for role in ("controller", "broker", "assembler"))
+        and f"squatter:{SQUATTER_HELLOS}" in r["broker"].get("rejected_from", "") and r, 30,
+        "every attacked process to report refused messages")
+    assert "w0" not in rows["broker"]["rejected_from"], rows["broker"]
     wait_for(lambda: (cluster.metrics()[-1]["mean_return"] or 0) >= 150, 90,
              "learning to go on after the attack (mean return 150)")
     assert cluster.cli("shutdown").returncode == 0
@@ -113,6 +124,9 @@ def test_hostile_messages_on_every_bound_socket_are_refused_and_learning_goes_on
     broker_log = procs["broker"].output()
     assert "bad step result" in broker_log and "liar" in broker_log
     assert "bad weights" in broker_log and "num_envs -1000" in broker_log
+    assert ("dropped message from squatter (claims to be 'w0'): bad hello: num_envs -1000"
+            in broker_log)
+    assert "dropped message from w0" not in broker_log
     assert "Traceback" not in cluster.dump()
 
 
@@ -299,3 +313,42 @@ def test_recv_names_the_sender_of_a_refused_message(kind: int) -> None:
     (sender,) = rejects.by_sender
     assert sender == "liar" if kind == zmq.ROUTER else sender.startswith("127.0.0.1 on tcp://")
     assert rejects.counts == {"bad msgpack": 1} and sender in lines[0]
+
+
+def test_a_name_the_message_claims_is_only_shown_in_the_log_line() -> None:
+    rejects, lines, clock = reject_log()
+    rejects.refuse("mallory", p.ProtocolError("bad hello", "num_envs 0"), claims="w0")
+    clock.now += 1.0
+    rejects.refuse("w0", p.ProtocolError("bad hello"), claims="w0")  # its own name: said once
+    assert lines == ["dropped message from mallory (claims to be 'w0'): bad hello: num_envs 0",
+                     "dropped message from w0: bad hello"]
+    assert rejects.by_sender == {"mallory": {"bad hello": 1}, "w0": {"bad hello": 1}}
+    assert rejects.figures()["rejected_from"] == "w0:1, mallory:1"
+
+
+def test_a_handler_refusal_names_the_tcp_peer_that_sent_it_not_the_name_inside() -> None:
+    """A well-formed receipt the assembler cannot use, from a PUSH over TCP: refused by its
+    handler, counted against the connection's peer address, the trainer it names only
+    claimed."""
+    ctx = zmq.Context.instance()
+    sock = wiring.socket(ctx, zmq.PULL, bind="tcp://127.0.0.1:0")
+    peer = ctx.socket(zmq.PUSH)
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    asm = assembler.Assembler(assembler.Config(), node.Outbox(), logging.getLogger("test.asm"),
+                              outlet_endpoints={"default": "tcp://127.0.0.1:1"},
+                              incarnation="a1")
+    try:
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.connect(endpoint)
+        send_message(peer, p.Receipt(trainer="w0", incarnation="L1", assembler="a1",
+                                     policy="blue", taken=np.zeros(1, np.int64),
+                                     learned=np.zeros(0, np.int64)))
+        assert sock.poll(5000)
+        got, msg, sender = node.recv_from(sock, asm.rejects)
+        assert msg is not None and got is None
+        asm.deliver(b"", msg, sender=sender)
+    finally:
+        peer.close(0)
+        sock.close(0)
+    assert asm.rejects.by_sender == {f"127.0.0.1 on {endpoint}": {"bad receipt": 1}}
+    assert asm.figures()["rejected_from"] == f"127.0.0.1 on {endpoint}:1"

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 from conftest import ManualClock
 
-from stepbus.bus import node
+from stepbus.bus import node, supervisor
 from stepbus.bus import protocol as p
 from stepbus.trainer import slot
 
@@ -55,7 +55,7 @@ class Bench:
         self.clock.t = T0 + t
         self.slot.run_timers(self.clock.t)
 
-    def learner(self) -> slot.Learner:
+    def learner(self) -> supervisor.Running:
         assert self.slot.learner is not None, "a learner is running"
         return self.slot.learner
 
@@ -84,17 +84,17 @@ def benches() -> Iterator[list[Bench]]:
     made: list[Bench] = []
     yield made
     for bench in made:
-        bench.slot.kill_learner()
+        bench.slot.kill_child()
 
 
-def test_learners_dying_young_are_restarted_after_the_backoff_schedule(
+def test_learners_dying_young_are_restarted_after_the_backoff_schedule_then_given_up_on(
         benches: list[Bench], caplog: pytest.LogCaptureFixture):
     bench = Bench(EXITS_3)
     benches.append(bench)
     bench.at(0.0)
-    assert bench.slot.counts.learner_starts == 1
+    assert bench.slot.counts.starts == 1
     t, delays = 0.0, []
-    for deaths in range(1, 9):
+    for deaths in range(1, supervisor.QUICK_DEATHS_LIMIT):
         bench.wait_exit(t + 0.1)
         assert bench.slot.figures()["state"] == "restarting"
         delay = bench.slot.timers["restart"].due - bench.clock.t
@@ -103,11 +103,15 @@ def test_learners_dying_young_are_restarted_after_the_backoff_schedule(
         assert bench.slot.learner is None, "not before its delay"
         t = t + 0.1 + delay
         bench.at(t)
-        assert bench.slot.counts.learner_starts == deaths + 1
-    assert delays == [0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 30.0, 30.0]
+        assert bench.slot.counts.starts == deaths + 1
+    assert delays == [0.5, 1.0, 2.0, 5.0, 10.0, 30.0]
+    assert "exit code 3 after 0.1s; starting a new one in 0.5s" in caplog.text
+    bench.wait_exit(t + 0.1)  # the seventh quick death in a row: the slot gives up
     figures = bench.slot.figures()
-    assert (figures["learner_deaths"], figures["last_death"]) == (8, "exit code 3")
-    assert "exit code 3 after 0.1s; starting a new one from the checkpoint in 0.5s" in caplog.text
+    assert (figures["deaths"], figures["last_death"], figures["state"]) == (
+        7, "exit code 3", "gave up")
+    assert bench.slot.stop_reason == "gave up on the learner" and "restart" not in bench.slot.timers
+    assert "learner died 7 times in a row, each within 30s of its start" in caplog.text
 
 
 def test_a_learner_that_ran_steadily_is_restarted_at_once_and_one_that_exited_0_after_1s(
@@ -117,16 +121,16 @@ def test_a_learner_that_ran_steadily_is_restarted_at_once_and_one_that_exited_0_
     bench.at(0.0)
     bench.wait_exit(0.1)
     bench.at(0.6)
-    bench.wait_exit(1.0 + slot.STEADY_S)  # it ran STEADY_S: the quick deaths start over
+    bench.wait_exit(1.0 + supervisor.STEADY_S)  # it ran STEADY_S: the quick deaths start over
     assert bench.slot.timers["restart"].due == bench.clock.t
-    assert slot.restart_delay(0, 3) == 0.0
-    assert slot.restart_delay(0, 0) == 1.0, "it left on its own: a shutdown may be coming"
-    assert slot.restart_delay(4, 0) == 5.0
+    assert supervisor.restart_delay(0, 3) == 0.0
+    assert supervisor.restart_delay(0, 0) == 1.0, "it left on its own: a shutdown may be coming"
+    assert supervisor.restart_delay(4, 0) == 5.0
 
     leaves = Bench(EXITS_0)
     benches.append(leaves)
     leaves.at(0.0)
-    leaves.wait_exit(slot.STEADY_S + 1)
+    leaves.wait_exit(supervisor.STEADY_S + 1)
     assert leaves.slot.timers["restart"].due == leaves.clock.t + 1.0
     assert leaves.slot.figures()["last_death"] == "exit code 0"
 
@@ -136,21 +140,21 @@ def test_a_learner_silent_past_its_allowance_is_killed_as_frozen_and_replaced(
     bench = Bench(SILENT)
     benches.append(bench)
     bench.at(0.0)
-    bench.at(slot.STARTUP_GRACE_S - 0.1)
+    bench.at(supervisor.STARTUP_GRACE_S - 0.1)
     assert bench.learner().popen.poll() is None, "in its start-up grace"
-    bench.at(slot.STARTUP_GRACE_S + 0.1)
-    assert bench.wait_exit(slot.STARTUP_GRACE_S + 0.2) == -signal.SIGKILL
+    bench.at(supervisor.STARTUP_GRACE_S + 0.1)
+    assert bench.wait_exit(supervisor.STARTUP_GRACE_S + 0.2) == -signal.SIGKILL
     figures = bench.slot.figures()
-    assert (figures["learners_frozen"], figures["last_death"]) == (1, "frozen, killed")
+    assert (figures["frozen"], figures["last_death"]) == (1, "frozen, killed")
     assert "sent no heartbeat for 30.1s (frozen?); killing it" in caplog.text
 
     beats_once = Bench(LEARNER)
     benches.append(beats_once)
     beats_once.at(0.0)
     beats_once.wait_beat(1.0)  # out of its start-up grace: LEARNER_SILENT_S from now on
-    beats_once.at(1.0 + slot.LEARNER_SILENT_S - 0.1)
+    beats_once.at(1.0 + supervisor.SILENT_S - 0.1)
     assert beats_once.learner().popen.poll() is None
-    beats_once.at(1.0 + slot.LEARNER_SILENT_S + 0.1)
+    beats_once.at(1.0 + supervisor.SILENT_S + 0.1)
     assert beats_once.wait_exit(5.0) == -signal.SIGKILL
     assert beats_once.slot.figures()["last_death"] == "frozen, killed"
 
@@ -163,13 +167,13 @@ def test_a_swap_stops_the_learner_starts_one_with_the_new_flags_and_replies_afte
     first = bench.learner().popen.pid
     bench.slot.deliver(b"", p.TrainerSwap(slot="", args=["--lr", "0.2"]), now=T0 + 1)
     assert bench.slot.figures()["state"] == "swapping"
-    assert bench.slot.child is slot.Child.STOPPING
+    assert bench.slot.child is supervisor.Child.STOPPING
     bench.slot.deliver(b"", p.TrainerSwap(slot="", args=[]), now=T0 + 1.1)
     assert bench.replies() == [p.Reply(ok=False, detail="a swap is already under way")]
     assert bench.wait_exit(1.2) == -signal.SIGUSR1, "asked to checkpoint and leave"
-    assert bench.slot.child is slot.Child.WAITING and bench.slot.counts.learner_deaths == 0
+    assert bench.slot.child is supervisor.Child.WAITING and bench.slot.counts.deaths == 0
     bench.at(1.2)
-    assert bench.slot.child is slot.Child.RUNNING
+    assert bench.slot.child is supervisor.Child.RUNNING
     second = bench.learner().popen.pid
     assert second != first and bench.learner().popen.args[-4:] == ["--lr", "0.1", "--lr", "0.2"]
     bench.at(1.2 + slot.PROBATION_S - 0.1)
@@ -177,7 +181,7 @@ def test_a_swap_stops_the_learner_starts_one_with_the_new_flags_and_replies_afte
     bench.at(1.2 + slot.PROBATION_S)
     assert bench.replies() == [p.Reply(
         ok=True, detail=f"learner pid {second} running with --lr 0.1 --lr 0.2")]
-    assert (bench.slot.counts.swaps, bench.slot.counts.learner_deaths) == (1, 0)
+    assert (bench.slot.swaps, bench.slot.counts.deaths) == (1, 0)
     assert bench.slot.figures()["state"] == "running"
 
 
@@ -199,7 +203,7 @@ def test_a_swapped_in_learner_that_exits_in_probation_is_reverted_and_a_refused_
     bench.at(10.0)
     assert bench.replies() == [], "no probation reply for a reverted swap"
     counts = bench.slot.counts
-    assert (counts.swaps, counts.swaps_reverted, counts.learner_deaths) == (0, 1, 0)
+    assert (bench.slot.swaps, bench.slot.swaps_reverted, counts.deaths) == (0, 1, 0)
 
     refused = Bench(LEARNER, problem="unrecognized arguments: --no-such-flag 1")
     benches.append(refused)
@@ -223,14 +227,14 @@ def test_on_shutdown_the_learner_gets_sigterm_then_sigkill_after_the_grace_and_t
     bench.slot.deliver(b"", p.TrainerSwap(slot="", args=[]), now=T0 + 1)
     assert bench.replies() == [], "no swap while stopping"
     assert bench.slot.figures()["state"] == "stopping" and not bench.slot.stop_reason
-    bench.at(1.0 + slot.STOP_GRACE_S - 0.1)
+    bench.at(1.0 + supervisor.STOP_GRACE_S - 0.1)
     assert bench.learner().popen.poll() is None
-    bench.at(1.0 + slot.STOP_GRACE_S + 0.1)
+    bench.at(1.0 + supervisor.STOP_GRACE_S + 0.1)
     assert bench.wait_exit(6.0) == -signal.SIGKILL
     assert "learner did not stop within 4s; killing it" in caplog.text
     assert "learner stopped (killed by SIGKILL)" in caplog.text
     assert bench.slot.stop_reason == "stepbus shutdown"
-    assert bench.slot.counts.learner_deaths == 0 and "restart" not in bench.slot.timers
+    assert bench.slot.counts.deaths == 0 and "restart" not in bench.slot.timers
 
     polite = Bench(LEARNER)
     benches.append(polite)

@@ -41,7 +41,7 @@ def test_a_killed_learner_is_restarted_by_its_slot_and_nothing_sent_to_it_is_los
     assert second["pid"] != first["pid"]
     wait_for(lambda: any(r["generation"] == 2 and r["policy_version"] > killed_at
                          for r in cluster.metrics()), 60, "generation 2 learning past the kill")
-    slot = wait_for(lambda: (r := row(cluster, "slot")).get("learner_deaths") == 1 and r, 10,
+    slot = wait_for(lambda: (r := row(cluster, "slot")).get("deaths") == 1 and r, 10,
                     "the slot to count the death")
     assert slot["last_death"] == "killed by SIGKILL"
     assembler = wait_for(lambda: (r := row(cluster, "assembler")).get("trainer_swaps") and r,
@@ -163,7 +163,7 @@ def test_a_frozen_learner_is_killed_by_its_slot_and_replaced(cluster: Cluster):
     os.kill(frozen, signal.SIGSTOP)
     slot = wait_for(lambda: (r := row(cluster, "slot")).get("last_death") == "frozen, killed"
                     and r, 30, "the slot to kill the frozen learner")
-    assert slot["learners_frozen"] == 1
+    assert slot["frozen"] == 1
     assert learner_row(cluster, 2)["pid"] != frozen
     wait_for(lambda: any(r["generation"] == 2 for r in cluster.metrics()), 60,
              "the replacement learning")

@@ -332,7 +332,7 @@ class Learner(node.Process):
         self.last_data = self.now
         problem = self.model.problem(msg)
         if problem:
-            self.refuse("assembler", "bad trajectory", problem)
+            self.refuse("bad trajectory", problem)
         elif not self.wrong_policy(msg.policy):
             self.pending.append(msg)
             self.take_pending()
@@ -341,7 +341,7 @@ class Learner(node.Process):
         self.last_data = self.now
         problem = self.model.problem(msg)
         if problem:
-            self.refuse("assembler", "bad trajectories", problem)
+            self.refuse("bad trajectories", problem)
         elif not self.wrong_policy(msg.policy):
             self.pending.extend(msg.split())
             self.take_pending()
@@ -350,7 +350,7 @@ class Learner(node.Process):
         """Another policy's trajectories are refused, not receipted: the assembler keeps them
         for their own learner."""
         if policy != self.cfg.policy_name:
-            self.refuse("assembler", "wrong policy",
+            self.refuse("wrong policy",
                         f"a trajectory of policy {policy[:64]!r}; this learner trains "
                         f"{self.cfg.policy_name!r}: is --trajectories the assembler's endpoint "
                         "for it?")
@@ -635,8 +635,7 @@ class Links:
 
     def ports(self) -> dict[str, node.Port]:
         """What the loop receives on."""
-        return {"trajectories": node.Port(self.intake, (p.Trajectory, p.Trajectories),
-                                          name_of_peer="assembler"),
+        return {"trajectories": node.Port(self.intake, (p.Trajectory, p.Trajectories)),
                 "policy": node.Port(self.broker, (p.EnvSpec,)),
                 "assembler_events": node.Port(self.assembler_events, monitor=True)}
 

@@ -208,7 +208,7 @@ class Worker(node.Process):
             return
         problem = self.envs.actions_problem(msg.actions)
         if problem:
-            self.refuse("broker", "bad actions", problem)
+            self.refuse("bad actions", problem)
             return
         self.seq, self.counts.policy_version = msg.seq, msg.policy_version
         acting = int(self.envs.alive.sum())  # agent steps this batch takes

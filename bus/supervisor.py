@@ -1,0 +1,406 @@
+"""Supervision: one child process kept alive, the unit every `Procfile` line runs.
+
+honcho stops every process as soon as any one exits, so a process that crashes (a segfaulting
+env, the OOM killer, kill -9) must not be a Procfile process itself: its supervisor is, and it
+outlives the child. `stepbus supervise ROLE [FLAGS]` runs any role this way; the trainer slot
+(trainer/slot.py) is a supervisor of learners that also swaps them.
+
+The rule is the same for every child: one that dies is restarted, at once if it had run
+STEADY_S, otherwise after the next BACKOFF_S delay; after QUICK_DEATHS_LIMIT quick deaths in a
+row the supervisor gives up, with the child's last error in its figures (`stepbus status`) and
+its log. Giving up ends the supervisor with exit code 1 (so honcho stops the run, which cannot
+go on without that role) unless the child is one of many (a worker): then it stays, reporting,
+and the run goes on with the others. A child that exits 0 left on purpose (a shutdown, a
+signal), and so does its supervisor. A child's stderr passes through the supervisor, which keeps
+its last line as the child's last error; the child gets SIGTERM if the supervisor dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import dataclasses
+import enum
+import logging
+import math
+import os
+import signal
+import socket as pysocket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from stepbus.bus import node, wiring
+from stepbus.bus import protocol as p
+
+BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # restart delays after quick deaths
+STEADY_S = 30.0  # a child that ran this long before dying is restarted at once
+QUICK_DEATHS_LIMIT = 7  # quick deaths in a row, then give up (about 49 s of back-off)
+STOP_GRACE_S = 4.0  # then SIGKILL; honcho's own SIGKILL comes 5 s after its SIGTERM
+SHUTDOWN_WAIT_S = 20.0  # a child told of a shutdown gets this long to leave before SIGTERM
+STARTUP_GRACE_S = 30.0  # before its first beat (imports, a slow disk), a child is not frozen
+SILENT_S = 3.0  # after it: this long without a beat, and a beating child is frozen
+NO_PIDFD_LOOK_S = 0.05  # without a pidfd to wake on its exit, look at the child this often
+LAST_ERROR_CHARS = 300  # of the child's last stderr line, kept as its last error
+PR_SET_PDEATHSIG = 1
+
+
+class Child(enum.Enum):
+    """Where the supervised child is in its life."""
+
+    WAITING = "waiting"  # none running: the "restart" timer starts the next
+    RUNNING = "running"  # running (beating, or in its start-up grace, if it beats)
+    STOPPING = "stopping"  # asked to stop by a signal; SIGKILL after the grace
+    GAVE_UP = "gave up"  # died young too often: not started again
+
+
+class GiveUp(enum.Enum):
+    """What a supervisor does once it gives up on its child."""
+
+    EXIT = "exit"  # exit 1: the run cannot go on without this role
+    STAY = "stay"  # keep reporting the last error: the run goes on with the child's peers
+
+
+@dataclass
+class Running:
+    """The running child: its process, the pipe its stderr comes through, and (for a child
+    that beats) the pipe it writes a byte to every heartbeat interval."""
+
+    popen: subprocess.Popen
+    started: float
+    stderr: int  # read end of the child's stderr
+    beats: int | None = None
+    last_beat: float | None = None
+    killed_frozen: bool = False  # SIGKILLed for falling silent: how its death is told
+    pidfd: int | None = None  # readable when the process exits (Linux), so no polling
+    partial: bytes = b""  # the stderr line still being written
+
+    def close(self) -> None:
+        for fd in (self.pidfd, self.beats, self.stderr):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def fds(self) -> set[int]:
+        """What wakes the supervisor: a beat, stderr output, the exit (when a pidfd tells)."""
+        return {fd for fd in (self.beats, self.pidfd, self.stderr) if fd is not None}
+
+    def silent_for(self, now: float) -> float:
+        """Seconds past the allowance since the last sign of life (> 0: frozen)."""
+        if self.last_beat is None:
+            return now - self.started - STARTUP_GRACE_S
+        return now - self.last_beat - SILENT_S
+
+
+@dataclass
+class Figures:
+    starts: int = 0
+    deaths: int = 0  # deaths not asked for (a swap's stop or a shutdown is not one)
+    frozen: int = 0
+    quick_deaths: int = 0  # in a row, of children that did not run STEADY_S
+    last_death: str = ""
+    last_error: str = ""  # the child's last stderr line
+
+
+def describe_exit(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+def restart_delay(quick_deaths: int, code: int) -> float:
+    """How long to wait before the next child, after `quick_deaths` deaths in a row of
+    children that did not run STEADY_S; one that left on its own (exit 0) waits at least 1 s,
+    as a shutdown may be coming."""
+    delay = BACKOFF_S[min(quick_deaths, len(BACKOFF_S) - 1)]
+    return max(delay, 1.0) if code == 0 else delay
+
+
+_PRCTL = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).prctl  # loaded before fork
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the supervisor dies (even by SIGKILL), so a
+    child never outlives the Procfile process honcho stops. Only a call into libc, loaded
+    before the fork: the supervisor has ZeroMQ's threads."""
+    _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Supervisor(node.Process):
+    """Sends nothing but heartbeats. The child is watched in `tick` (its stderr, its beats, its
+    exit) and by timers: "restart" (start the next child), "silence" (kill a frozen one),
+    "kill" (the end of a stop's grace), "shutdown" (a child that outstays a shutdown)."""
+
+    role = "supervisor"
+    noun = "child"  # how logs and figures name the child
+
+    def __init__(self, ports: node.Ports, log: logging.Logger, *, name: str,
+                 command: list[str], args: list[str], give_up: GiveUp = GiveUp.EXIT,
+                 beat_env: str = "", quick_deaths_limit: int = QUICK_DEATHS_LIMIT,
+                 noun: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+        """`command` runs the child before its flags `args`; `beat_env` names the environment
+        variable that tells a beating child its pipe ("": the child does not beat)."""
+        super().__init__(ports, log, name=name, clock=clock)
+        self.noun = noun or self.noun
+        self.command, self.args = list(command), list(args)
+        self.give_up_rule, self.beat_env = give_up, beat_env
+        self.quick_deaths_limit = quick_deaths_limit
+        self.running: Running | None = None
+        self.child = Child.WAITING
+        self.leaving = ""  # why the supervisor is stopping ("": it is not)
+        self.counts = Figures()
+        self.at("restart", self.now, self.start_child)
+
+    # -- the child's life
+    def start_child(self, now: float) -> None:
+        err_read, err_write = os.pipe()
+        env, keep = dict(os.environ), [err_write]
+        beats = None
+        if self.beat_env:
+            beats, beat_end = os.pipe()
+            env[self.beat_env] = str(beat_end)
+            keep.append(beat_end)
+        popen = subprocess.Popen([*self.command, *self.args], env=env, stderr=err_write,
+                                 pass_fds=tuple(keep), preexec_fn=_die_with_parent)
+        for fd in keep:
+            os.close(fd)
+        os.set_blocking(err_read, False)
+        if beats is not None:
+            os.set_blocking(beats, False)
+        self.counts.starts += 1
+        self.log.info("%s started (pid %d)%s", self.noun, popen.pid,
+                      f" with {' '.join(self.args)}" if self.args else "")
+        pidfd = None
+        if hasattr(os, "pidfd_open"):
+            with contextlib.suppress(OSError):
+                pidfd = os.pidfd_open(popen.pid)
+        self.running = Running(popen, now, err_read, beats=beats, pidfd=pidfd)
+        self.child = Child.RUNNING
+        self.wake_on_readable_fds = self.running.fds()
+        if beats is not None:
+            self.at("silence", now + STARTUP_GRACE_S, self.check_silence)
+        self.child_started(now)
+
+    def child_started(self, now: float) -> None:
+        """A hook for subclasses: a child was just started."""
+
+    def tick(self, now: float) -> float:
+        """Pass the child's stderr on, take its beats, notice its exit; without a pidfd, look
+        again soon."""
+        run = self.running
+        if run is None:
+            return math.inf
+        self.pass_stderr(run)
+        if run.beats is not None:
+            with contextlib.suppress(BlockingIOError):
+                if os.read(run.beats, 4096):
+                    if run.last_beat is None and not self.leaving:  # out of its start-up grace
+                        self.at("silence", now + SILENT_S, self.check_silence)
+                    run.last_beat = now
+        if (code := run.popen.poll()) is not None:
+            self.pass_stderr(run, final=True)
+            self.child_exited(run, code, now)
+            return math.inf
+        return math.inf if run.pidfd is not None else now + NO_PIDFD_LOOK_S
+
+    def pass_stderr(self, run: Running, *, final: bool = False) -> None:
+        """Write the child's stderr through to ours and keep its last line."""
+        data = b""
+        with contextlib.suppress(BlockingIOError, OSError):
+            while chunk := os.read(run.stderr, 65536):
+                data += chunk
+                if len(data) > 1 << 20:
+                    break
+        if data:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.buffer.write(data)
+                sys.stderr.flush()
+        lines = (run.partial + data).split(b"\n")
+        run.partial = lines.pop()[-4096:]
+        if final:
+            lines.append(run.partial)
+        for line in reversed(lines):
+            if text := line.decode(errors="replace").strip():
+                self.counts.last_error = text[-LAST_ERROR_CHARS:]
+                break
+
+    def check_silence(self, now: float) -> None:
+        run = self.running
+        if run is None or run.killed_frozen or self.leaving:
+            return
+        if (over := run.silent_for(now)) <= 0:
+            self.at("silence", now - over, self.check_silence)
+            return
+        self.counts.frozen += 1
+        run.killed_frozen = True
+        self.log.warning("%s (pid %d) sent no heartbeat for %.1fs (frozen?); killing it",
+                         self.noun, run.popen.pid, now - (run.last_beat or run.started))
+        run.popen.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
+
+    def ask_to_stop(self, run: Running, sig: signal.Signals, now: float) -> None:
+        if self.child is not Child.STOPPING:
+            self.child = Child.STOPPING
+            with contextlib.suppress(ProcessLookupError):
+                run.popen.send_signal(sig)
+            self.at("kill", now + STOP_GRACE_S, self.kill_after_grace)
+
+    def kill_after_grace(self, now: float) -> None:
+        if self.running is None:
+            return
+        if self.leaving:
+            self.log.warning("%s did not stop within %gs; killing it", self.noun, STOP_GRACE_S)
+        self.running.popen.kill()
+        self.at("kill", now + 60, self.kill_after_grace)
+
+    def child_exited(self, ended: Running, code: int, now: float) -> None:
+        asked = self.child is Child.STOPPING
+        self.running, self.child = None, Child.WAITING
+        ended.close()
+        self.wake_on_readable_fds = set()
+        for name in ("silence", "kill", "shutdown"):
+            self.cancel(name)
+        if self.leaving:
+            self.log.info("%s stopped (%s)", self.noun, describe_exit(code))
+            self.stop(self.leaving)
+        else:
+            self.exited_unasked(ended, code, now, asked)
+
+    def exited_unasked(self, ended: Running, code: int, now: float, asked: bool) -> None:
+        """The child exited while the supervisor is not leaving: one that exits 0 left on
+        purpose, and so do we; any other exit is a death."""
+        if code == 0:
+            self.log.info("%s exited 0; stopping", self.noun)
+            self.stop(f"{self.noun} exited 0")
+        else:
+            self.died(ended, code, now)
+
+    def died(self, ended: Running, code: int, now: float) -> None:
+        ran = now - ended.started
+        self.counts.deaths += 1
+        self.counts.last_death = "frozen, killed" if ended.killed_frozen else describe_exit(code)
+        self.counts.quick_deaths = 0 if ran >= STEADY_S else self.counts.quick_deaths + 1
+        if self.counts.quick_deaths >= self.quick_deaths_limit:
+            self.give_up(ran)
+            return
+        delay = restart_delay(self.counts.quick_deaths, code)
+        self.at("restart", now + delay, self.start_child)
+        self.log.warning("%s (pid %d) %s after %.1fs%s; starting a new one%s", self.noun,
+                         ended.popen.pid, self.counts.last_death, ran, self.last_error_text(),
+                         f" in {delay:g}s" if delay else "")
+
+    def last_error_text(self) -> str:
+        return f" (last error: {self.counts.last_error})" if self.counts.last_error else ""
+
+    def give_up(self, ran: float) -> None:
+        self.child = Child.GAVE_UP
+        self.log.error("%s died %d times in a row, each within %gs of its start (last: %s after "
+                       "%.1fs%s); giving up%s", self.noun, self.counts.quick_deaths, STEADY_S,
+                       self.counts.last_death, ran, self.last_error_text(),
+                       "" if self.give_up_rule is GiveUp.STAY
+                       else ": the run cannot go on without it")
+        if self.give_up_rule is GiveUp.EXIT:
+            self.stop(f"gave up on the {self.noun}")
+
+    @property
+    def gave_up(self) -> bool:
+        return self.child is Child.GAVE_UP
+
+    # -- stopping
+    def on_signal(self, reason: str) -> None:
+        self.now = self.clock()
+        self.leave(reason)
+
+    def on_shutdown(self, peer: bytes, msg: p.Shutdown) -> None:
+        self.leave_after_shutdown(msg.reason)
+
+    def on_run_state(self, peer: bytes, msg: p.RunState) -> None:
+        self.run_state = msg
+        if msg.shutting_down:
+            self.leave_after_shutdown("controller shutdown")
+
+    def leave_after_shutdown(self, reason: str) -> None:
+        """The child heard the same shutdown and leaves by itself; it gets SIGTERM only if it
+        outstays SHUTDOWN_WAIT_S. Nothing is restarted from now on."""
+        if self.leaving or "shutdown" in self.timers:
+            return
+        self.cancel("restart")
+        if self.running is None:
+            self.leave(reason)
+        else:
+            self.at("shutdown", self.now + SHUTDOWN_WAIT_S, lambda now: self.leave(reason))
+
+    def leave(self, reason: str) -> None:
+        """Stop the child (it finishes its duties); the loop ends once it has exited."""
+        if self.leaving:
+            return
+        self.leaving = reason
+        for name in ("restart", "silence", "shutdown"):
+            self.cancel(name)
+        if self.running is None:
+            self.stop(reason)
+        else:
+            self.ask_to_stop(self.running, signal.SIGTERM, self.now)
+
+    def kill_child(self) -> None:
+        """The last resort, when the loop ended without the child's exit."""
+        if self.running is not None:
+            if self.running.popen.poll() is None:
+                self.running.popen.kill()
+                self.running.popen.wait(5)
+            self.pass_stderr(self.running, final=True)
+            self.running.close()
+
+    def state(self) -> str:
+        if self.leaving:
+            return "stopping"
+        if self.gave_up:
+            return "gave up"
+        return "running" if self.running else "restarting"
+
+    def figures(self) -> dict[str, Any]:
+        figures: dict[str, Any] = {
+            "child_pid": self.running.popen.pid if self.running else None,
+            "child": " ".join(self.command[-1:]), **dataclasses.asdict(self.counts),
+            "state": self.state()}
+        if self.rejects.total:
+            figures.update(self.rejects.figures())
+        return figures
+
+    def finish(self) -> None:
+        self.log.info("%s stopping (%s)", self.role, self.leaving or self.stop_reason)
+
+
+SUPERVISED_ROLES = ("controller", "broker", "worker", "assembler", "learner")
+
+
+def default_give_up(role: str) -> GiveUp:
+    """A worker is one of many: the run goes on without it. Any other role it cannot."""
+    return GiveUp.STAY if role == "worker" else GiveUp.EXIT
+
+
+def run(role: str, flags: list[str], *, controller: str, security: wiring.Security,
+        give_up: GiveUp, quick_deaths_limit: int = QUICK_DEATHS_LIMIT) -> int:
+    """Supervise `stepbus ROLE FLAGS` until it exits 0, we are signalled, or we give up (exit 1
+    with GiveUp.EXIT). The supervisor reports to the controller at `controller` as role
+    "supervisor", named like its child."""
+    log = node.setup_logging("supervisor")
+    stop = node.StopFlag()
+    ctx = wiring.context(security)
+    name = os.environ.get("HONCHO_PROCESS_NAME") or f"{role}-{pysocket.gethostname()}-{os.getpid()}"
+    sup: Supervisor | None = None
+    try:
+        link = node.ControllerLink(ctx, role="supervisor", name=name, controller=controller,
+                                   broadcast="", log=log)
+        sup = Supervisor(node.SocketPorts({"controller": link.dealer}), log, name=name,
+                         command=[sys.executable, "-m", "stepbus", role], args=flags,
+                         give_up=give_up, quick_deaths_limit=quick_deaths_limit, noun=role)
+        log.info("supervising %s %s: restarted if it dies, up to %d quick deaths in a row",
+                 role, name, quick_deaths_limit)
+        code = node.Loop(sup, {}, link, stop).run()
+        return 1 if sup.gave_up and give_up is GiveUp.EXIT else code
+    finally:
+        if sup is not None:
+            sup.kill_child()
+        wiring.destroy(ctx, wiring.LINGER_MS)

@@ -1,0 +1,98 @@
+"""Every role under the shipped Procfile survives its own kill -9: its supervisor restarts it
+and the run goes on, then finishes by itself. The supervisor's state machine is
+test_supervisor_state's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import zmq
+from conftest import Cluster, honcho, send_message, wait_for
+
+from stepbus.bus import protocol as p
+
+# Long enough a run that five kills fit in it, short enough to end soon after.
+RUN = "0 --max-updates 150"
+
+
+def status_rows(cluster: Cluster) -> list[dict]:
+    """The controller's status rows, asked in-process ([] if it does not answer in 1 s): a
+    `stepbus status` command would cost a Python start-up per look."""
+    sock = cluster.socket(zmq.DEALER, cluster.endpoints["controller"])
+    try:
+        send_message(sock, p.StatusRequest())
+        deadline = time.monotonic() + 1.0
+        while sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+            reply = p.decode(sock.recv_multipart(copy=False), max_header_bytes=64 << 20)
+            if isinstance(reply, p.StatusReply):
+                return reply.processes
+        return []
+    finally:
+        sock.close()
+
+
+def role_rows(cluster: Cluster, role: str) -> list[dict]:
+    return [r for r in status_rows(cluster) if r["role"] == role]
+
+
+def worker_steps(cluster: Cluster) -> dict[int, int]:
+    """Each live worker's env steps so far, by pid."""
+    return {r["pid"]: r.get("env_steps", 0) for r in role_rows(cluster, "worker")}
+
+
+def steps_flowing(cluster: Cluster, before: dict[int, int], only_new: bool) -> bool:
+    """Some worker has stepped since `before` was read (a new worker: any step at all);
+    `only_new`: a worker that was not there then."""
+    return any(steps > before.get(pid, 0) for pid, steps in worker_steps(cluster).items()
+               if not (only_new and pid in before))
+
+
+def newest_version(cluster: Cluster) -> int:
+    return max((r.get("policy_version", -1) for r in role_rows(cluster, "trainer")), default=-1)
+
+
+def kill_and_recover(cluster: Cluster, role: str) -> float:
+    """kill -9 the process of `role` (not its supervisor); wait for a new one, steps flowing
+    and the policy version rising. Returns seconds from the kill to steps flowing again."""
+    (victim,) = wait_for(lambda: role_rows(cluster, role)[:1], 30, f"a live {role}")
+    version = wait_for(lambda: (v := newest_version(cluster)) >= 0 and v, 30, "a version")
+    before = worker_steps(cluster)
+    os.kill(victim["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    wait_for(lambda: any(r["pid"] != victim["pid"] for r in role_rows(cluster, role)), 30,
+             f"a new {role} after kill -9 of pid {victim['pid']}")
+    wait_for(lambda: steps_flowing(cluster, before, only_new=role == "worker"), 30,
+             f"steps flowing after the {role} died")
+    flowing = time.monotonic() - killed
+    wait_for(lambda: newest_version(cluster) > version, 30,
+             f"the policy version rising past {version} after the {role} died")
+    return flowing
+
+
+def test_under_honcho_kill_9_of_each_role_in_turn_and_the_run_goes_on_and_ends_by_itself(
+        cluster: Cluster):
+    proc = honcho(cluster, "-c", "worker=2", target=RUN)
+    try:
+        wait_for(lambda: len(role_rows(cluster, "worker")) == 2 and newest_version(cluster) > 0,
+                 60, "two workers stepping and a first update")
+        recovered = {}
+        for role in ("worker", "broker", "assembler", "controller", "trainer"):
+            recovered[role] = kill_and_recover(cluster, role)
+            assert proc.poll() is None, f"honcho went on after the {role} was killed"
+        print("kill -9 to steps flowing again:",
+              ", ".join(f"{role} {s:.1f}s" for role, s in recovered.items()))
+        assert proc.wait(60) == 0, "the run finished by itself"
+    except (AssertionError, subprocess.TimeoutExpired):
+        print((cluster.dir / "honcho.out").read_text()[-8000:])
+        raise
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = (cluster.dir / "honcho.out").read_text()
+    assert "Traceback" not in out
+    for role in ("controller", "broker", "worker", "assembler"):
+        assert f"{role} (pid" in out and "killed by SIGKILL after" in out, role
+    wait_for(lambda: cluster.strays() == [], 10, "no process left behind")

@@ -1,0 +1,122 @@
+"""The supervisor's state machine in-process, supervising real short-lived child processes
+(small Python programs in place of a role), time from an explicit clock. The restart schedule
+it shares with the trainer slot is test_slot_state's; every role under honcho with kill -9 is
+test_supervision's."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from collections.abc import Iterator
+
+import pytest
+from conftest import ManualClock
+
+from stepbus.bus import node, supervisor
+from stepbus.bus import protocol as p
+
+T0 = 1000.0
+CRASHES = "import sys; print('starting', file=sys.stderr); raise ValueError('env exploded')"
+EXITS_0 = "import sys; sys.exit(0)"
+SLEEPS = "import time; time.sleep(60)"
+
+
+class Bench:
+    """One supervisor object running `code` as its child, on an outbox."""
+
+    def __init__(self, code: str, **kwargs: object) -> None:
+        self.clock = ManualClock(T0)
+        self.sup = supervisor.Supervisor(
+            node.Outbox(), logging.getLogger("test.supervisor"), name="worker.1",
+            command=[sys.executable, "-c", code], args=[], noun="worker", clock=self.clock,
+            **kwargs)  # type: ignore[arg-type]
+
+    def at(self, t: float) -> None:
+        self.clock.t = T0 + t
+        self.sup.run_timers(self.clock.t)
+
+    def child(self) -> supervisor.Running:
+        assert self.sup.running is not None, "a child is running"
+        return self.sup.running
+
+    def wait_exit(self, t: float) -> int:
+        """Wait (really) for the child to exit, then let the supervisor see it at T0 + t."""
+        code = self.child().popen.wait(10)
+        self.clock.t = T0 + t
+        self.sup.tick(self.clock.t)
+        assert self.sup.running is None, "the supervisor noticed the exit"
+        return code
+
+
+@pytest.fixture
+def benches() -> Iterator[list[Bench]]:
+    made: list[Bench] = []
+    yield made
+    for bench in made:
+        bench.sup.kill_child()
+
+
+def test_a_worker_that_keeps_crashing_is_given_up_on_with_its_last_error_and_not_restarted(
+        benches: list[Bench], caplog: pytest.LogCaptureFixture,
+        capfd: pytest.CaptureFixture[str]):
+    bench = Bench(CRASHES, give_up=supervisor.GiveUp.STAY, quick_deaths_limit=2)
+    benches.append(bench)
+    bench.at(0.0)
+    assert bench.wait_exit(0.2) == 1
+    assert bench.sup.figures()["last_error"] == "ValueError: env exploded"
+    assert "worker (pid" in caplog.text and "exit code 1 after 0.2s (last error: ValueError: " \
+        "env exploded); starting a new one in 0.5s" in caplog.text
+    bench.at(0.7)
+    bench.wait_exit(0.9)
+    figures = bench.sup.figures()
+    assert (figures["state"], figures["deaths"], figures["starts"]) == ("gave up", 2, 2)
+    assert not bench.sup.stop_reason, "a worker's supervisor stays, reporting"
+    bench.at(100.0)
+    assert bench.sup.running is None and "restart" not in bench.sup.timers
+    assert "worker died 2 times in a row" in caplog.text
+    assert capfd.readouterr().err.count("ValueError: env exploded") == 2, "stderr passed on"
+
+
+def test_giving_up_on_a_role_the_run_needs_stops_the_supervisor(benches: list[Bench]):
+    bench = Bench(CRASHES, quick_deaths_limit=1)
+    benches.append(bench)
+    bench.at(0.0)
+    bench.wait_exit(0.1)
+    assert bench.sup.gave_up and bench.sup.stop_reason == "gave up on the worker"
+
+
+def test_a_child_that_exits_0_ends_its_supervisor_and_a_signal_is_passed_on(
+        benches: list[Bench]):
+    bench = Bench(EXITS_0)
+    benches.append(bench)
+    bench.at(0.0)
+    assert bench.wait_exit(0.1) == 0
+    assert bench.sup.stop_reason == "worker exited 0" and bench.sup.counts.deaths == 0
+
+    signalled = Bench(SLEEPS)
+    benches.append(signalled)
+    signalled.at(0.0)
+    signalled.sup.on_signal("SIGTERM")
+    assert signalled.wait_exit(0.1) == -signal.SIGTERM
+    assert signalled.sup.stop_reason == "SIGTERM" and signalled.sup.counts.deaths == 0
+
+
+def test_after_a_shutdown_the_child_may_leave_by_itself_and_is_not_restarted(
+        benches: list[Bench]):
+    bench = Bench(SLEEPS)
+    benches.append(bench)
+    bench.at(0.0)
+    bench.sup.deliver(b"", p.Shutdown(reason="stepbus shutdown"), now=T0 + 1)
+    bench.at(1.0 + supervisor.SHUTDOWN_WAIT_S - 0.1)
+    assert bench.child().popen.poll() is None, "it has its time to leave"
+    bench.at(1.0 + supervisor.SHUTDOWN_WAIT_S + 0.1)
+    assert bench.wait_exit(1.0 + supervisor.SHUTDOWN_WAIT_S + 0.2) == -signal.SIGTERM
+    assert bench.sup.stop_reason == "stepbus shutdown"
+
+    idle = Bench(CRASHES)
+    benches.append(idle)
+    idle.at(0.0)
+    idle.wait_exit(0.1)  # waiting 0.5 s to restart it when the shutdown comes
+    idle.sup.deliver(b"", p.Shutdown(reason="stepbus shutdown"), now=T0 + 0.2)
+    assert idle.sup.stop_reason == "stepbus shutdown" and "restart" not in idle.sup.timers
