@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-ROLE_ORDER = ("controller", "broker", "assembler", "slot", "trainer", "worker")
+ROLE_ORDER = ("controller", "broker", "assembler", "slot", "trainer", "worker", "supervisor")
 # Queue-like figures, in the words the QUEUES column uses; see the README's status section.
 QUEUE_FIGURES = (("held", "held"), ("untaken", "untaken"), ("unlearned", "unlearned"))
 CLEAR_SCREEN, HOME, CLEAR_LINE, CLEAR_BELOW = "\x1b[2J", "\x1b[H", "\x1b[K", "\x1b[J"
@@ -84,18 +84,35 @@ def sort_rows(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=key)
 
 
+def supervision(rows: list[dict]) -> list[str]:
+    """A line for each supervisor with news: its child died, is being restarted or was given up
+    on. Healthy supervisors get no row of their own, so the table keeps one row per process."""
+    lines = []
+    for r in rows:
+        if r.get("deaths") or r.get("state") not in ("running", None):
+            error = f": {r['last_error']}" if r.get("last_error") else ""
+            lines.append(f"supervisor {r.get('name')}: {r.get('child')} {r.get('state')}, "
+                         f"{r.get('deaths', 0)} deaths ({r.get('quick_deaths', 0)} quick in a "
+                         f"row), last {r.get('last_death') or '-'}{error}")
+    return lines
+
+
 def table(status: dict) -> str:
-    """The status as text: a header line, then one aligned row per live process."""
-    rows = sort_rows(status["processes"])
+    """The status as text: a header line, one aligned row per live process, then a line for
+    each supervisor whose child died."""
+    everything = sort_rows(status["processes"])
+    rows = [r for r in everything if r.get("role") != "supervisor"]
+    supervisors = [r for r in everything if r.get("role") == "supervisor"]
     versions = [r["policy_version"] for r in rows if _number(r.get("policy_version"))]
     newest = max(versions, default=-1)
-    head = (f"run {status['run_id']}, epoch {status['epoch']}, {len(rows)} processes, "
-            f"newest policy version {newest if newest >= 0 else '-'}")
+    head = (f"run {status['run_id']}, epoch {status['epoch']}, {len(rows)} processes"
+            + (f" ({len(supervisors)} supervised)" if supervisors else "")
+            + f", newest policy version {newest if newest >= 0 else '-'}")
     cells = [[name for name, _ in COLUMNS]] + [[cell(r) for _, cell in COLUMNS] for r in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
              for line in cells]
-    return "\n".join([head, *lines])
+    return "\n".join([head, *lines, *supervision(supervisors)])
 
 
 def as_json(status: dict) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import sys
 import time
 
 import gymnasium as gym
@@ -269,3 +271,11 @@ class StampFrames(gym.Env):
 
 def stamp_frames() -> StampFrames:
     return StampFrames()
+
+
+def segfaulting_cartpole() -> gym.Env:
+    """An env whose making takes its whole worker down, as a native crash would: a line on
+    stderr, then SIGSEGV (nothing Python could catch)."""
+    print("simulated native crash in the env", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGSEGV)
+    raise AssertionError("unreachable")

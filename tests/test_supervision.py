@@ -96,3 +96,19 @@ def test_under_honcho_kill_9_of_each_role_in_turn_and_the_run_goes_on_and_ends_b
     for role in ("controller", "broker", "worker", "assembler"):
         assert f"{role} (pid" in out and "killed by SIGKILL after" in out, role
     wait_for(lambda: cluster.strays() == [], 10, "no process left behind")
+
+
+def test_a_worker_that_keeps_crashing_is_given_up_on_and_status_shows_its_last_error(
+        cluster: Cluster):
+    cluster.start("controller")
+    sup = cluster.start("supervise", "--quick-deaths", "2", "worker", "--name", "bad",
+                        "--env", "scripted_envs:segfaulting_cartpole")
+    (row,) = wait_for(lambda: [r for r in status_rows(cluster) if r["role"] == "supervisor"
+                               and r.get("state") == "gave up"], 30, "the supervisor giving up")
+    assert (row["child"], row["deaths"], row["last_death"], row["last_error"], row["starts"]) == (
+        "worker", 2, "killed by SIGSEGV", "simulated native crash in the env", 2)
+    shown = cluster.cli("status").stdout
+    assert (f"supervisor {row['name']}: worker gave up, 2 deaths (2 quick in a row), last "
+            "killed by SIGSEGV: simulated native crash in the env") in shown, shown
+    assert sup.popen.poll() is None, "a worker's supervisor stays, so the run goes on"
+    assert "worker died 2 times in a row" in sup.output()
