@@ -95,6 +95,7 @@ class BrokerCounts:
     stale_dropped: int = 0  # replies from before a reset or a restart
     experience_dropped: int = 0  # the assembler's queue was full or it went away
     workers_lost: int = 0
+    stale_hellos: int = 0  # a known worker's, from the connection it replaced: dropped
     spec_refused: int = 0  # hellos whose spaces are unusable or differ from the run's
     determinism_lost: int = 0  # deterministic mode gave up waiting for a trainer's intake
     shm_refused: int = 0  # segments we would not or could not map
@@ -192,9 +193,16 @@ class Broker(node.Process):
     # -- workers
     def on_worker_hello(self, peer: bytes, msg: p.WorkerHello) -> None:
         w = self.table.get(peer)
+        if w is None and (same := self.table.named(msg.worker)) is not None and \
+                same.incarnation == msg.incarnation:
+            # Queued on a connection the worker has replaced since (a reconnect after we froze):
+            # ROUTER_HANDOVER gives the old connection a made-up routing id until it is gone.
+            self.counts.stale_hellos += 1
+            return
         if w is not None and w.incarnation == msg.incarnation:
             w.last_seen = self.now
-            if w.in_flight and self.now - w.ready_since > IDLE_RESET_S:
+            if w.unreachable_since is not None or (
+                    w.in_flight and self.now - w.ready_since > IDLE_RESET_S):
                 self.reset_worker(w)  # it is idle, yet we wait on it: a message was lost
                 w.ready_since = self.now
             return
@@ -296,8 +304,14 @@ class Broker(node.Process):
             w.last_seen = self.now  # busy in a long step, not dead
 
     def send_worker(self, w: Worker, msg: p.Message) -> None:
-        if not self.send("steps", msg, to=w.ident):
-            self.forget(w, "unreachable")
+        """A failed send does not lose the worker at once: after a freeze its hellos queued on
+        a connection that is gone come before the one that replaces it. Its next hello retries
+        a RESET; unreachable for the liveness timeout, it is lost (`tick`)."""
+        if self.send("steps", msg, to=w.ident):
+            w.unreachable_since = None
+        elif w.unreachable_since is None:
+            w.unreachable_since = self.now
+            self.log.debug("worker %s unreachable; waiting for its next hello", w.name)
 
     def reset_worker(self, w: Worker) -> None:
         if w.result is not None:  # its observation gets no action: it becomes a bootstrap
@@ -439,9 +453,15 @@ class Broker(node.Process):
                 self.reset_worker(w)
 
     # -- timekeeping and stepping
+    def on_stalled(self, seconds: float) -> None:
+        self.log.warning("the broker itself did not run for %.1fs (stopped, or starved of CPU): "
+                         "every worker gets a new liveness allowance", seconds)
+        self.table.heard_from_all(self.clock())
+
     def tick(self, now: float) -> float:
-        for w, silent_s in self.table.silent(now):
-            self.forget(w, f"silent for {silent_s:.1f}s")
+        self.now = now  # what is sent from here (a failed send's time) is stamped now
+        for w, why in self.table.silent(now):
+            self.forget(w, why)
         done = self.barrier.complete(self.table.epochs(), len(self.table))
         if done is not None:
             self.log.info("barrier epoch %d complete: %d workers reset, %d lost during it",

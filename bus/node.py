@@ -27,6 +27,7 @@ HEARTBEAT_INTERVAL_S = 0.5
 LIVENESS_INTERVALS = 3  # a peer silent for this many heartbeat intervals is dead
 LIVENESS_S = HEARTBEAT_INTERVAL_S * LIVENESS_INTERVALS
 MAX_POLL_MS = 200  # upper bound on any poll, so a stop signal is seen within it
+STALLED_S = 1.0  # a loop pass this late (past the poll's timeout) means the process stalled
 
 
 def setup_logging(role: str) -> logging.Logger:
@@ -529,6 +530,10 @@ class Process:
         self.stop(reason)
 
     # -- hooks the loop calls
+    def on_stalled(self, seconds: float) -> None:
+        """The loop did not run for `seconds` past its poll (SIGSTOP, or starved of CPU): a
+        process judging peers by their silence must not blame them for its own."""
+
     def tick(self, now: float) -> float:
         """Timekeeping after every poll (purge, dispatch); when to look again (inf: at the next
         message or timer)."""
@@ -590,6 +595,7 @@ class Loop:
             self.register(name)
         self.watch_fds: set[int] = set()  # the process's `wake_on_readable_fds`, as polled
         self.signalled = False  # the process was told of a signal
+        self.last_mark = process.clock()  # see `mark_time`
 
     def watch_writable(self, port: str, on: bool) -> None:
         """Wake when `port` can take a message again (a full or absent consumer)."""
@@ -618,15 +624,16 @@ class Loop:
         try:
             look_again = math.inf
             while not self.hand_over_signal():
-                now = proc.clock()
+                now = self.mark_time(0.0)
                 next_beat = self.link.beat(now, proc.figures) if self.link else math.inf
                 deadline = min(next_beat, look_again, proc.run_timers(now))
                 timeout_ms = int(max(0.0, min((deadline - now) * 1000, MAX_POLL_MS)))
                 self.sync_fds()
                 events = dict(self.poller.poll(timeout_ms))
+                self.mark_time(timeout_ms / 1000)
                 self.hand_over_signal()  # one that came during the poll, before the process looks
                 self.pass_once(events)
-                look_again = proc.tick(proc.clock())
+                look_again = proc.tick(self.mark_time(0.0))
                 for name in self.watch_out ^ proc.wake_on_writable:
                     self.watch_writable(name, name in proc.wake_on_writable)
                 self.sync_held()
@@ -638,6 +645,17 @@ class Loop:
         finally:
             if self.link is not None:
                 self.link.close()
+
+    def mark_time(self, allowed_s: float) -> float:
+        """The time now; tells the process if more than `allowed_s` (a poll's timeout) plus
+        STALLED_S passed since the last mark: it was stopped or starved, not its peers."""
+        now = self.process.clock()
+        late = now - self.last_mark - allowed_s
+        self.last_mark = now
+        if late > STALLED_S:
+            self.process.now = now
+            self.process.on_stalled(late)
+        return now
 
     def hand_over_signal(self) -> bool:
         """Tell the process of a signal (once); whether the loop is to end."""

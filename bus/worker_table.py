@@ -44,6 +44,9 @@ class Worker:
     row_policy: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))  # per row
     segment: shm.Reader | None = None  # its --shm-frames segment, if we could map it
     shm_nonce: str = ""
+    # When a send to it first failed (None: it is reachable). Its connection may be being
+    # replaced (a reconnect after a freeze, ROUTER_HANDOVER), so it is not lost yet.
+    unreachable_since: float | None = None
 
     def expects(self, msg: p.StepResult) -> bool:
         """`msg` is the reply we wait for (not one from before a reset or a restart)."""
@@ -77,6 +80,9 @@ class WorkerTable:
     def get(self, ident: bytes) -> Worker | None:
         return self.workers.get(ident)
 
+    def named(self, name: str) -> Worker | None:
+        return next((w for w in self.workers.values() if w.name == name), None)
+
     def join(self, ident: bytes, msg: p.WorkerHello, now: float) -> tuple[Worker, Worker | None]:
         """Enter a worker (a new one, or a new incarnation under a known identity, whose old
         entry is returned so its segment can be let go)."""
@@ -105,10 +111,22 @@ class WorkerTable:
             self.highest_seq[w.name] = w.seq
         return True
 
-    def silent(self, now: float) -> list[tuple[Worker, float]]:
-        """Workers not heard from within the liveness timeout, and for how long."""
-        return [(w, now - w.last_seen) for w in self.workers.values()
-                if now - w.last_seen > LIVENESS_S]
+    def heard_from_all(self, now: float) -> None:
+        """After the broker itself stalled, nobody's silence can be told from its own."""
+        for w in self.workers.values():
+            w.last_seen = now
+            if w.unreachable_since is not None:
+                w.unreachable_since = now
+
+    def silent(self, now: float) -> list[tuple[Worker, str]]:
+        """Workers not heard from, or not reachable, for the liveness timeout, and why."""
+        lost = []
+        for w in self.workers.values():
+            if now - w.last_seen > LIVENESS_S:
+                lost.append((w, f"silent for {now - w.last_seen:.1f}s"))
+            elif w.unreachable_since is not None and now - w.unreachable_since > LIVENESS_S:
+                lost.append((w, f"unreachable for {now - w.unreachable_since:.1f}s"))
+        return lost
 
     def rows_per_policy(self, count: int) -> list[int]:
         """Rows of live workers each of `count` policies acts for."""

@@ -13,6 +13,7 @@ import zmq
 from conftest import Cluster, recv_message, send_message, wait_for
 
 from stepbus.bus import protocol as p
+from stepbus.bus import wiring
 
 
 class Status:
@@ -202,3 +203,32 @@ def test_a_restarted_broker_resets_workers_into_the_runs_epoch_with_its_options(
         assert "Traceback" not in broker.output()
     finally:
         status.close()
+
+
+FREEZE_S = 5.0  # past the 3 s ZeroMQ heartbeat timeout: the workers' connections are replaced
+
+
+def test_a_broker_resumed_after_a_freeze_takes_its_stale_hellos_once_and_loses_no_worker(
+        cluster: Cluster):
+    names = list(cluster.endpoints)  # on TCP, where ZeroMQ heartbeats drop a frozen peer
+    cluster.endpoints = {n: f"tcp://127.0.0.1:{port}" for n, port in
+                         zip(names, wiring.free_tcp_ports(len(names)), strict=True)}
+    procs = cluster.start_all(trainer_args=("--target-return", "0"), workers=2)
+    status = Status(cluster)
+    try:
+        for w in ("w0", "w1"):
+            wait_for(lambda w=w: (status.figure("worker", "env_steps", name=w) or 0) > 0, 60,
+                     f"worker {w} stepping")
+        procs["broker"].signal(signal.SIGSTOP)
+        time.sleep(FREEZE_S)  # the fault under test is the freeze's length itself
+        procs["broker"].signal(signal.SIGCONT)
+        steps = {w: status.known("worker", "env_steps", name=w) for w in ("w0", "w1")}
+        for w in ("w0", "w1"):
+            wait_for(lambda w=w: status.figure("worker", "env_steps", name=w) > steps[w], 20,
+                     f"worker {w} stepping again after the freeze")
+        assert status.known("broker", "workers_lost") == 0, "no worker was really lost"
+    finally:
+        status.close()
+    log = procs["broker"].output()
+    assert log.count(" joined: ") == 2 and "unreachable" not in log, log[-3000:]
+    assert "restarted (incarnation" not in log

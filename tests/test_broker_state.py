@@ -453,6 +453,61 @@ def test_a_worker_that_says_hello_again_while_we_wait_on_it_is_reset_once_a_mess
 
 
 
+def test_after_a_freeze_stale_hellos_on_a_dead_connection_are_retried_quietly_not_counted_lost(
+        caplog: pytest.LogCaptureFixture):
+    bench = Bench()
+    bench.deliver(b"t", weights(1))
+    w = bench.join("w0")
+    bench.answer(w)
+    bench.tick()
+    assert [type(c) for c in bench.commands_to(w)] == [p.Reset, p.Step], \
+        "in flight: its reply is what the freeze holds up"
+    caplog.set_level(logging.INFO)
+    caplog.clear()
+    bench.later(8.0)  # the broker was frozen; the worker's connection is being replaced
+    bench.broker.on_stalled(8.0)  # what its loop tells it on waking
+    bench.tick()
+    assert bench.figure("workers_lost") == 0, "its own silence is not the worker's"
+    bench.out.blocked.add("steps")  # until the new connection is attached, sends fail
+    for _ in range(10):  # hellos queued on the dead connection, all at once
+        bench.join("w0")
+        bench.tick()
+    # ROUTER_HANDOVER gives the replaced connection a made-up routing id: what is still queued
+    # on it comes from a stranger that claims to be the worker
+    bench.deliver(b"\x00k\x8bEg", p.WorkerHello(
+        worker="w0", incarnation="i1", env_id="CartPole-v1", num_envs=2, seed=0, spec=SPEC,
+        seq=0, agents=[]))
+    assert bench.figure("stale_hellos") == 1 and bench.figure("workers") == 1
+    assert bench.figure("workers_lost") == 0
+    assert "unreachable" not in caplog.text and "joined" not in caplog.text
+    bench.out.blocked.clear()
+    bench.later(0.5)
+    bench.join("w0")  # the first hello on the new connection: one RESET gets through
+    [reset] = bench.commands_to(w)
+    assert isinstance(reset, p.Reset)
+    bench.later(broker.IDLE_RESET_S / 2)
+    bench.join("w0")
+    assert bench.commands_to(w) == [], "reachable again: no further resets"
+    assert bench.figure("workers_lost") == 0
+
+
+def test_a_worker_unreachable_for_the_liveness_timeout_is_lost_once_even_if_hellos_come():
+    bench = Bench()
+    bench.deliver(b"t", weights(1))
+    w = bench.join("w0")
+    bench.out.blocked.add("steps")
+    bench.answer(w)
+    bench.tick()  # the STEP cannot be sent: unreachable from now
+    for _ in range(4):
+        bench.later(worker_table.LIVENESS_S / 3)
+        bench.join("w0")  # it is heard from, yet every send to it fails
+        bench.tick()
+    sent = bench.out.take_sent(p.WorkerLost)
+    assert [s.msg.reason for s in sent] == [
+        f"unreachable for {worker_table.LIVENESS_S * 4 / 3:.1f}s"]
+    assert bench.figure("workers_lost") == 1
+
+
 def test_credit_window_allows_for_the_horizon_the_run_state_names() -> None:
     """The allowance per env row is the assembler's real horizon (+2), not its default."""
     bench = Bench()
