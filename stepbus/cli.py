@@ -221,12 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
     env_help = {name: spec.env_var for name, spec in wiring.ENDPOINTS.items()}
     env_help["runs_dir"] = "STEPBUS_RUNS_DIR"
     parser = argparse.ArgumentParser(
-        prog="stepbus", description="RL experience pipeline on a ZeroMQ bus. Start the five "
-        "processes with `honcho start` (see Procfile) or one subcommand each.")
+        prog="stepbus", allow_abbrev=False,
+        description="RL experience pipeline on a ZeroMQ bus. Start the five processes with "
+        "`honcho start` (see Procfile) or one subcommand each.")
     parser.add_argument("--version", action="version", version=f"stepbus {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (cls, _, doc) in PROCESSES.items():
-        _add_config_flags(sub.add_parser(name, help=doc, description=doc), cls, env_help)
+        _add_config_flags(sub.add_parser(name, help=doc, description=doc, allow_abbrev=False), cls,
+                          env_help)
     plot = sub.add_parser("plot", help=PLOT_HELP, description=PLOT_HELP)
     plot.add_argument("run_dir", metavar="RUN_DIR", type=Path,
                       help="a run directory, e.g. runs/latest")
@@ -238,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  "the address when the controller does not answer"),
                       ("reset", "reset barrier: pause, drain, reset every env, resume"),
                       ("shutdown", "stop the whole pipeline through the controller")):
-        cmd = sub.add_parser(name, help=doc, description=doc)
+        cmd = sub.add_parser(name, help=doc, description=doc, allow_abbrev=False)
         cmd.add_argument("--controller", default=wiring.ENDPOINTS["controller"].resolve(),
                          help="controller endpoint (env STEPBUS_CONTROLLER)")
         cmd.add_argument("--timeout", type=float, default=15.0 if name == "reset" else 5.0,
@@ -268,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_supervise_parser(sub: Any) -> None:
     cmd = sub.add_parser("supervise", help=SUPERVISE_HELP, description=SUPERVISE_HELP,
+                         allow_abbrev=False,
                          usage="stepbus supervise [options] ROLE [ROLE FLAGS ...]")
     cmd.add_argument("role", metavar="ROLE", choices=supervisor.SUPERVISED_ROLES,
                      help=f"the process to run: {', '.join(supervisor.SUPERVISED_ROLES)} (the "
@@ -298,6 +301,7 @@ def _supervise(args: argparse.Namespace) -> int:
 
 def swap_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stepbus trainer swap", description=SWAP_HELP,
+                                     allow_abbrev=False,
                                      usage="%(prog)s [options] [LEARNER FLAGS ...]")
     parser.add_argument("--slot", default="",
                         help="name of the trainer slot (default: the only one registered)")

@@ -175,11 +175,21 @@ def test_an_environment_that_raises_is_reported_recreated_and_the_run_goes_on(cl
     assert exits(procs, timeout=10) == dict.fromkeys(procs, 0), cluster.dump()
 
 
-def test_a_worker_with_an_unknown_env_exits_2_with_one_clear_line(cluster: Cluster):
-    proc = cluster.start("worker", "--env", "NoSuchEnv-v0")
+def test_a_worker_with_an_unknown_env_or_bad_flags_exits_2_at_once_with_one_clear_line(
+        cluster: Cluster):
+    """Before it looks for a controller (none runs here, and it is told to ask one where the
+    broker is), so the error is not blamed on anything else."""
+    no_broker = {"STEPBUS_STEPS": ""}
+    proc = cluster.start("worker", "--env", "NoSuchEnv-v0", env=no_broker)
     assert proc.wait(30) == 2
     out = proc.output()
     assert "cannot create environment 'NoSuchEnv-v0'" in out and "Traceback" not in out
+    proc = cluster.start("worker", "--envs-per-worker", "0", env=no_broker)
+    assert proc.wait(30) == 2
+    assert "--envs-per-worker must be 1 to 65536, not 0" in proc.output()
+    proc = cluster.start("worker", "--envs", "4", env=no_broker)  # abbreviations are typos
+    assert proc.wait(30) == 2
+    assert "unrecognized arguments: --envs 4" in proc.output()
 
 
 def test_continuous_actions_flow_through_the_pipeline(cluster: Cluster):

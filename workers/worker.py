@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from stepbus.bus import node, shm, wiring
+from stepbus.bus import checks, node, shm, wiring
 from stepbus.bus import protocol as p
 from stepbus.workers.envset import EnvFailure, EnvSet
 
@@ -85,7 +85,21 @@ class Config:
 
 
 class CannotCreateEnv(RuntimeError):
-    """`--env` names nothing that can be made (a typo, a missing package): exit 2."""
+    """`--env` names nothing that can be made (a typo, a missing package), or a setting is out
+    of range: exit 2."""
+
+
+def make_envs(cfg: Config, log: logging.Logger) -> EnvSet:
+    """The worker's environments, made before it looks for a controller or broker, so a bad
+    `--env` or `--envs-per-worker` is told at once, as what it is. Raises CannotCreateEnv."""
+    if not 1 <= cfg.envs_per_worker <= checks.MAX_ENVS_PER_WORKER:
+        raise CannotCreateEnv(f"--envs-per-worker must be 1 to {checks.MAX_ENVS_PER_WORKER}, "
+                              f"not {cfg.envs_per_worker}")
+    try:
+        return EnvSet(cfg, lambda error: None, log)
+    except Exception as exc:
+        raise CannotCreateEnv(f"cannot create environment {cfg.env!r}: "
+                              f"{type(exc).__name__}: {exc}") from exc
 
 
 class BusyBeats:
@@ -138,8 +152,10 @@ class Worker(node.Process):
 
     def __init__(self, cfg: Config, ports: node.Ports, log: logging.Logger, *,
                  clock: Callable[[], float] = time.monotonic,
-                 controller_beat: Callable[[float], object] | None = None) -> None:
-        """Raises CannotCreateEnv when the environments cannot be made."""
+                 controller_beat: Callable[[float], object] | None = None,
+                 envs: EnvSet | None = None) -> None:
+        """`envs`: made already (by `make_envs`), else made here. Raises CannotCreateEnv when
+        the environments cannot be made."""
         super().__init__(ports, log, name=cfg.name, clock=clock)
         self.cfg, self.controller_beat = cfg, controller_beat
         self.incarnation = uuid.uuid4().hex[:8]
@@ -150,11 +166,8 @@ class Worker(node.Process):
         self.counts, self.shm_counts = WorkerCounts(), ShmCounts()
         self.busy_beat_at = 0.0  # the last heartbeat sent to (or message heard from) the broker
         self.busy_beats: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-        try:
-            self.envs = EnvSet(cfg, self.report, log, self.beat_while_busy)
-        except Exception as exc:
-            raise CannotCreateEnv(f"cannot create environment {cfg.env!r}: "
-                                  f"{type(exc).__name__}: {exc}") from exc
+        self.envs = envs or make_envs(cfg, log)
+        self.envs.report, self.envs.tick = self.report, self.beat_while_busy
         self.segment = self.open_segment() if cfg.shm_frames else None
         self.use_shm = False  # the broker marked our segment (before its RESET) as mapped
         self.no_rows = np.zeros((0, *self.envs.spec.obs_shape), self.envs.obs_dtype)
@@ -289,26 +302,26 @@ class Worker(node.Process):
 def run(cfg: Config) -> int:
     log = node.setup_logging("worker")
     stop = node.StopFlag()
+    try:
+        envs = make_envs(cfg, log)
+    except CannotCreateEnv as exc:  # a typo in --env deserves one clear line, not a traceback
+        log.error("%s", exc)
+        return 2
     ctx = wiring.context(cfg.security)
     link = node.ControllerLink(ctx, role="worker", name=cfg.name, controller=cfg.controller,
                                broadcast=cfg.broadcast, log=log)
     # On another host a worker needs only the controller's address: it says where the rest is.
     steps = cfg.steps or link.discover("steps", stop)
     if not steps:
+        envs.close()
         link.close()
         wiring.destroy(ctx, wiring.LINGER_MS)
         return 0  # told to stop while waiting
     # While no broker is connected, hellos are dropped rather than queued to flood it later.
     dealer = wiring.socket(ctx, zmq.DEALER, connect=steps, identity=cfg.name.encode(),
                            immediate=True)
-    try:
-        worker = Worker(cfg, node.SocketPorts({"steps": dealer, "controller": link.dealer}),
-                        log, controller_beat=link.beat)
-    except CannotCreateEnv as exc:  # a typo in --env deserves one clear line, not a traceback
-        log.error("%s", exc)
-        link.close()
-        wiring.destroy(ctx, wiring.LINGER_MS)
-        return 2
+    worker = Worker(cfg, node.SocketPorts({"steps": dealer, "controller": link.dealer}),
+                    log, controller_beat=link.beat, envs=envs)
     log.info("%s: %d x %s%s, connecting to %s", cfg.name, cfg.envs_per_worker, cfg.env,
              f" ({len(worker.envs.agents)} agents each)" if worker.envs.agents else "", steps)
     worker.take_alarm()
