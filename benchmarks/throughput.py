@@ -293,7 +293,7 @@ class Pipeline:
                        "--envs-per-worker", str(setup.envs_per_worker),
                        *(("--shm-frames",) if setup.shm_frames else ()))
         self.start("trainer", "--algo", CONSUME, "--target-return", "0", "--batch-steps",
-                   str(batch_steps), "--checkpoint-interval-s", "3600",
+                   str(batch_steps), "--checkpoint-interval-s", "1",
                    *(("--hidden", setup.hidden) if setup.hidden else ()))
 
     def start(self, role: str, *args: str) -> None:

@@ -88,7 +88,7 @@ def measure(label: str, args: argparse.Namespace, address: str, on_a: tuple[str,
 
         for role in ROLES_A:
             flags = ("--algo", CONSUME, "--target-return", "0", "--batch-steps", "2048",
-                     "--checkpoint-interval-s", "3600") if role == "trainer" else ()
+                     "--checkpoint-interval-s", "1") if role == "trainer" else ()
             start(on_a, role, *flags, env=host_env)
         for i in range(args.workers):
             start(on_b, "worker", "--name", f"b{i}", "--worker-index", str(i),

@@ -54,18 +54,24 @@ class Bench:
     controller."""
 
     def __init__(self, run_dir: Path, *, newest_version: int = 0,
-                 algo_class: type = ppo.PPO, **cfg: object) -> None:
+                 algo_class: type = ppo.PPO, incarnation: str = "i1",
+                 **cfg: object) -> None:
+        """A learner of the run in `run_dir`, resuming its checkpoint if there is one;
+        checkpointing after every update unless `checkpoint_interval_s` says otherwise."""
         self.clock = ManualClock(T0)
         self.out = node.Outbox()
+        cfg.setdefault("checkpoint_interval_s", 0.0)
         self.cfg = learner.Config(ppo=ppo.PPOConfig(batch_steps=BATCH, minibatch_size=BATCH,
-                                                    n_epochs=2),
-                                  checkpoint_interval_s=60.0, **cfg)  # type: ignore[arg-type]
+                                                    n_epochs=2), **cfg)  # type: ignore[arg-type]
         self.run_dir = run_dir
         spec = p.EnvSpec(env_id="CartPole-v1", spec=SPEC, policy_version=newest_version)
         model = Model(algo_class, spec, self.cfg.ppo, self.cfg.seed, name=self.cfg.algo)
+        progress = learner.Progress()
+        if (run_dir / learner.CHECKPOINT).exists():
+            progress = learner.Progress(**model.resume(run_dir / learner.CHECKPOINT))
         self.learner = learner.Learner(
-            self.cfg, model, learner.Progress(), run_dir, self.out,
-            logging.getLogger("test.learner"), name="t0", incarnation="i1",
+            self.cfg, model, progress, run_dir, self.out,
+            logging.getLogger("test.learner"), name="t0", incarnation=incarnation,
             newest_version=newest_version, clock=self.clock)
 
     def deliver(self, *msgs: p.Message) -> None:
@@ -170,7 +176,8 @@ def test_a_trajectory_sent_again_is_counted_as_a_duplicate_and_not_taken_twice(
         bench: Bench) -> None:
     bench.deliver(trajectory(0), trajectory(1), trajectory(0))
     assert bench.learner.counts.duplicates == 1 and bench.learner.counts.trajectories == 2
-    assert bench.learner.progress.env_steps == 2 * STEPS
+    assert bench.learner.steps_taken == 2 * STEPS
+    assert bench.learner.progress.env_steps == 0, "counted in the progress once learned from"
 
 
 def test_a_message_spanning_two_batches_is_learned_one_update_per_tick_the_intake_held(
@@ -303,3 +310,102 @@ def test_a_checkpoint_of_another_architecture_is_refused_naming_the_parameters_t
     with pytest.raises(CannotStart, match=r"does not fit this policy \(pi\.0\.b, pi\.0\.w, "
                                           r"pi\.1\.w, vf\.0\.b; spaces SpaceSpec\(obs_shape"):
         wide.resume(tmp_path / "small.npz")
+
+
+def saved(run_dir: Path) -> dict:
+    """The progress in the run's checkpoint on disk."""
+    return checkpoint.load(run_dir / learner.CHECKPOINT)[2]
+
+
+def test_learning_is_receipted_and_recorded_only_once_a_checkpoint_holds_it(
+        tmp_path: Path) -> None:
+    b = Bench(tmp_path, checkpoint_interval_s=1.0)  # its first checkpoint: at start, T0
+    b.deliver(*(trajectory(seq) for seq in range(4)))  # a full batch: an update at T0
+    assert [w.version for w in b.weights()] == [1, 2], "the new weights go out at once"
+    b.later(learner.RECEIPT_INTERVAL_S)
+    (r,) = b.receipts()
+    assert r.taken.tolist() == [0, 1, 2, 3] and r.learned.tolist() == [], "not on disk yet"
+    assert b.records() == [] and saved(tmp_path)["updates"] == 0
+    b.later(1.0 - learner.RECEIPT_INTERVAL_S)  # the interval since the last checkpoint is up
+    assert saved(tmp_path)["updates"] == 1 and saved(tmp_path)["env_steps"] == 4 * STEPS
+    assert [(r["policy_version"], r["env_steps"]) for r in b.records()] == [(2, 4 * STEPS)]
+    b.later(learner.RECEIPT_INTERVAL_S)
+    (r,) = b.receipts()
+    assert r.learned.tolist() == [0, 1, 2, 3], "receipted once the checkpoint holds it"
+    assert b.learner.figures()["checkpoints"] == 2
+    b.learner.metrics.close()
+
+
+def test_a_learner_killed_before_its_checkpoint_leaves_nothing_confirmed_and_its_successor_learns_it_again(  # noqa: E501
+        tmp_path: Path) -> None:
+    first = Bench(tmp_path, checkpoint_interval_s=5.0)
+    first.deliver(*(trajectory(seq) for seq in range(8)))  # two updates
+    first.later(1.0)
+    assert first.learner.counts.updates == 2
+    assert all(r.learned.size == 0 for r in first.receipts()), "nothing confirmed yet"
+    first.learner.metrics.close()  # killed: no finish(), no checkpoint
+    assert first.records() == []
+    newest = max(w.version for w in first.weights())  # what the broker has seen: 3
+    second = Bench(tmp_path, newest_version=newest, incarnation="i2")
+    (hello,) = second.weights()
+    assert hello.version == newest + 1, "above everything published"
+    assert hello.consumed_steps == 0, "the checkpoint holds no steps: all of them come again"
+    second.deliver(*(trajectory(seq, version=3) for seq in range(8)))  # the assembler resends
+    assert second.learner.counts.duplicates == 0 and second.learner.counts.updates == 2
+    second.later(learner.RECEIPT_INTERVAL_S)
+    assert sorted(seq for r in second.receipts() for seq in r.learned.tolist()) == list(range(8))
+    records = second.records()
+    assert [r["env_steps"] for r in records] == [4 * STEPS, 8 * STEPS]
+    assert [r["policy_version"] for r in records] == [newest + 2, newest + 3]
+    assert saved(tmp_path)["generation"] == 2
+    second.learner.metrics.close()
+
+
+def test_a_successor_receipts_again_what_the_checkpoint_held_and_does_not_count_it_twice(
+        tmp_path: Path) -> None:
+    first = Bench(tmp_path)
+    first.deliver(*(trajectory(seq, ret=10.0) for seq in range(4)))  # learned, checkpointed
+    first.deliver(trajectory(4))  # taken in, not learned
+    assert saved(tmp_path)["env_steps"] == 4 * STEPS and saved(tmp_path)["episodes"] == 4
+    first.learner.metrics.close()  # killed before its receipts went out
+    assert first.receipts() == [] and len(first.records()) == 1
+    second = Bench(tmp_path, newest_version=2, incarnation="i2")
+    (hello,) = second.weights()
+    assert hello.consumed_steps == 4 * STEPS, "the run's count: the broker's scale continues"
+    # The assembler never heard of the receipt: it sends all five again.
+    second.deliver(*(trajectory(seq, ret=10.0) for seq in range(4)), trajectory(4))
+    assert second.learner.counts.duplicates == 4 and second.learner.counts.trajectories == 1
+    assert second.learner.steps_taken == 5 * STEPS, "each step counted once"
+    second.later(learner.RECEIPT_INTERVAL_S)
+    (r,) = second.receipts()
+    assert r.taken.tolist() == [4] and r.learned.tolist() == [0, 1, 2, 3], "receipted again"
+    second.deliver(*(trajectory(seq) for seq in range(5, 8)))
+    assert second.learner.progress.episodes == 4 and second.learner.progress.updates == 2
+    records = first.records()
+    assert [r["env_steps"] for r in records] == [4 * STEPS, 8 * STEPS]
+    assert [r["episodes"] for r in records] == [4, 4]
+    second.learner.metrics.close()
+
+
+def test_a_hand_over_checkpoints_what_was_learned_and_leaves_the_partial_batch_to_be_sent_again(
+        tmp_path: Path) -> None:
+    b = Bench(tmp_path, checkpoint_interval_s=5.0)
+    b.deliver(*(trajectory(seq) for seq in range(6)))  # one update, two taken in after it
+    b.learner.on_signal("SIGUSR1")
+    b.learner.finish()
+    (r,) = b.receipts()
+    assert r.learned.tolist() == [0, 1, 2, 3] and r.taken.tolist() == list(range(6))
+    assert saved(tmp_path)["env_steps"] == 4 * STEPS, "the partial batch is not counted"
+    assert [r["env_steps"] for r in b.records()] == [4 * STEPS]
+
+
+def test_a_stale_trajectory_is_receipted_once_the_checkpoint_counts_it(tmp_path: Path) -> None:
+    b = Bench(tmp_path, newest_version=20, checkpoint_interval_s=1.0)
+    b.deliver(trajectory(0, version=3))
+    b.later(learner.RECEIPT_INTERVAL_S)
+    assert [r.learned.tolist() for r in b.receipts()] == [[]]
+    b.later(1.0)
+    assert saved(tmp_path)["env_steps"] == STEPS
+    b.later(0.0)  # the loop's next pass
+    assert [r.learned.tolist() for r in b.receipts()] == [[0]]
+    b.learner.metrics.close()

@@ -14,13 +14,15 @@ from stepbus.trainer.learner import LEARNED_KEPT, Receipts
 
 
 def cycle(r: Receipts, seqs: range, assembler: str = "a1") -> None:
-    """Take each in, learn from it and have the receipt delivered, in batches of 64."""
+    """Take each in, learn from it, checkpoint and have the receipt delivered, in batches of
+    64."""
     batch: list[int] = []
     for seq in seqs:
         assert r.take(assembler, seq)
         batch.append(seq)
         if len(batch) == 64:
             r.learn((assembler, s) for s in batch)
+            r.checkpointed()
             assert r.message("t", "i", "default", 0.0) is not None
             r.delivered()
             batch.clear()
@@ -31,8 +33,14 @@ def test_a_number_taken_in_is_refused_while_in_a_batch_and_long_after_it_was_lea
     # One counter across policies: this learner's numbers have gaps (another's are odd).
     cycle(r, range(0, 2 * 64 * 100, 2))
     assert not r.take("a1", 0) and not r.take("a1", 2 * 64 * 100 - 2), "learned, receipted"
+    assert r.message("t", "i", "default", 0.0).learned.tolist() == [0, 2 * 64 * 100 - 2], (
+        "and receipted again: the assembler that sent them again may have missed it")
+    r.delivered()
     assert r.take("a1", 20_000) and not r.take("a1", 20_000), "taken in, in a batch"
     r.learn([("a1", 20_000)])
+    assert not r.take("a1", 20_000), "learned, not yet checkpointed"
+    r.checkpointed()
+    assert r.message("t", "i", "default", 0.0).learned.tolist() == [20_000]
     assert not r.take("a1", 20_000), "learned, receipt not yet delivered"
     r.delivered()
     assert not r.take("a1", 20_000), "learned and receipted"

@@ -79,7 +79,8 @@ class Model:
         """What the algorithm learns from, of a trajectory off the bus."""
         return ppo.Trajectory(obs=t.obs, actions=t.actions, logp=t.logp, values=t.values,
                               rewards=t.rewards, terminated=t.terminated,
-                              truncated=t.truncated, bootstrap_obs=t.bootstrap_obs)
+                              truncated=t.truncated, bootstrap_obs=t.bootstrap_obs,
+                              assembler=t.assembler, seq=t.seq)
 
     def update(self, batch: Sequence[ppo.Trajectory],
                tick: Callable[[], object]) -> dict[str, float]:

@@ -1,9 +1,12 @@
-"""Atomic checkpoints: params, optimiser state and run progress in one .npz, no pickle."""
+"""Atomic checkpoints: params, optimiser state and run progress in one .npz, no pickle; and
+what waits for the next one."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,3 +35,38 @@ def load(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict
         optimizer = {k.split("/", 1)[1]: data[k].copy() for k in data.files
                      if k.startswith("optimizer/")}
     return params, optimizer, meta["progress"]
+
+
+@dataclass
+class Unsaved:
+    """What waits for the learner's next checkpoint (its "learned" receipts wait too, in
+    `Receipts`): the metrics records of the updates it will hold, written only once they are
+    on disk, so metrics.jsonl never runs ahead of the checkpoint a successor resumes. Due at
+    most every `interval_s`."""
+
+    interval_s: float
+    last: float = -math.inf  # when the last checkpoint was written
+    since: float | None = None  # when the oldest learning not on disk was settled
+    records: list[dict[str, Any]] = field(default_factory=list)
+    written: int = 0  # checkpoints this learner wrote
+    write_ms: float = 0.0  # how long the last one took
+    held_ms: float = 0.0  # how long the last one's oldest learning waited for it
+
+    def settled(self, now: float) -> float:
+        """Learning (or a drop) happened that a checkpoint must hold; when that is due."""
+        if self.since is None:
+            self.since = now
+        return self.last + self.interval_s
+
+    def wrote(self, began: float, now: float) -> list[dict[str, Any]]:
+        """A checkpoint was written from `began` to `now`; the records it released."""
+        self.written += 1
+        self.write_ms = (now - began) * 1000
+        self.held_ms = 0.0 if self.since is None else (now - self.since) * 1000
+        self.last, self.since = now, None
+        records, self.records = self.records, []
+        return records
+
+    def figures(self) -> dict[str, float]:
+        return {"checkpoints": self.written, "checkpoint_ms": round(self.write_ms, 2),
+                "checkpoint_held_ms": round(self.held_ms, 1)}

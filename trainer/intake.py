@@ -20,11 +20,13 @@ class Batch:
 
     trajectories: list[ppo.Trajectory] = field(default_factory=list)
     ids: list[tuple[str, int]] = field(default_factory=list)  # (assembler, seq) of each
+    returns: list[float | None] = field(default_factory=list)  # of each episode that ended
     steps: int = 0
 
     def add(self, t: p.Trajectory, record: ppo.Trajectory) -> None:
         self.ids.append((t.assembler, t.seq))
         self.trajectories.append(record)
+        self.returns.append(t.episode_return)
         self.steps += t.rewards.shape[0]
 
 

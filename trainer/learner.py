@@ -6,8 +6,10 @@ Startup: learn the run id from the controller (the run directory is `runs_dir/ru
 broker for the env spec and its newest policy version, resume from the run's checkpoint if there
 is one, and publish weights at a version above both. A learner killed and started again inside
 the same run therefore continues where the last checkpoint left off, with higher versions and the
-next generation. Every trajectory taken in is receipted to the assembler, which resends what a
-killed learner never receipted.
+next generation. Every trajectory taken in is receipted to the assembler, as learned only once a
+checkpoint holds the learning (metrics records wait for it too), and the assembler resends what
+a killed learner never receipted as learned: nothing confirmed is lost, nothing is learned zero
+times.
 
 A batch is the first trajectories taken in that sum to at least `batch_steps`, in arrival order:
 intake stops while a batch is full, so which trajectories an update learns from, and which
@@ -42,6 +44,7 @@ from stepbus.bus import node, policies, wiring
 from stepbus.bus import protocol as p
 from stepbus.trainer import algorithm, ppo
 from stepbus.trainer.algorithm import CannotStart, Model
+from stepbus.trainer.checkpoint import Unsaved
 from stepbus.trainer.intake import Batch, RunDigest
 from stepbus.trainer.metrics import IntakeStats, MetricsFiles, ProgressLog
 
@@ -51,12 +54,19 @@ RECEIPTS_WARN_S = 5.0  # receipts undelivered this long: say so (a wrong --recei
 # resend can put ahead of one (twice the assembler's default --max-buffered of 10,000, plus a
 # batch). 512 KiB.
 LEARNED_KEPT = 1 << 16
+# Of those, the newest a checkpoint keeps (with the ones it holds not yet receipted): a
+# receipt that got out reaches a live assembler within milliseconds, so seconds' worth is ample.
+LEARNED_IN_CHECKPOINT = 1024
 SHUTDOWN_DRAIN_MAX_S = 1.5  # at shutdown, take the assembler's flush for at most this long
 RECEIPT_INTERVAL_S = 0.02  # receipts go out this often at most (the assembler's bound waits)
 QUIET_S = 0.25  # no trajectories in and no weights out for this long: send the weights again
 SHUTDOWN_REQUEST_INTERVAL_S = 1.0  # a solved run asks this often, until the controller acts
 SETUP_NOTE_S = 3.0  # still waiting for the controller or the broker after this: say so
 CHECKPOINT = "checkpoint.npz"
+# Checkpoints at most this often by default: every update or two of PPO on CartPole (about 3%
+# of the learner's time), and the learning a kill loses (sent again) is not stale by the time
+# it comes back; see docs/performance.md.
+CHECKPOINT_INTERVAL_S = 0.1
 
 
 @dataclass
@@ -80,8 +90,10 @@ class Config:
     max_updates: int = field(default=0, metadata={
         "help": "stop the whole pipeline once the run has made this many policy updates "
                 "(0: never)"})
-    checkpoint_interval_s: float = field(default=2.0, metadata={
-        "help": "seconds between checkpoints (one is also written on exit)"})
+    checkpoint_interval_s: float = field(default=CHECKPOINT_INTERVAL_S, metadata={
+        "help": "checkpoint what was learned at most this often (0: after every update); "
+                "receipts of learned trajectories and metrics records wait for the checkpoint "
+                "that holds them, so a killed learner loses nothing it confirmed"})
     seed: int = field(default=0, metadata={"help": "seeds initial weights and minibatches"})
     policy_name: str = field(default=policies.DEFAULT, metadata={
         "help": "the policy this learner trains (see the broker's --policy-map); pull its "
@@ -95,7 +107,9 @@ class Config:
 
 @dataclass
 class Progress:
-    """What the checkpoint carries besides weights, so a resumed trainer continues the run."""
+    """What the checkpoint carries besides weights, so a resumed trainer continues the run.
+    Its counts are of settled trajectories: learned from (or dropped as stale, or taken in
+    once solved); a partial batch is not counted, as the assembler sends it again."""
 
     version: int = 0
     generation: int = 0
@@ -103,22 +117,32 @@ class Progress:
     episodes: int = 0
     recent_returns: list[float] = field(default_factory=list)
     updates: int = 0  # over the whole run (every generation), for --max-updates
+    assembler: str = ""  # whose numbers `learned` are
+    learned: list[int] = field(default_factory=list)  # the newest numbers settled (Receipts.kept)
 
 
 class Receipts:
-    """Trajectory numbers taken in and learned from since the last RECEIPT, and what it takes
-    to ignore a trajectory the assembler sends again (after a learner connects) that this
-    learner has taken in already.
+    """Trajectory numbers taken in and learned from, for RECEIPTs, and what it takes to ignore
+    a trajectory the assembler sends again (after a learner connects) that this learner, or
+    the checkpoint it resumed, has already.
+
+    "Learned" is only receipted once a checkpoint holds that learning: an update's trajectories
+    are `settled` until then (`checkpointed` makes them receiptable), so a learner killed at
+    any instant has lost no learning the assembler was told of, and what it had not
+    checkpointed the assembler sends to the next one.
 
     What can come back is what the assembler still held as unlearned when it resent: numbers
     taken in whose "learned" receipt it had not yet read. So this keeps, exactly, the numbers
-    taken in and not yet receipted as learned (`open`: at most a batch and a receipt interval),
-    plus the last LEARNED_KEPT numbers receipted as learned (`recent`, a fixed ring). Bounded
-    by counting, not time: the assembler sends each policy's trajectories in ascending numbers
-    and puts resent ones ahead of the rest, so a copy resent before our receipt was read comes
-    in ahead of what was then queued or unlearned, which its --max-buffered bounds; a copy
-    cannot wait behind more than that. A number above every one taken in was never taken in
-    (numbers rise), so only lower ones are looked up, and those come only with a resend."""
+    taken in and not yet receipted as learned (`open`: at most a batch and a checkpoint
+    interval), plus the last LEARNED_KEPT numbers receipted as learned (`recent`, a fixed
+    ring). Bounded by counting, not time: the assembler sends each policy's trajectories in
+    ascending numbers and puts resent ones ahead of the rest, so a copy resent before our
+    receipt was read comes in ahead of what was then queued or unlearned, which its
+    --max-buffered bounds; a copy cannot wait behind more than that. A number above every one
+    taken in was never taken in (numbers rise), so only lower ones are looked up, and those
+    come only with a resend. A copy of one receipted as learned is receipted again: the
+    receipt may have died with a killed predecessor (`resume` seeds the ring from the
+    checkpoint)."""
 
     def __init__(self) -> None:
         self.recent = np.full(LEARNED_KEPT, -1, np.int64)  # allocated once: RSS stays flat
@@ -127,13 +151,26 @@ class Receipts:
     def _start(self, assembler: str) -> None:
         self.assembler = assembler
         self.taken: list[int] = []
-        self.learned: list[int] = []
+        self.settled: list[int] = []  # learned from (or dropped), not yet in a checkpoint
+        self.learned: list[int] = []  # learned from, in a checkpoint: to be receipted
         self.open: set[int] = set()  # taken in, "learned" not yet receipted
         self.recent.fill(-1)
         self.recent_next = 0  # where the next receipted number goes in the ring
         self.highest = -1  # of the numbers taken in
         self.pending_since: float | None = None
         self.warned = False
+
+    def resume(self, assembler: str, seqs: Iterable[int]) -> None:
+        """Start from a checkpoint's record of what it learned from: numbers of `assembler`
+        whose "learned" receipt may not have reached it."""
+        self._start(assembler)
+        for seq in seqs:
+            self._remember(seq)
+            self.highest = max(self.highest, seq)
+
+    def _remember(self, seq: int) -> None:
+        self.recent[self.recent_next] = seq  # over the oldest
+        self.recent_next = (self.recent_next + 1) % LEARNED_KEPT
 
     def had(self, seq: int) -> bool:
         """Whether `seq` was taken in (as far as it can come back)."""
@@ -146,6 +183,8 @@ class Receipts:
         if assembler != self.assembler:
             self._start(assembler)  # a new assembler numbers afresh
         if self.had(seq):
+            if seq not in self.open:
+                self.learned.append(seq)  # receipted as learned before: say so again
             return False
         self.highest = max(self.highest, seq)
         self.open.add(seq)
@@ -153,8 +192,23 @@ class Receipts:
         return True
 
     def learn(self, ids: Iterable[tuple[str, int]]) -> None:
-        self.learned.extend(seq for assembler, seq in ids
+        """Learned from (or dropped): receipted once the next checkpoint holds it."""
+        self.settled.extend(seq for assembler, seq in ids
                             if assembler and assembler == self.assembler)
+
+    def checkpointed(self) -> None:
+        """A checkpoint holds everything settled: it may be receipted as learned."""
+        self.learned.extend(self.settled)
+        self.settled.clear()
+
+    def kept(self) -> list[int]:
+        """What a checkpoint keeps of the numbers it learned from, newest last: those whose
+        receipts may not have reached the assembler yet (a successor receipts their copies as
+        learned instead of learning them again)."""
+        newest = [*self.learned, *self.settled]
+        k = max(LEARNED_IN_CHECKPOINT - len(newest), 0)
+        ring = self.recent[(self.recent_next - k + np.arange(k)) % LEARNED_KEPT]
+        return [*ring[ring >= 0].tolist(), *newest]
 
     def message(self, trainer: str, incarnation: str, policy: str,
                 now: float) -> p.Receipt | None:
@@ -167,10 +221,10 @@ class Receipts:
                          learned=np.asarray(self.learned, np.int64), policy=policy)
 
     def delivered(self) -> None:
-        for seq in self.learned:  # from `open` into the ring, over the oldest
-            self.open.discard(seq)
-            self.recent[self.recent_next] = seq
-            self.recent_next = (self.recent_next + 1) % LEARNED_KEPT
+        for seq in self.learned:  # from `open` into the ring
+            if seq in self.open:
+                self.open.discard(seq)
+                self._remember(seq)
         self.taken.clear()
         self.learned.clear()
         self.pending_since, self.warned = None, False
@@ -277,8 +331,15 @@ class Learner(node.Process):
     be taken in, so the rest waits in the assembler's queue, not here. The intake's disconnects
     come on "assembler_events": during the shutdown drain, the assembler has finished.
 
-    Timers: "checkpoint", "report" (the progress line), "receipts" (at most every
-    RECEIPT_INTERVAL_S), "slot_beat", "republish" (weights again on a quiet link),
+    What a learner confirms (a trajectory receipted as learned, a metrics record) is in a
+    checkpoint first: an update's learning is written at most --checkpoint-interval-s after
+    it, and its receipts and record go out right after. A successor resumes exactly that, and
+    the assembler sends it everything else again. WEIGHTS carry the count of steps of the run
+    (the checkpoint's plus those taken in since), so the broker's credit window continues
+    across learners without counting a resent step twice.
+
+    Timers: "checkpoint" (learning waits for it), "report" (the progress line), "receipts" (at
+    most every RECEIPT_INTERVAL_S), "slot_beat", "republish" (weights again on a quiet link),
     "curriculum" (a reset barrier the algorithm asked for), "shutdown_request" (once solved)
     and "drain" (the end of the shutdown drain)."""
 
@@ -312,19 +373,22 @@ class Learner(node.Process):
         self.phase, self.done = Phase.LEARNING, ""  # done: why no more updates (SOLVED)
         self.batch = Batch()
         self.pending: collections.deque[p.Trajectory] = collections.deque()  # not taken in yet
-        self.received = 0  # env steps this incarnation took in: the broker's credit
+        # Env steps of the run taken in: the checkpoint's, then every one taken in (the
+        # broker's credit). What the checkpoint did not hold comes again and counts then.
+        self.steps_taken = progress.env_steps
         self.counts, self.receipts, self.digest = Counts(), Receipts(), RunDigest()
+        self.receipts.resume(progress.assembler, progress.learned)
+        self.unsaved = Unsaved(cfg.checkpoint_interval_s)
         self.curriculum = Curriculum(log)
         self.last_record, self.last_record_steps = self.now, progress.env_steps
         self.last_data = self.last_publish = self.now
         self.last_receipts = -math.inf
         self.shutdown_reason, self.drain_end, self.drained_from = "", "", 0
-        self.every("checkpoint", cfg.checkpoint_interval_s, self.checkpoint)
         self.every("slot_beat", node.HEARTBEAT_INTERVAL_S, self.beat_slot, first_due=self.now)
         self.at("report", self.progress_log.due, self.report)
         if cfg.max_updates and progress.updates >= cfg.max_updates:  # a resumed, finished run
             self.solve(f"the run made --max-updates {cfg.max_updates} policy updates already")
-        self.save()
+        self.checkpoint(self.now)
         self.publish()
 
     # -- taking trajectories in
@@ -371,24 +435,47 @@ class Learner(node.Process):
     def take_in(self, t: p.Trajectory) -> None:
         if not self.receipts.take(t.assembler, t.seq):
             self.counts.duplicates += 1  # sent again after a disconnect; we have it already
+            self.receipt_due()  # if it was receipted as learned, it is again
             return
         self.digest.add(t)
         self.intake_stats.add(t)
-        n = t.rewards.shape[0]
-        self.received += n
+        self.steps_taken += t.rewards.shape[0]
         self.counts.trajectories += 1
-        self.progress.env_steps += n
-        if t.episode_return is not None:
-            self.progress.episodes += 1
-            self.returns.append(t.episode_return)
         self.receipt_due()
-        if self.done:
-            self.receipts.learn([(t.assembler, t.seq)])  # counted, no longer learned from
+        alone = Batch()
+        alone.add(t, self.model.record(t))
+        if self.phase is Phase.DRAINING:
+            self.settle(alone, learned=False)  # counted; the run ends, nobody learns from it
+        elif self.done:
+            self.settle(alone)  # counted, no longer learned from
+            self.checkpoint_due()
         elif int(t.policy_versions.min()) < self.progress.version - self.cfg.max_policy_lag:
             self.counts.stale_dropped += 1
-            self.receipts.learn([(t.assembler, t.seq)])
+            self.settle(alone)
+            self.checkpoint_due()
         else:
-            self.batch.add(t, self.model.record(t))
+            self.batch.add(t, alone.trajectories[0])
+
+    def settle(self, batch: Batch, learned: bool = True) -> None:
+        """Trajectories are done with (learned from, or dropped): counted in the progress the
+        next checkpoint holds, and receipted as learned once it holds them (`learned`)."""
+        progress = self.progress
+        progress.env_steps += batch.steps
+        for ret in batch.returns:
+            if ret is not None:
+                progress.episodes += 1
+                self.returns.append(ret)
+        if learned:
+            self.receipts.learn(batch.ids)
+
+    def checkpoint_due(self) -> None:
+        """Something was settled: checkpoint now, or when the interval since the last one is
+        up (what it releases waits until then)."""
+        due = self.unsaved.settled(self.now)
+        if self.now >= due:
+            self.checkpoint(self.now)
+        elif "checkpoint" not in self.timers:
+            self.at("checkpoint", due, self.checkpoint)
 
     # -- learning
     def tick(self, now: float) -> float:
@@ -401,14 +488,14 @@ class Learner(node.Process):
     def learn(self) -> None:
         """One update on the full batch, then the new weights, the record and the goal."""
         stats = self.model.update(self.batch.trajectories, tick=self.beat_while_learning)
-        self.receipts.learn(self.batch.ids)  # only now may the assembler forget them
-        self.receipt_due()
+        self.settle(self.batch)  # once checkpointed, the assembler may forget them
         self.batch = Batch()
         self.progress.version += 1
         self.progress.updates += 1
         self.counts.updates += 1
         self.publish()
         self.record(stats)
+        self.checkpoint_due()
         options = self.model.curriculum(stats)
         if options is not None:
             self.curriculum.want(options)
@@ -430,7 +517,7 @@ class Learner(node.Process):
                           "asking the controller to shut the pipeline down",
                           self.progress.updates, steps, took)
         if self.done:
-            self.save()
+            self.checkpoint(self.now)
 
     def solve(self, reason: str) -> None:
         """No more updates: ask the controller to shut the pipeline down until it does."""
@@ -460,7 +547,7 @@ class Learner(node.Process):
     def publish(self, starving: bool = False) -> None:
         self.send("policy", p.Weights(
             trainer=self.name, incarnation=self.incarnation, policy=self.cfg.policy_name,
-            version=self.progress.version, consumed_steps=self.received,
+            version=self.progress.version, consumed_steps=self.steps_taken,
             batch_steps=self.cfg.ppo.batch_steps, starving=starving,
             params=self.model.weights()))
         self.last_publish = self.clock()
@@ -503,11 +590,11 @@ class Learner(node.Process):
         self.at("receipts", now + RECEIPT_INTERVAL_S, self.send_receipts)  # until they arrive
 
     def record(self, stats: dict[str, float]) -> None:
-        """The metrics record of an update."""
+        """The metrics record of an update, written once a checkpoint holds the update."""
         now, progress = self.clock(), self.progress
         rate = (progress.env_steps - self.last_record_steps) / max(now - self.last_record, 1e-9)
         self.last_record, self.last_record_steps = now, progress.env_steps
-        self.metrics.write({
+        self.unsaved.records.append({
             "time": time.time(), "wall_s": round(now - self.started, 3),
             "env_steps": progress.env_steps, "episodes": progress.episodes,
             "mean_return": self.mean_return(), "policy_version": progress.version,
@@ -517,12 +604,19 @@ class Learner(node.Process):
             **{k: round(v, 6) for k, v in stats.items()},
         })
 
-    def save(self) -> None:
-        self.progress.recent_returns = list(self.returns)
-        self.model.save(self.ckpt_path, dataclasses.asdict(self.progress))
-
     def checkpoint(self, now: float) -> None:
-        self.save()
+        """Write what was learned, atomically; then what waited for it may go out: the
+        receipts of what it holds and the metrics records of its updates."""
+        self.cancel("checkpoint")
+        began, progress = self.clock(), self.progress
+        progress.recent_returns = list(self.returns)
+        progress.assembler, progress.learned = self.receipts.assembler, self.receipts.kept()
+        self.model.save(self.ckpt_path, dataclasses.asdict(progress))
+        self.receipts.checkpointed()
+        for record in self.unsaved.wrote(began, self.clock()):
+            self.metrics.write(record)
+        if self.receipts.learned:
+            self.receipt_due()
 
     def report(self, now: float) -> None:
         self.progress_log.maybe(self.progress.env_steps, self.mean_return(),
@@ -536,7 +630,7 @@ class Learner(node.Process):
                 "episodes": progress.episodes, "generation": progress.generation,
                 "mean_return": None if mean is None else round(mean, 2),
                 **self.rejects.figures(), **dataclasses.asdict(self.counts),
-                **self.intake_stats.last}
+                **self.unsaved.figures(), **self.intake_stats.last}
 
     # -- the controller and the broker
     def send_reset_request(self, now: float) -> None:
@@ -574,14 +668,18 @@ class Learner(node.Process):
 
     def shut_down(self, reason: str) -> None:
         """On a pipeline shutdown the assembler flushes its open trajectories as truncated:
-        take them in (and say so), so the checkpoint's counts include them. It disconnects
-        once it has flushed and heard our receipts (or given up on them)."""
+        take them in (and say so), so the checkpoint's counts include them, as they include
+        the partial batch (the run ends: nobody learns from them). It disconnects once it has
+        flushed and heard our receipts (or given up on them)."""
         if self.phase is Phase.DRAINING or self.stop_reason:
             return
         self.phase, self.shutdown_reason = Phase.DRAINING, reason
         self.drained_from, self.drain_end = self.counts.trajectories, "the assembler did not finish"
-        for name in ("checkpoint", "report", "republish", "curriculum", "shutdown_request"):
+        for name in ("report", "republish", "curriculum", "shutdown_request"):
             self.cancel(name)
+        self.checkpoint(self.now)  # what was learned: receipted before the drain
+        self.settle(self.batch, learned=False)
+        self.batch = Batch()
         self.take_pending()  # all of them: nothing is learned any more
         self.send_receipts(self.now)  # what the interval held back
         self.at("drain", self.now + SHUTDOWN_DRAIN_MAX_S, self.end_drain)
@@ -596,11 +694,13 @@ class Learner(node.Process):
         self.stop(self.shutdown_reason)
 
     def finish(self) -> None:
-        self.send_receipts(self.clock())
+        """The last checkpoint, then its receipts. A partial batch (a swap's hand-over) is not
+        in it: the assembler sends it to the next learner."""
         if self.phase is Phase.DRAINING:
             self.log.info("took in %d trajectories after the shutdown began (%s)",
                           self.counts.trajectories - self.drained_from, self.drain_end)
-        self.save()
+        self.checkpoint(self.clock())
+        self.send_receipts(self.clock())
         self.metrics.close()  # also flushes TensorBoard's events (the process ends with os._exit)
         self.log.info("learner stopping (%s); checkpoint at %s; %d trajectories taken in, %d "
                       "messages refused", self.stop_reason, self.ckpt_path,

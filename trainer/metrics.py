@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -59,11 +60,22 @@ class MetricsFiles:
     @staticmethod
     def preload() -> None:
         """Import the TensorBoard writer (over a second on a busy machine) before the learner
-        registers with the controller, which would otherwise take the silence for death."""
-        import tensorboardX  # noqa: F401
+        registers with the controller, which would otherwise take the silence for death.
+        tensorboardX imports torch if it can, only to accept its tensors (2-3.5 s of CPU and
+        180 MiB here, at every learner start); we give it floats, so unless an algorithm
+        imported torch already, that import is kept from finding it (later ones work)."""
+        keep_out = "torch" not in sys.modules and "tensorboardX" not in sys.modules
+        if keep_out:
+            sys.modules["torch"] = None  # type: ignore[assignment]  # "import torch" fails
+        try:
+            import tensorboardX  # noqa: F401
+        finally:
+            if keep_out:
+                del sys.modules["torch"]
 
     def __init__(self, directory: Path) -> None:
-        from tensorboardX import SummaryWriter  # here: the CLI imports this module, too
+        MetricsFiles.preload()  # here: the CLI imports this module, too
+        from tensorboardX import SummaryWriter
 
         self.jsonl = (directory / "metrics.jsonl").open("a", buffering=1)
         self.events = SummaryWriter(logdir=str(directory), flush_secs=FLUSH_S)

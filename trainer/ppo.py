@@ -78,6 +78,10 @@ class Trajectory:
     """The last step ended the episode by a time limit (bootstrap from ``bootstrap_obs``)."""
     bootstrap_obs: np.ndarray
     """(*obs_shape) observation following the last step."""
+    assembler: str = ""
+    """The assembler incarnation that numbered it (empty: not from the bus)."""
+    seq: int = -1
+    """Its number: with ``assembler``, which trajectory an update learned from."""
 
     def __len__(self) -> int:
         return len(self.rewards)
