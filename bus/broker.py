@@ -402,23 +402,27 @@ class Broker(node.Process):
         slot = self.known_policy(msg.trainer, msg.policy)
         if slot is None:
             return
-        if msg.version > slot.newest:  # judged before anything else is taken from the message
+        newer = msg.version > slot.newest
+        if newer:  # judged before anything else is taken from the message
             problem = slot.check(msg.params)
             if problem:
                 self.refuse("bad weights", problem, claims=msg.trainer)
                 return
+        connected = slot.credit.report(msg.incarnation, msg.consumed_steps, msg.batch_steps,
+                                       msg.starving)
+        if newer:
             slot.newest = msg.version
             if not self.cfg.deterministic:
                 slot.load(msg.params, msg.version)
             else:  # the first message of a version comes right after the trainer made it
-                made_from = slot.credit.made_from(msg.incarnation, msg.consumed_steps)
-                slot.due.add(made_from, msg.version, msg.params)
-        if slot.credit.report(msg.incarnation, msg.consumed_steps, msg.batch_steps,
-                              msg.starving):
-            self.log.info("trainer %s (incarnation %s) connected at %s version %d",
-                          msg.trainer, msg.incarnation,
+                slot.due.add(slot.credit.made_from(msg.consumed_steps), msg.version, msg.params)
+        if connected:
+            self.log.info("trainer %s (incarnation %s) connected at %s version %d; its count "
+                          "of %d steps received %s", msg.trainer, msg.incarnation,
                           "policy" if len(self.slots) == 1 else f"policy {slot.name!r}",
-                          msg.version)
+                          msg.version, msg.consumed_steps,
+                          "continues the last trainer's" if connected == "continues"
+                          else "starts where stepping is now")
 
     # -- the controller
     def on_barrier(self, peer: bytes, msg: p.Barrier) -> None:
@@ -581,6 +585,7 @@ class Broker(node.Process):
                    "outstanding_steps": default.credit.outstanding(),
                    "credit_window": default.credit.window(),
                    "credit_topups": default.credit.topups,
+                   "credit_rebases": default.credit.rebases,
                    "assembler_blocked": self.assembler_blocked, **self.rejects.figures(),
                    **self.counts.figures(), "held_by": self.held_by}
         if len(self.slots) > 1:  # the figures above are the default policy's; these, each one's
@@ -590,6 +595,7 @@ class Broker(node.Process):
                 figures[f"outstanding_steps_{slot.name}"] = slot.credit.outstanding()
                 figures[f"credit_window_{slot.name}"] = slot.credit.window()
                 figures[f"credit_topups_{slot.name}"] = slot.credit.topups
+                figures[f"credit_rebases_{slot.name}"] = slot.credit.rebases
         return figures
 
     def finish(self) -> None:

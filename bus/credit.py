@@ -6,6 +6,14 @@ while no trainer is consuming. A trainer that says it starves while the window i
 for steps that will never reach it (a restarted assembler lost them, or partial trajectories
 hold more than the window allowed for): a top-up lets stepping go on.
 
+A trainer counts the steps of the whole run: its checkpoint's count (every trajectory whose
+learning the checkpoint holds) plus what it took in since. So a new trainer incarnation (a
+killed or swapped learner's successor) continues its predecessor's count on our scale: the
+steps the predecessor took in but never checkpointed are exactly what the assembler sends
+again, and they count once, when the successor takes them in. Counting afresh at a new
+incarnation instead would take everything still in flight as received, and the resent data on
+top, so stepping would run that far past the window for the rest of the run.
+
 Deterministic mode acts at each step count S with the newest policy version the trainer made
 from at most S - window steps; `DueVersions` keeps the versions received and not yet due.
 """
@@ -34,7 +42,11 @@ Weights = dict[str, np.ndarray]
 
 @dataclass
 class Credit:
-    """Env steps stepped but not yet reported received by the current trainer incarnation."""
+    """Env steps stepped but not yet reported received by the current trainer incarnation.
+
+    Scale: `start` is the step count (ours) at which the trainer's count would have been 0, so
+    a trainer that reports `consumed` has received `start + consumed` of our steps; top-ups
+    move `baseline` above `start` by what they `granted`."""
 
     max_steps_ahead: int = 0  # a fixed window (0: from the trainer's batch and the rows)
     rows: int = 0  # rows of live workers the policy acts for: each may hold a partial trajectory
@@ -46,8 +58,13 @@ class Credit:
     batch_steps: int = 256
     topups: int = 0
     extra: int = 0  # granted by top-ups; doubles, so a far too small window grows in few steps
-    start: int = 0  # produced - consumed when the trainer connected: baseline without top-ups
+    start: int = 0  # our count of steps where the trainer's count is 0: baseline without top-ups
+    granted: int = 0  # baseline - start: steps top-ups took as lost
+    first_consumed: int = 0  # the current incarnation's count when it connected
     starving: bool = False  # what the trainer's latest WEIGHTS message said
+    # A trainer reported more steps than we stepped beyond its scale and the top-ups: a
+    # restarted broker's first trainer, a trainer of another run, or steps counted twice.
+    rebases: int = 0
 
     def outstanding(self) -> int:
         return self.produced - self.baseline - self.consumed
@@ -60,24 +77,52 @@ class Credit:
         """Stepping must wait for the trainer's next report."""
         return self.outstanding() >= self.window()
 
-    def made_from(self, incarnation: str, consumed_steps: int) -> int:
-        """On our scale of steps, the steps a trainer that reports `consumed_steps` has taken
-        in: a trainer incarnation not heard before starts counting where we are now."""
-        start = self.start if incarnation == self.trainer else self.produced - consumed_steps
-        return start + consumed_steps
+    def made_from(self, consumed_steps: int) -> int:
+        """On our scale of steps, the steps the current trainer has taken in when it reports
+        `consumed_steps` (call after `report`)."""
+        return self.start + consumed_steps
 
     def report(self, incarnation: str, consumed_steps: int, batch_steps: int,
-               starving: bool) -> bool:
-        """Take in what a trainer's WEIGHTS message says; True if it comes from a trainer
-        incarnation not heard before (whose count of steps starts from what it says now)."""
-        new = incarnation != self.trainer
-        if new:
-            self.trainer, self.baseline = incarnation, self.produced - consumed_steps
-            self.start, self.extra = self.baseline, 0
+               starving: bool) -> str:
+        """Take in what a trainer's WEIGHTS message says. Returns how a trainer incarnation
+        not heard before was connected ("continues", "afresh"; "" for a known one)."""
+        connected = ""
+        if incarnation != self.trainer:
+            connected = self.connect(incarnation, consumed_steps)
         self.consumed, self.batch_steps, self.starving = consumed_steps, batch_steps, starving
+        if self.outstanding() < 0:
+            self.settle_overshoot()
         if starving and self.full():
             self.top_up()
-        return new
+        return connected
+
+    def connect(self, incarnation: str, consumed_steps: int) -> str:
+        """A new trainer incarnation continues the last one's scale if its count fits it: at
+        least where the last one started (it resumed the run's checkpoint, which only grows)
+        and at most what we stepped. Otherwise (the first trainer we hear, or one of another
+        run) its count starts where we are now."""
+        continues = bool(self.trainer) and (
+            self.first_consumed <= consumed_steps <= self.produced - self.start)
+        if not continues:
+            if self.trainer:
+                self.rebases += 1
+            self.start = self.baseline = self.produced - consumed_steps
+            self.granted = 0
+        self.trainer, self.first_consumed, self.extra = incarnation, consumed_steps, 0
+        return "continues" if continues else "afresh"
+
+    def settle_overshoot(self) -> None:
+        """The trainer received more than we think we stepped past it. Steps top-ups took as
+        lost arrived after all: take those grants back first. Beyond them our scale was wrong:
+        move it, so outstanding is never negative (stepping would run past the window)."""
+        over = -self.outstanding()
+        back = min(over, self.granted)
+        self.baseline -= back
+        self.granted -= back
+        if over > back:
+            self.baseline -= over - back
+            self.start -= over - back
+            self.rebases += 1
 
     def top_up(self) -> None:
         """The trainer waits for data we think is in flight: it was lost (a restarted
@@ -86,6 +131,7 @@ class Credit:
         stepping) would absorb the credit."""
         grant = min(max(self.batch_steps, self.extra), self.window())
         self.baseline += grant
+        self.granted += grant
         self.extra = min(self.extra + grant, self.window())
         self.topups += 1
 

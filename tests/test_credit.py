@@ -1,0 +1,67 @@
+"""The broker's credit window across trainer incarnations: a killed or swapped learner's
+successor continues its count of steps, so stepping never runs past the window, however many
+learners come and go."""
+
+from __future__ import annotations
+
+from stepbus.bus.credit import Credit
+
+
+def reported(credit: Credit, incarnation: str, consumed: int, starving: bool = False) -> int:
+    credit.report(incarnation, consumed, batch_steps=100, starving=starving)
+    return credit.outstanding()
+
+
+def test_a_successor_continues_the_count_and_what_it_takes_in_again_counts_once() -> None:
+    credit = Credit(max_steps_ahead=300)
+    assert credit.report("l1", 0, 100, False) == "afresh", "the first trainer we hear"
+    assert credit.outstanding() == 0
+    credit.produced = 1300
+    assert reported(credit, "l1", 1000) == 300  # took in all but the last 300
+    # l1 dies; its checkpoint held 800 steps: the other 200 it took in come again to l2.
+    assert credit.report("l2", 800, 100, False) == "continues"
+    assert credit.outstanding() == 500, "200 to take in again and the 300 in flight"
+    assert credit.full(), "no stepping past the window while the resent data waits"
+    assert reported(credit, "l2", 1000) == 300, "the resent steps counted once"
+    assert reported(credit, "l2", 1300) == 0
+    assert credit.rebases == 0
+
+
+def test_swaps_and_kills_in_a_row_never_take_stepping_past_the_window() -> None:
+    credit = Credit(max_steps_ahead=300)
+    credit.report("l0", 0, 100, False)
+    checkpointed, taken = 0, 0
+    for k in range(1, 6):
+        credit.produced += 300  # a window stepped; the learner takes in 250 of it
+        taken += 250
+        assert reported(credit, f"l{k - 1}", taken) == credit.produced - taken
+        checkpointed = taken - 100  # its last 100 steps were not in a checkpoint
+        assert credit.report(f"l{k}", checkpointed, 100, False) == "continues"
+        assert credit.outstanding() == credit.produced - checkpointed
+        taken = checkpointed + 150  # what comes again, and 50 more
+        assert 0 <= reported(credit, f"l{k}", taken) <= credit.window()
+    assert credit.rebases == 0
+
+
+def test_a_trainer_whose_count_does_not_fit_counts_afresh() -> None:
+    credit = Credit(max_steps_ahead=300)
+    credit.produced = 5000
+    credit.report("l1", 4000, 100, False)
+    credit.produced = 5200
+    assert credit.report("other-run", 10, 100, False) == "afresh", "below where l1 started"
+    assert credit.outstanding() == 0 and credit.rebases == 1
+    assert credit.report("ahead", 999_999, 100, False) == "afresh", "more than we stepped"
+    assert credit.outstanding() == 0 and credit.rebases == 2
+
+
+def test_steps_taken_as_lost_by_a_top_up_that_arrive_after_all_are_taken_back_first() -> None:
+    credit = Credit(max_steps_ahead=300)
+    credit.report("l1", 0, 100, False)
+    credit.produced = 300
+    assert reported(credit, "l1", 0, starving=True) == 200, "one batch granted"
+    assert reported(credit, "l1", 250) == 0, "they came after all: the grant is taken back"
+    assert credit.granted == 50 and credit.rebases == 0
+    assert reported(credit, "l1", 320) == 0, "beyond what we stepped: the scale moves"
+    assert credit.rebases == 1
+    credit.produced = 400
+    assert reported(credit, "l1", 320) == 100
