@@ -59,9 +59,20 @@ ENDPOINTS: dict[str, EndpointSpec] = {
     )
 }
 
+ENV_VAR = "env_var"  # a Config field's metadata key: the variable its default comes from
+
+
+def from_env(env_var: str, default: str, help: str) -> Any:
+    """A Config field whose default is `env_var` when set (honcho reads `.env`, so one line
+    there sets it for every process), else `default`. `--help` names the variable."""
+    return field(default_factory=lambda: os.environ.get(env_var) or default,
+                 metadata={"help": help, ENV_VAR: env_var})
+
+
 def endpoint(name: str, help: str) -> Any:
     """A Config field for endpoint `name`: its default comes from STEPBUS_* at construction."""
-    return field(default_factory=ENDPOINTS[name].resolve, metadata={"help": help})
+    spec = ENDPOINTS[name]
+    return from_env(spec.env_var, spec.default, help)
 
 
 KEYS_ENV = "STEPBUS_KEYS"
@@ -258,8 +269,7 @@ def reachable(address: str, *, via: str) -> str:
 def discovered(name: str, help: str) -> Any:
     """A Config field for endpoint `name` that a process on any host can leave empty: then
     the controller says where it is bound (see node.ControllerLink.discover)."""
-    return field(default_factory=lambda: os.environ.get(ENDPOINTS[name].env_var, ""),
-                 metadata={"help": help})
+    return from_env(ENDPOINTS[name].env_var, "", help)
 
 
 def free_tcp_ports(n: int) -> list[int]:

@@ -88,7 +88,9 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _add_config_flags(parser: argparse.ArgumentParser, cls: type, env_help: dict[str, str]) -> None:
+def _add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per field; a field whose default comes from a variable (`wiring.from_env`)
+    names it."""
     hints = typing.get_type_hints(cls)
     docs = _field_docs(cls)
     for f in dataclasses.fields(cls):
@@ -97,11 +99,11 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type, env_help: dict
                         else f.default_factory())
         if dataclasses.is_dataclass(hint):
             group = parser.add_argument_group(f"{f.name} settings")
-            _add_config_flags(group, hint, env_help)  # type: ignore[arg-type]
+            _add_config_flags(group, hint)  # type: ignore[arg-type]
             continue
         doc = f.metadata.get("help") or docs.get(f.name, "")
-        if f.name in env_help:
-            doc += f" (env {env_help[f.name]})"
+        if wiring.ENV_VAR in f.metadata:
+            doc += f" (env {f.metadata[wiring.ENV_VAR]})"
         kwargs: dict[str, Any] = {"default": default, "dest": f.name,
                                   "help": f"{doc} [default: {default}]".strip()}
         if hint is bool:
@@ -218,8 +220,6 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    env_help = {name: spec.env_var for name, spec in wiring.ENDPOINTS.items()}
-    env_help["runs_dir"] = "STEPBUS_RUNS_DIR"
     parser = argparse.ArgumentParser(
         prog="stepbus", allow_abbrev=False,
         description="RL experience pipeline on a ZeroMQ bus. Start the five processes with "
@@ -227,8 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"stepbus {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (cls, _, doc) in PROCESSES.items():
-        _add_config_flags(sub.add_parser(name, help=doc, description=doc, allow_abbrev=False), cls,
-                          env_help)
+        _add_config_flags(sub.add_parser(name, help=doc, description=doc, allow_abbrev=False), cls)
     plot = sub.add_parser("plot", help=PLOT_HELP, description=PLOT_HELP)
     plot.add_argument("run_dir", metavar="RUN_DIR", type=Path,
                       help="a run directory, e.g. runs/latest")

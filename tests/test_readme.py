@@ -9,6 +9,7 @@ tests/test_cli_doc.py keeps current.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -101,9 +102,21 @@ def test_the_readme_installs_and_tests_exactly_as_ci_does():
                                f"'# README: {marker}'; add {missing} to it")
 
 
+def config_env_vars(cls: type) -> set[str]:
+    """The variables a process's Config fields take their defaults from (`wiring.from_env`)."""
+    names = set()
+    for f in dataclasses.fields(cls):
+        if wiring.ENV_VAR in f.metadata:
+            names.add(f.metadata[wiring.ENV_VAR])
+        elif isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory):
+            names |= config_env_vars(f.default_factory)
+    return names
+
+
 def test_every_environment_variable_is_documented_in_operations():
-    names = [spec.env_var for spec in wiring.ENDPOINTS.values()]
-    names += ["STEPBUS_RUNS_DIR", "STEPBUS_LOG_LEVEL", wiring.KEYS_ENV, wiring.INSECURE_ENV]
+    names = sorted(set().union(*(config_env_vars(cls) for cls, _, _ in cli.PROCESSES.values())))
+    assert {"STEPBUS_ENV", "STEPBUS_RUNS_DIR", "STEPBUS_CONTROLLER"} <= set(names)
+    names += ["STEPBUS_LOG_LEVEL", wiring.KEYS_ENV, wiring.INSECURE_ENV]
     operations = text(ROOT / "docs" / "operations.md")
     assert [n for n in names if f"| `{n}` |" not in operations] == []
 

@@ -9,6 +9,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
+from stepbus import cli, clidoc
 from stepbus.workers.envs import episode_seed, make_env, space_spec
 from stepbus.workers.worker import Config, EnvFailure, EnvSet
 
@@ -41,6 +42,19 @@ def test_make_env_takes_gymnasium_ids_and_factories():
     assert isinstance(make_env("scripted_envs:recording_cartpole"), gym.Wrapper)
     with pytest.raises(TypeError, match="not an environment"):
         make_env("math:pi.__class__")
+
+
+def test_stepbus_env_is_every_workers_env_unless_a_flag_says_otherwise(
+        monkeypatch: pytest.MonkeyPatch):
+    assert Config().env == "CartPole-v1"
+    monkeypatch.setenv("STEPBUS_ENV", "Acrobot-v1")  # what honcho's .env does
+    assert Config().env == "Acrobot-v1"
+    parser = cli.build_parser()
+    assert parser.parse_args(["worker"]).env == "Acrobot-v1"
+    assert parser.parse_args(["worker", "--env", "Pendulum-v1"]).env == "Pendulum-v1"
+    worker = clidoc.subcommands(parser)["worker"]
+    help_text = next(a.help for a in worker._actions if "--env" in a.option_strings)
+    assert "(env STEPBUS_ENV)" in help_text and "[default: Acrobot-v1]" in help_text
 
 
 def test_spaces_are_described_for_the_learner():

@@ -76,8 +76,8 @@ class Config:
     receipts: str = wiring.endpoint("receipts", "assembler endpoint to send receipts to")
     controller: str = wiring.endpoint("controller", "controller endpoint to connect")
     broadcast: str = wiring.endpoint("broadcast", "controller broadcast endpoint to connect")
-    runs_dir: str = field(default_factory=lambda: os.environ.get("STEPBUS_RUNS_DIR", "runs"),
-                          metadata={"help": "runs live in RUNS_DIR/<run id from the controller>"})
+    runs_dir: str = wiring.from_env("STEPBUS_RUNS_DIR", "runs",
+                                    "runs live in RUNS_DIR/<run id from the controller>")
     run_dir: str = field(default="", metadata={
         "help": "use this run directory instead (resumes its checkpoint if present)"})
     target_return: float = field(default=475.0, metadata={

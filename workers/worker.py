@@ -57,9 +57,9 @@ def _default_index() -> int:
 
 @dataclass
 class Config:
-    env: str = field(default="CartPole-v1", metadata={
-        "help": "Gymnasium id, or module:callable returning a Gymnasium env or a PettingZoo "
-                "ParallelEnv (e.g. mpe2.simple_spread_v3:parallel_env)"})
+    env: str = wiring.from_env(
+        "STEPBUS_ENV", "CartPole-v1", "Gymnasium id, or module:callable returning a Gymnasium "
+        "env or a PettingZoo ParallelEnv (e.g. mpe2.simple_spread_v3:parallel_env)")
     envs_per_worker: int = field(default=8, metadata={"help": "environments hosted (K)"})
     seed: int = field(default=0, metadata={
         "help": "base seed; episode e of env i of worker w is reset with a seed derived from "
