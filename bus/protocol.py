@@ -59,7 +59,7 @@ from typing import Any, ClassVar, TypeVar, Union
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 2  # 2: RUN_STATE carries the run's horizon
+PROTOCOL_VERSION = 3  # 2: RUN_STATE carries the run's horizon; 3: SpaceSpec the env's goal
 
 # Decoding cost grows with the header's bytes and its lists and maps (each one allocated,
 # checked, freed), so both are bounded: any header, valid or not, decodes in about 2 ms.
@@ -399,7 +399,8 @@ class Message:
 
 @dataclass(frozen=True)
 class SpaceSpec:
-    """Observation and action spaces, as workers declare them and learners build policies."""
+    """Observation and action spaces, as workers declare them and learners build policies,
+    and the env's own goal, which a learner without --target-return stops at."""
 
     obs_shape: list[int]
     obs_dtype: str
@@ -408,6 +409,8 @@ class SpaceSpec:
     action_shape: list[int] = field(default_factory=list)
     action_low: list[float] = field(default_factory=list)
     action_high: list[float] = field(default_factory=list)
+    # The env's own `spec.reward_threshold` (None: it has none): the learner's default target.
+    reward_threshold: float | None = None
 
 
 @dataclass(frozen=True)

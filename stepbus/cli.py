@@ -90,7 +90,7 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 def _add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     """One flag per field; a field whose default comes from a variable (`wiring.from_env`)
-    names it."""
+    names it, and one whose default is decided later (None) says how ("default_help")."""
     hints = typing.get_type_hints(cls)
     docs = _field_docs(cls)
     for f in dataclasses.fields(cls):
@@ -104,16 +104,17 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         doc = f.metadata.get("help") or docs.get(f.name, "")
         if wiring.ENV_VAR in f.metadata:
             doc += f" (env {f.metadata[wiring.ENV_VAR]})"
+        shown = f.metadata.get("default_help", default)
         kwargs: dict[str, Any] = {"default": default, "dest": f.name,
-                                  "help": f"{doc} [default: {default}]".strip()}
+                                  "help": f"{doc} [default: {shown}]".strip()}
         if hint is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(hint) is tuple:
             kwargs["type"] = lambda s: tuple(int(x) for x in s.split(",") if x)
             kwargs["metavar"] = "N,N"
             kwargs["help"] = f"{doc} [default: {','.join(map(str, default))}]"
-        else:
-            kwargs["type"] = hint
+        else:  # `float | None`: a float when given
+            kwargs["type"] = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
         parser.add_argument(_flag(f.name), **kwargs)
 
 

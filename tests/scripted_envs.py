@@ -21,6 +21,13 @@ class ResetRecorder(gym.Wrapper):
         return self.env.reset(seed=seed)
 
 
+# CartPole registered as solved at a mean return of 30 (CartPole-v1 says 475): a run given no
+# --target-return ends there after a second or two of learning (`--env
+# scripted_envs:EasyCartPole-v0`: gymnasium imports this module, which registers the id).
+gym.register("EasyCartPole-v0", entry_point="gymnasium.envs.classic_control.cartpole:CartPoleEnv",
+             max_episode_steps=500, reward_threshold=30.0)
+
+
 def recording_cartpole() -> gym.Env:
     return ResetRecorder(gym.make("CartPole-v1"))
 

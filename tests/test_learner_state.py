@@ -17,6 +17,7 @@ import zmq
 from conftest import ManualClock
 from scripted_algos import CurriculumPPO
 
+from stepbus import cli, clidoc
 from stepbus.bus import node
 from stepbus.bus import protocol as p
 from stepbus.trainer import checkpoint, learner, ppo
@@ -55,16 +56,18 @@ class Bench:
 
     def __init__(self, run_dir: Path, *, newest_version: int = 0,
                  algo_class: type = ppo.PPO, incarnation: str = "i1",
-                 **cfg: object) -> None:
+                 spaces: p.SpaceSpec = SPEC, **cfg: object) -> None:
         """A learner of the run in `run_dir`, resuming its checkpoint if there is one;
-        checkpointing after every update unless `checkpoint_interval_s` says otherwise."""
+        checkpointing after every update unless `checkpoint_interval_s` says otherwise. The
+        workers declared `spaces` (CartPole's: reward_threshold 475)."""
         self.clock = ManualClock(T0)
         self.out = node.Outbox()
         cfg.setdefault("checkpoint_interval_s", 0.0)
         self.cfg = learner.Config(ppo=ppo.PPOConfig(batch_steps=BATCH, minibatch_size=BATCH,
                                                     n_epochs=2), **cfg)  # type: ignore[arg-type]
         self.run_dir = run_dir
-        spec = p.EnvSpec(env_id="CartPole-v1", spec=SPEC, policy_version=newest_version)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        spec = p.EnvSpec(env_id="CartPole-v1", spec=spaces, policy_version=newest_version)
         model = Model(algo_class, spec, self.cfg.ppo, self.cfg.seed, name=self.cfg.algo)
         progress = learner.Progress()
         if (run_dir / learner.CHECKPOINT).exists():
@@ -72,7 +75,7 @@ class Bench:
         self.learner = learner.Learner(
             self.cfg, model, progress, run_dir, self.out,
             logging.getLogger("test.learner"), name="t0", incarnation=incarnation,
-            newest_version=newest_version, clock=self.clock)
+            newest_version=newest_version, env=spec, clock=self.clock)
 
     def deliver(self, *msgs: p.Message) -> None:
         """Each message as the loop hands it over, then the loop's tick until it has no more
@@ -230,6 +233,81 @@ def test_a_solved_run_learns_no_more_and_asks_the_controller_to_shut_down_until_
     _, _, saved = checkpoint.load(tmp_path / learner.CHECKPOINT)
     assert saved["updates"] == 1, "checkpointed when solved"
     b.learner.metrics.close()
+
+
+def solved_by(b: Bench) -> str:
+    """Why the learner asked for a shutdown ("" if it did not)."""
+    b.later(0.0)
+    asked = b.out.take(p.ShutdownRequest, port="controller")
+    assert (b.learner.phase is learner.Phase.SOLVED) == bool(asked)
+    b.learner.metrics.close()
+    return asked[0].reason if asked else ""
+
+
+def episodes(first: int, ret: float, n: int = 4) -> list[p.Trajectory]:
+    """`n` whole episodes of STEPS steps (four make one update)."""
+    return [trajectory(seq, ret=ret) for seq in range(first, first + n)]
+
+
+def test_without_target_return_the_run_ends_at_the_envs_reward_threshold(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    easy = dataclasses.replace(SPEC, reward_threshold=15.0)
+    with caplog.at_level(logging.INFO, logger="test.learner"):
+        b = Bench(tmp_path / "a", spaces=easy, target_episodes=4)
+    assert ("the run ends once the mean return of the last 4 episodes reaches 15 (env "
+            "CartPole-v1's reward_threshold)") in caplog.text
+    b.deliver(*episodes(0, ret=10.0))
+    assert b.learner.phase is learner.Phase.LEARNING, "a mean of 10 is below 15"
+    b.deliver(*episodes(4, ret=20.0))
+    assert solved_by(b) == "trainer reached mean return 20.0"
+    explicit = Bench(tmp_path / "b", spaces=easy, target_episodes=4, target_return=25.0)
+    explicit.deliver(*episodes(0, ret=20.0))
+    assert solved_by(explicit) == "", "an explicit --target-return wins over the env's"
+    never = Bench(tmp_path / "c", spaces=easy, target_episodes=4, target_return=0.0)
+    never.deliver(*episodes(0, ret=20.0))
+    assert solved_by(never) == "", "--target-return 0: no target"
+
+
+def test_an_env_without_a_reward_threshold_runs_until_stopped_and_says_so_once_at_start(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    no_goal = dataclasses.replace(SPEC, reward_threshold=None)
+    with caplog.at_level(logging.INFO, logger="test.learner"):
+        b = Bench(tmp_path, spaces=no_goal, target_episodes=4)
+        b.deliver(*episodes(0, ret=1e6), *episodes(4, ret=1e6))
+    said = [r.getMessage() for r in caplog.records if "target return" in r.getMessage()]
+    assert said == ["no target return (env CartPole-v1 has no reward_threshold): the run goes "
+                    "on until stopped (give --target-return or --max-env-steps to end it)"]
+    assert b.learner.counts.updates == 2 and solved_by(b) == ""
+
+
+def test_max_env_steps_ends_the_run_once_it_has_learned_from_that_many_env_steps(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    no_goal = dataclasses.replace(SPEC, reward_threshold=None)
+    with caplog.at_level(logging.INFO, logger="test.learner"):
+        b = Bench(tmp_path, spaces=no_goal, max_env_steps=150)
+    assert "the run goes on until stopped or --max-env-steps 150" in caplog.text
+    b.deliver(*episodes(0, ret=1.0))
+    assert b.learner.phase is learner.Phase.LEARNING, "80 env steps of 150"
+    b.deliver(*episodes(4, ret=1.0))
+    assert solved_by(b) == "trainer learned from --max-env-steps 150 env steps"
+    assert b.learner.progress.env_steps == 160 and b.learner.counts.updates == 2
+    again = Bench(tmp_path, spaces=no_goal, max_env_steps=150, newest_version=3,
+                  incarnation="i2")
+    assert solved_by(again).startswith("the run learned from --max-env-steps 150"), (
+        "a resumed run that got there already ends at once")
+    raised = Bench(tmp_path, spaces=no_goal, max_env_steps=300, newest_version=5,
+                   incarnation="i3")
+    assert solved_by(raised) == "", "a higher limit lets it go on"
+
+
+def test_the_target_return_flag_defaults_to_the_envs_and_says_so_in_its_help() -> None:
+    parser = clidoc.subcommands(cli.build_parser())["learner"]
+    assert parser.parse_args([]).target_return is None
+    assert parser.parse_args(["--target-return", "-100"]).target_return == -100.0
+    assert parser.parse_args(["--max-env-steps", "5000"]).max_env_steps == 5000
+    (action,) = [a for a in parser._actions if "--target-return" in a.option_strings]
+    assert action.help.endswith("[default: the env's reward_threshold; none: run until stopped "
+                                "or --max-env-steps]")
 
 
 def test_at_shutdown_the_assembler_flush_is_taken_in_until_it_disconnects_then_checkpointed(

@@ -32,6 +32,20 @@ def test_pipeline_learns_cartpole_and_shuts_itself_down(cluster: Cluster):
         assert "Traceback" not in proc.output()
 
 
+def test_a_run_given_no_target_return_ends_at_the_reward_threshold_its_env_declares(
+        cluster: Cluster):
+    """Nobody tells the learner the goal: the worker declares its env's reward_threshold (30
+    for this registration) and the learner ends the run there, as it would Acrobot-v1's -100."""
+    procs = cluster.start_all(worker_args=("--env", "scripted_envs:EasyCartPole-v0"))
+    codes = exits(procs, timeout=60)
+    assert codes == dict.fromkeys(procs, 0), cluster.dump()
+    said = procs["trainer"].output()
+    assert ("the run ends once the mean return of the last 20 episodes reaches 30 (env "
+            "scripted_envs:EasyCartPole-v0's reward_threshold)") in said
+    assert "solved: mean return" in said
+    assert 30 <= cluster.metrics()[-1]["mean_return"] < 475
+
+
 def test_killed_trainer_resumes_from_its_checkpoint_with_a_higher_policy_version(cluster: Cluster):
     procs = cluster.start_all(trainer_args=("--checkpoint-interval-s", "0.2"))
     wait_for(lambda: len(cluster.metrics()) >= 15 and list(cluster.runs_dir.glob(

@@ -61,8 +61,13 @@ def test_spaces_are_described_for_the_learner():
     spec = space_spec(make_env("Pendulum-v1"))
     assert spec.action_kind == "box" and spec.action_shape == [1]
     assert spec.action_low == [-2.0] and spec.action_high == [2.0]
+    assert spec.reward_threshold is None, "Pendulum-v1 registers no threshold"
     spec = space_spec(make_env("CartPole-v1"))
     assert (spec.action_kind, spec.action_n, spec.obs_shape) == ("discrete", 2, [4])
+    assert spec.reward_threshold == 475.0, "the learner's default target return"
+    assert space_spec(make_env("Acrobot-v1")).reward_threshold == -100.0
+    assert space_spec(make_env("scripted_envs:stamp_frames")).reward_threshold is None, (
+        "an env a callable made without a spec has none")
 
 
 class Probe(gym.Wrapper):

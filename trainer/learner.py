@@ -80,9 +80,11 @@ class Config:
                                     "runs live in RUNS_DIR/<run id from the controller>")
     run_dir: str = field(default="", metadata={
         "help": "use this run directory instead (resumes its checkpoint if present)"})
-    target_return: float = field(default=475.0, metadata={
+    target_return: float | None = field(default=None, metadata={
         "help": "stop the whole pipeline once the mean return of the last "
-                "--target-episodes episodes reaches this (0: never)"})
+                "--target-episodes episodes reaches this (0: never)",
+        "default_help": "the env's reward_threshold; none: run until stopped or "
+                        "--max-env-steps"})
     target_episodes: int = field(default=20, metadata={"help": "episodes in the mean"})
     max_policy_lag: int = field(default=8, metadata={
         "help": "trajectories acted by a policy more than this many versions old are dropped "
@@ -90,6 +92,9 @@ class Config:
     max_updates: int = field(default=0, metadata={
         "help": "stop the whole pipeline once the run has made this many policy updates "
                 "(0: never)"})
+    max_env_steps: int = field(default=0, metadata={
+        "help": "stop the whole pipeline once the run has learned from this many env steps "
+                "(0: no limit)"})
     checkpoint_interval_s: float = field(default=CHECKPOINT_INTERVAL_S, metadata={
         "help": "checkpoint what was learned at most this often (0: after every update); "
                 "receipts of learned trajectories and metrics records wait for the checkpoint "
@@ -119,6 +124,31 @@ class Progress:
     updates: int = 0  # over the whole run (every generation), for --max-updates
     assembler: str = ""  # whose numbers `learned` are
     learned: list[int] = field(default_factory=list)  # the newest numbers settled (Receipts.kept)
+
+
+def goal(cfg: Config, env: p.EnvSpec | None) -> tuple[float | None, str]:
+    """The mean return that ends the run (None: none does), and the log line saying what ends
+    it: --target-return when given (0: none), else the env's own reward_threshold, so an env
+    whose registration says when it is solved (CartPole-v1 475, Acrobot-v1 -100) stops there
+    and one without a threshold runs until stopped or --max-env-steps."""
+    env_id = f"env {env.env_id}" if env is not None else "the env"
+    if cfg.target_return is not None:
+        target, source = cfg.target_return or None, f"--target-return {cfg.target_return:g}"
+    else:
+        threshold = env.spec.reward_threshold if env is not None else None
+        target = threshold if threshold is not None and math.isfinite(threshold) else None
+        source = (f"{env_id}'s reward_threshold" if target is not None
+                  else f"{env_id} has no reward_threshold")
+    limits = [f"--{flag} {value}" for flag, value in (("max-updates", cfg.max_updates),
+                                                      ("max-env-steps", cfg.max_env_steps))
+              if value]
+    if target is None:
+        until = (" or ".join(["stopped", *limits]) if limits
+                 else "stopped (give --target-return or --max-env-steps to end it)")
+        return None, f"no target return ({source}): the run goes on until {until}"
+    return target, (f"the run ends once the mean return of the last {cfg.target_episodes} "
+                    f"episodes reaches {target:g} ({source})"
+                    + "".join(f", or at {limit}" for limit in limits))
 
 
 class Receipts:
@@ -349,11 +379,12 @@ class Learner(node.Process):
                  ports: node.Ports, log: logging.Logger, *, name: str, incarnation: str,
                  newest_version: int = 0, slot: SlotBeat | None = None,
                  controller_beat: Callable[[float], object] | None = None,
-                 rejects: node.RejectLog | None = None,
+                 rejects: node.RejectLog | None = None, env: p.EnvSpec | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """Starts the next generation of the run, at a version above its checkpoint's and
         `newest_version` (the broker's newest); checkpoints and publishes at once, so the next
-        learner's generation is above this one's even if it dies now."""
+        learner's generation is above this one's even if it dies now. `env`: what the
+        workers declared (its reward_threshold is the default target return)."""
         super().__init__(ports, log, name=name, clock=clock)
         if rejects is not None:  # with what was refused while setting up
             self.rejects = rejects
@@ -370,6 +401,8 @@ class Learner(node.Process):
         self.progress_log = ProgressLog(log, progress.env_steps, clock)
         log.info("run directory %s; policy %s version %d, generation %d, algorithm %s",
                  policy_dir, cfg.policy_name, progress.version, progress.generation, cfg.algo)
+        self.target_return, goal_line = goal(cfg, env)
+        log.info("%s", goal_line)
         self.phase, self.done = Phase.LEARNING, ""  # done: why no more updates (SOLVED)
         self.batch = Batch()
         self.pending: collections.deque[p.Trajectory] = collections.deque()  # not taken in yet
@@ -388,6 +421,9 @@ class Learner(node.Process):
         self.at("report", self.progress_log.due, self.report)
         if cfg.max_updates and progress.updates >= cfg.max_updates:  # a resumed, finished run
             self.solve(f"the run made --max-updates {cfg.max_updates} policy updates already")
+        elif cfg.max_env_steps and progress.env_steps >= cfg.max_env_steps:
+            self.solve(f"the run learned from --max-env-steps {cfg.max_env_steps} env steps "
+                       "already")
         self.checkpoint(self.now)
         self.publish()
 
@@ -503,21 +539,30 @@ class Learner(node.Process):
         self.check_goal()
 
     def check_goal(self) -> None:
-        cfg, mean, steps = self.cfg, self.mean_return(), self.progress.env_steps
-        took = self.clock() - self.started
-        if (cfg.target_return and len(self.returns) >= cfg.target_episodes and mean is not None
-                and mean >= cfg.target_return):
-            self.solve(f"trainer reached mean return {mean:.1f}")
-            self.log.info("solved: mean return %.1f over the last %d episodes at %d env steps "
-                          "(%.1fs); asking the controller to shut the pipeline down", mean,
-                          len(self.returns), steps, took)
-        elif cfg.max_updates and self.progress.updates >= cfg.max_updates:
-            self.solve(f"trainer made --max-updates {cfg.max_updates} policy updates")
-            self.log.info("%d policy updates made (--max-updates) at %d env steps (%.1fs); "
-                          "asking the controller to shut the pipeline down",
-                          self.progress.updates, steps, took)
-        if self.done:
-            self.checkpoint(self.now)
+        """After an update: the run ends once the mean return reaches the target, or at
+        --max-updates or --max-env-steps."""
+        reason, said = self.goal_reached()
+        if not reason:
+            return
+        self.solve(reason)
+        self.log.info("%s at %d env steps (%.1fs); asking the controller to shut the pipeline "
+                      "down", said, self.progress.env_steps, self.clock() - self.started)
+        self.checkpoint(self.now)
+
+    def goal_reached(self) -> tuple[str, str]:
+        """(why the run ends, for the shutdown request; the log's words) or ("", "")."""
+        cfg, progress, mean = self.cfg, self.progress, self.mean_return()
+        if (self.target_return is not None and len(self.returns) >= cfg.target_episodes
+                and mean is not None and mean >= self.target_return):
+            return (f"trainer reached mean return {mean:.1f}",
+                    f"solved: mean return {mean:.1f} over the last {len(self.returns)} episodes")
+        if cfg.max_updates and progress.updates >= cfg.max_updates:
+            return (f"trainer made --max-updates {cfg.max_updates} policy updates",
+                    f"{progress.updates} policy updates made (--max-updates)")
+        if cfg.max_env_steps and progress.env_steps >= cfg.max_env_steps:
+            return (f"trainer learned from --max-env-steps {cfg.max_env_steps} env steps",
+                    f"{progress.env_steps} env steps learned from (--max-env-steps)")
+        return "", ""
 
     def solve(self, reason: str) -> None:
         """No more updates: ask the controller to shut the pipeline down until it does."""
@@ -812,7 +857,8 @@ def _start(cfg: Config, io: Links) -> Learner | None:
                     progress.env_steps)
     return Learner(cfg, model, progress, policy_dir, io.sending(), io.log, name=io.name,
                    incarnation=io.incarnation, newest_version=env_spec.policy_version,
-                   slot=io.slot, controller_beat=io.link.beat, rejects=io.rejects)
+                   slot=io.slot, controller_beat=io.link.beat, rejects=io.rejects,
+                   env=env_spec)
 
 
 def wait_for_setup(cfg: Config, io: Links) -> tuple[Path, p.EnvSpec] | None:

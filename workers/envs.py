@@ -8,6 +8,7 @@ per possible agent). PettingZoo is not imported: a parallel env is recognised by
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Any
 
 import gymnasium as gym
@@ -48,7 +49,19 @@ def seed_spaces(env: Any, seed: int) -> None:
             space.seed(seed)
 
 
+def reward_threshold(env: Any) -> float | None:
+    """The return the env's registration calls solved (`spec.reward_threshold`: CartPole-v1
+    475, Acrobot-v1 -100); None for an env without one, or without a spec (an env a callable
+    built itself, a PettingZoo env)."""
+    threshold = getattr(getattr(env, "spec", None), "reward_threshold", None)
+    if isinstance(threshold, (int, float)) and not isinstance(threshold, bool) \
+            and math.isfinite(threshold):
+        return float(threshold)
+    return None
+
+
 def space_spec(env: Any) -> p.SpaceSpec:
+    """The env's spaces and goal, as its worker declares them."""
     agents = list(env.possible_agents) if agents_of(env) else []  # the env's own keys
     if agents:  # parameter sharing: one policy for every agent, so one set of spaces
         obs, act = env.observation_space(agents[0]), env.action_space(agents[0])
@@ -60,12 +73,15 @@ def space_spec(env: Any) -> p.SpaceSpec:
         obs, act = env.observation_space, env.action_space
     if not isinstance(obs, gym.spaces.Box):
         raise TypeError(f"observation space {obs} is not a Box; wrap the env to flatten it")
+    goal = reward_threshold(env)
     if isinstance(act, gym.spaces.Discrete):
-        return p.SpaceSpec(list(obs.shape), obs.dtype.str, "discrete", action_n=int(act.n))
+        return p.SpaceSpec(list(obs.shape), obs.dtype.str, "discrete", action_n=int(act.n),
+                           reward_threshold=goal)
     if isinstance(act, gym.spaces.Box):
         return p.SpaceSpec(list(obs.shape), obs.dtype.str, "box", action_shape=list(act.shape),
                            action_low=act.low.ravel().astype(float).tolist(),
-                           action_high=act.high.ravel().astype(float).tolist())
+                           action_high=act.high.ravel().astype(float).tolist(),
+                           reward_threshold=goal)
     raise TypeError(f"action space {act} is neither Discrete nor Box")
 
 
