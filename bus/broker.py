@@ -48,7 +48,7 @@ from stepbus.bus import protocol as p
 from stepbus.bus.barrier import ResetBarrier
 from stepbus.bus.credit import Credit, DueVersions, Weights
 from stepbus.bus.worker_table import Worker, WorkerTable
-from stepbus.policy import Policy
+from stepbus.policy import ModelConfig, Policy
 
 # How long a new broker defers new workers' hellos until the controller has told it the run's
 # epoch and reset options: a broker restarted mid-run must not reset envs without the last
@@ -84,6 +84,7 @@ class Config:
         "help": "agents to policies by name pattern, first match wins, e.g. "
                 "'adversary_*=red,*=default' (fnmatch; unmatched agents and a Gymnasium env's "
                 "unnamed agent: 'default'); each policy is served by its own trainer"})
+    models: ModelConfig = field(default_factory=ModelConfig)
     security: wiring.Security = field(default_factory=wiring.Security)
 
 
@@ -97,6 +98,7 @@ class BrokerCounts:
     workers_lost: int = 0
     stale_hellos: int = 0  # a known worker's, from the connection it replaced: dropped
     spec_refused: int = 0  # hellos whose spaces are unusable or differ from the run's
+    weights_refused: int = 0  # weights the model cannot load (another model's, or broken)
     determinism_lost: int = 0  # deterministic mode gave up waiting for a trainer's intake
     shm_refused: int = 0  # segments we would not or could not map
     shm_slots_forwarded: int = 0  # batches the assembler reads from the segment itself
@@ -114,10 +116,12 @@ class PolicySlot:
     spaces; weights that come before them are held until then."""
 
     def __init__(self, name: str, rng: np.random.Generator, max_steps_ahead: int,
-                 model: str = policy.DEFAULT) -> None:
-        self.name, self.rng, self.model = name, rng, model
+                 model: policy.ModelConfig | None = None) -> None:
+        self.name, self.rng = name, rng
+        self.model = model or policy.ModelConfig(model=policy.DEFAULT)
         self.policy: Policy | None = None
         self.early: tuple[Weights, int] | None = None  # weights that came before the spaces
+        self.refused = ""  # why the newest weights were refused ("": they were not)
         self.newest = -1  # the newest version received (deterministic mode: maybe not yet due)
         self.credit = Credit(max_steps_ahead)
         self.due = DueVersions()
@@ -134,8 +138,13 @@ class PolicySlot:
         return self.version >= 0
 
     def build(self, spec: p.SpaceSpec) -> None:
-        """Act on these spaces; weights that came before them and do not fit are dropped."""
-        self.policy = built = policy.make_policy(self.model, spec)
+        """Act on these spaces; weights that came before them and do not fit are dropped.
+
+        Raises:
+            ValueError: the model cannot act on these spaces.
+        """
+        self.policy = built = policy.make_policy(self.model.model, spec,
+                                                 device=self.model.device)
         early, self.early = self.early, None
         if early is not None and not built.weights_problem(early[0]):
             built.load(*early)
@@ -146,7 +155,10 @@ class PolicySlot:
 
     def check(self, params: Weights) -> str:
         """Why these weights cannot drive inference (empty: they can, or no spaces yet)."""
-        return self.policy.weights_problem(params) if self.policy is not None else ""
+        problem = self.policy.weights_problem(params) if self.policy is not None else ""
+        self.refused = problem and (f"{problem} (weights {policy.fingerprint(params)}; this "
+                                    f"broker serves --model {self.model.model})")
+        return self.refused
 
     def load(self, params: Weights, version: int) -> None:
         if self.policy is None:
@@ -173,7 +185,7 @@ class Broker(node.Process):
         super().__init__(ports, log, clock=clock)
         self.cfg, self.rules = cfg, rules
         rng = np.random.default_rng(cfg.seed)
-        self.slots = [PolicySlot(name, rng, cfg.max_steps_ahead)
+        self.slots = [PolicySlot(name, rng, cfg.max_steps_ahead, cfg.models)
                       for name in policies.policy_names(rules)]
         self.by_name = {slot.name: slot for slot in self.slots}
         self.table = WorkerTable(rules, list(self.by_name))
@@ -230,9 +242,14 @@ class Broker(node.Process):
                 self.counts.spec_refused += 1
                 self.refuse("bad spec", problem, claims=msg.worker)
                 return False
+            try:
+                for slot in self.slots:
+                    slot.build(msg.spec)
+            except ValueError as exc:  # the model does not fit these spaces
+                self.counts.spec_refused += 1
+                self.refuse("bad spec", str(exc)[:300], claims=msg.worker)
+                return False
             self.env_id, self.spec = msg.env_id, msg.spec
-            for slot in self.slots:
-                slot.build(msg.spec)
         elif msg.spec != self.spec:
             self.counts.spec_refused += 1
             self.refuse("spec mismatch",
@@ -406,6 +423,7 @@ class Broker(node.Process):
         if newer:  # judged before anything else is taken from the message
             problem = slot.check(msg.params)
             if problem:
+                self.counts.weights_refused += 1
                 self.refuse("bad weights", problem, claims=msg.trainer)
                 return
         connected = slot.credit.report(msg.incarnation, msg.consumed_steps, msg.batch_steps,
@@ -483,7 +501,8 @@ class Broker(node.Process):
         if not ready or self.spec is None:
             return math.inf
         acting = [slot for slot in self.slots if slot.credit.rows]
-        self.held_by = next((f"{slot.name}: no weights" for slot in acting
+        self.held_by = next((f"{slot.name}: {slot.refused or 'no weights'}"[:120]
+                             for slot in acting
                              if not slot.loaded and not slot.due.pending), "") or next(
             (f"{slot.name}: credit window" for slot in acting if slot.credit.full()), "")
         if self.held_by:
@@ -606,6 +625,7 @@ def run(cfg: Config) -> int:
     log = node.setup_logging("broker")
     try:
         rules = policies.parse_map(cfg.policy_map)
+        policy.check_model(cfg.models)
     except ValueError as exc:
         log.error("%s", exc)
         return 2

@@ -435,7 +435,8 @@ def test_weights_that_do_not_fit_the_spaces_are_refused_and_not_acted_with():
     bench.answer(w)
     bench.tick()
     assert bench.steps_to(w) == [] and bench.figure("rejected_bad_weights") == 1
-    assert bench.figure("held_by") == "default: no weights"
+    assert bench.figure("weights_refused") == 1
+    assert str(bench.figure("held_by")).startswith("default: pi.0.w of shape (3, 8)")
 
 
 def test_a_worker_that_says_hello_again_while_we_wait_on_it_is_reset_once_a_message_was_lost():

@@ -45,7 +45,7 @@ class ConstantPolicy(Policy):
         return "" if not params else "takes no weights"
 
 
-def not_a_policy(spec: p.SpaceSpec) -> object:
+def not_a_policy(observation_space: object, action_space: object) -> object:
     return object()
 
 

@@ -1,11 +1,13 @@
-"""Atomic checkpoints: params, optimiser state and run progress in one .npz, no pickle; and
-what waits for the next one."""
+"""Atomic checkpoints: params, optimiser state and run progress in one .npz (the numpy MLP) or
+one .safetensors (a torch model: its state_dict and Adam's moments as tensors, the progress as
+JSON in the header), never a pickle; and what waits for the next one."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,45 @@ def load(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict
         optimizer = {k.split("/", 1)[1]: data[k].copy() for k in data.files
                      if k.startswith("optimizer/")}
     return params, optimizer, meta["progress"]
+
+
+def _replace_synced(tmp: Path, path: Path) -> None:
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def save_torch(path: Path, model: Mapping[str, Any], optimizer: Mapping[str, Any],
+               progress: dict[str, Any]) -> None:
+    """A torch model's checkpoint (tensors by name, `safetensors.torch.save_file`), written to
+    a temp file and renamed like `save`. Imports torch: only a torch model's learner calls it."""
+    from safetensors.torch import save_file
+
+    # Own contiguous CPU copies: safetensors refuses views and tensors that share memory.
+    tensors = {f"model/{k}": v.detach().cpu().contiguous().clone() for k, v in model.items()}
+    tensors |= {f"optimizer/{k}": v.detach().cpu().contiguous().clone()
+                for k, v in optimizer.items()}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(tensors, str(tmp), metadata={"progress": json.dumps(progress)})
+    _replace_synced(tmp, path)
+
+
+def load_torch(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """A torch model's state_dict, optimiser tensors and progress, as `save_torch` wrote them
+    (`safetensors.torch.load_file`: tensors and a JSON header, nothing that runs code)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    model = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("model/")}
+    optimizer = {k.split("/", 1)[1]: v for k, v in tensors.items()
+                 if k.startswith("optimizer/")}
+    return model, optimizer, json.loads(meta.get("progress", "{}"))
 
 
 @dataclass

@@ -40,8 +40,10 @@ from typing import Any
 import numpy as np
 import zmq
 
+from stepbus import policy
 from stepbus.bus import node, policies, wiring
 from stepbus.bus import protocol as p
+from stepbus.policy import ModelConfig
 from stepbus.trainer import algorithm, ppo
 from stepbus.trainer.algorithm import CannotStart, Model
 from stepbus.trainer.checkpoint import Unsaved
@@ -63,6 +65,7 @@ QUIET_S = 0.25  # no trajectories in and no weights out for this long: send the 
 SHUTDOWN_REQUEST_INTERVAL_S = 1.0  # a solved run asks this often, until the controller acts
 SETUP_NOTE_S = 3.0  # still waiting for the controller or the broker after this: say so
 CHECKPOINT = "checkpoint.npz"
+TORCH_CHECKPOINT = "checkpoint.safetensors"  # a torch model's (no pickle: trainer/checkpoint.py)
 # Checkpoints at most this often by default: every update or two of PPO on CartPole (about 3%
 # of the learner's time), and the learning a kill loses (sent again) is not stale by the time
 # it comes back; see docs/performance.md.
@@ -105,8 +108,10 @@ class Config:
                 "trajectories from the assembler's endpoint for it (--trajectories); a policy "
                 "other than 'default' keeps its checkpoint and metrics in RUN_DIR/policy-NAME"})
     algo: str = field(default="stepbus.trainer.ppo:PPO", metadata={
-        "help": "learning algorithm, module:Class (interface: trainer/ppo.py's PPO)"})
+        "help": "learning algorithm, module:Class (interface: trainer/ppo.py's PPO; with a "
+                "torch --model, trainer/torch_ppo.py's TorchPPO, which the default is then)"})
     ppo: ppo.PPOConfig = field(default_factory=ppo.PPOConfig)
+    models: ModelConfig = field(default_factory=ModelConfig)
     security: wiring.Security = field(default_factory=wiring.Security)
 
 
@@ -393,7 +398,7 @@ class Learner(node.Process):
         self.slot = slot or SlotBeat()
         progress.generation += 1
         progress.version = max(progress.version, newest_version) + 1
-        self.ckpt_path = policy_dir / CHECKPOINT
+        self.ckpt_path = policy_dir / checkpoint_name(cfg.models)
         self.returns = collections.deque(progress.recent_returns, maxlen=cfg.target_episodes)
         self.metrics = MetricsFiles(policy_dir)  # metrics.jsonl and TensorBoard scalars
         # policy lag, episode length and link rates per update; a progress line every 5 s
@@ -837,6 +842,10 @@ def _start(cfg: Config, io: Links) -> Learner | None:
         policies.check_name(cfg.policy_name)
     except ValueError as exc:
         raise CannotStart(f"--policy-name: {exc}") from exc
+    try:
+        policy.check_model(cfg.models)
+    except policy.ModelUnavailable as exc:
+        raise CannotStart(str(exc)) from exc
     algo_class = algorithm.load(cfg.algo)
     setup = wait_for_setup(cfg, io)
     if setup is None:
@@ -844,21 +853,43 @@ def _start(cfg: Config, io: Links) -> Learner | None:
     run_dir, env_spec = setup
     run_dir.mkdir(parents=True, exist_ok=True)
     _link_latest(run_dir)
-    model = Model(algo_class, env_spec, cfg.ppo, cfg.seed, name=cfg.algo)
     # Each policy's learner keeps its own checkpoint and metrics.
     policy_dir = (run_dir if cfg.policy_name == policies.DEFAULT
                   else run_dir / f"policy-{cfg.policy_name}")
     policy_dir.mkdir(exist_ok=True)
+    model = _model(cfg, algo_class, env_spec, policy_dir)
+    ckpt = policy_dir / checkpoint_name(cfg.models)
     progress = Progress()
-    if (policy_dir / CHECKPOINT).exists():
-        progress = Progress(**model.resume(policy_dir / CHECKPOINT))
+    if ckpt.exists():
+        progress = Progress(**model.resume(ckpt))
         io.log.info("resumed from %s (version %d, generation %d, %d env steps)",
-                    policy_dir / CHECKPOINT, progress.version, progress.generation,
-                    progress.env_steps)
+                    ckpt, progress.version, progress.generation, progress.env_steps)
     return Learner(cfg, model, progress, policy_dir, io.sending(), io.log, name=io.name,
                    incarnation=io.incarnation, newest_version=env_spec.policy_version,
                    slot=io.slot, controller_beat=io.link.beat, rejects=io.rejects,
                    env=env_spec)
+
+
+def checkpoint_name(models: policy.ModelConfig) -> str:
+    """The numpy MLP's params go in an .npz, a torch model's state in a .safetensors."""
+    return TORCH_CHECKPOINT if policy.is_torch_model(models.model) else CHECKPOINT
+
+
+def _model(cfg: Config, algo_class: algorithm.AlgorithmClass, env_spec: p.EnvSpec,
+           policy_dir: Path) -> Model:
+    """The model --model names, trained by --algo (for a torch model by default
+    trainer/torch_ppo.py's TorchPPO). Raises CannotStart, also when the policy's directory
+    holds only another model's checkpoint."""
+    name = checkpoint_name(cfg.models)
+    other = policy_dir / (CHECKPOINT if name == TORCH_CHECKPOINT else TORCH_CHECKPOINT)
+    if other.exists() and not (policy_dir / name).exists():
+        raise CannotStart(f"{other} is the checkpoint of another model than --model "
+                          f"{cfg.models.model}: start a new run, or use that model")
+    if name == CHECKPOINT:
+        return Model(algo_class, env_spec, cfg.ppo, cfg.seed, name=cfg.algo)
+    from stepbus.trainer import torch_ppo  # imports torch: only for a torch model
+
+    return torch_ppo.TorchModel(cfg.models, cfg.algo, env_spec, cfg.ppo, cfg.seed)
 
 
 def wait_for_setup(cfg: Config, io: Links) -> tuple[Path, p.EnvSpec] | None:

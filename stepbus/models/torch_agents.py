@@ -1,0 +1,150 @@
+"""The built-in PyTorch models of `--model torch`, laid out as CleanRL's agents.
+
+`make_agent(observation_space, action_space)` picks by the observation's shape: a channels-last
+image ``(H, W, C)`` gets CleanRL ``ppo_atari.py``'s Nature CNN (frames converted to channels
+first and, for uint8, scaled to [0, 1] inside the model, so they cross the bus as bytes);
+anything else gets CleanRL ``ppo.py``'s MLP on the flattened observation (64x64 tanh, separate
+actor and critic). Discrete actions get a categorical head, Box actions a Gaussian one with a
+state-independent log-std (``ppo_continuous_action.py``). Orthogonal init with CleanRL's gains.
+
+Your own model is any factory with this signature whose module has these two methods; see
+docs/models.md.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+HIDDEN = 64
+CNN_FEATURES = 512
+LOG_2PI = math.log(2 * math.pi)
+MIN_IMAGE_SIDE = 36  # the Nature CNN's three convolutions need at least this many pixels a side
+
+
+def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias_const: float = 0.0
+               ) -> nn.Module:
+    """CleanRL's init: orthogonal weights with gain `std`, constant biases."""
+    assert isinstance(layer, nn.Linear | nn.Conv2d)
+    nn.init.orthogonal_(layer.weight, std)
+    if layer.bias is not None:
+        nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class Head(nn.Module):
+    """The action distribution on top of features: categorical logits for ``n`` actions, or a
+    Gaussian mean with a learned log-std for a Box of ``shape``. `action_mask` (bool, one per
+    action) rules out actions by giving them a logit of -1e8. The log-probs and entropies are
+    `torch.distributions`' Categorical and Normal ones, written out: building a distribution
+    object cost more than the rest of a small model's forward pass."""
+
+    def __init__(self, features: int, action_space: Any) -> None:
+        super().__init__()
+        self.discrete = hasattr(action_space, "n")
+        self.shape: tuple[int, ...] = () if self.discrete else tuple(action_space.shape)
+        dim = int(action_space.n) if self.discrete else math.prod(self.shape)
+        self.out = layer_init(nn.Linear(features, dim), std=0.01)
+        if not self.discrete:
+            self.logstd = nn.Parameter(torch.zeros(1, dim))
+
+    def forward(self, hidden: torch.Tensor, action: torch.Tensor | None,
+                action_mask: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(action, log-prob, entropy): `action` sampled when None, else its log-prob."""
+        b, out = hidden.shape[0], self.out(hidden)
+        if self.discrete:
+            if action_mask is not None:
+                out = torch.where(action_mask.to(torch.bool), out, torch.full_like(out, -1e8))
+            logp_all = torch.log_softmax(out, dim=-1)
+            probs = logp_all.exp()
+            taken = (torch.multinomial(probs, 1)[:, 0] if action is None
+                     else action.reshape(b).long())
+            logp = logp_all.gather(1, taken[:, None])[:, 0]
+            return taken, logp, -(probs * logp_all).sum(1)
+        logstd = self.logstd.expand_as(out)
+        flat = (out + logstd.exp() * torch.randn_like(out) if action is None
+                else action.reshape(b, -1).to(out.dtype))
+        z = (flat - out) * (-logstd).exp()
+        logp = (-0.5 * z * z - logstd - 0.5 * LOG_2PI).sum(1)
+        entropy = (0.5 + 0.5 * LOG_2PI + logstd).sum(1)
+        return flat.reshape(b, *self.shape), logp, entropy
+
+
+class MLPAgent(nn.Module):
+    """CleanRL ``ppo.py``'s agent: separate 64x64 tanh MLPs for the critic and the actor."""
+
+    def __init__(self, observation_space: Any, action_space: Any) -> None:
+        super().__init__()
+        n_in = math.prod(observation_space.shape)
+        self.critic = nn.Sequential(
+            layer_init(nn.Linear(n_in, HIDDEN)), nn.Tanh(),
+            layer_init(nn.Linear(HIDDEN, HIDDEN)), nn.Tanh(),
+            layer_init(nn.Linear(HIDDEN, 1), std=1.0))
+        self.actor = nn.Sequential(
+            layer_init(nn.Linear(n_in, HIDDEN)), nn.Tanh(),
+            layer_init(nn.Linear(HIDDEN, HIDDEN)), nn.Tanh())
+        self.head = Head(HIDDEN, action_space)
+
+    @staticmethod
+    def flat(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], -1).float()
+
+    def get_value(self, x: torch.Tensor) -> torch.Tensor:
+        return self.critic(self.flat(x))
+
+    def get_action_and_value(self, x: torch.Tensor, action: torch.Tensor | None = None,
+                             action_mask: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = self.flat(x)
+        taken, logp, entropy = self.head(self.actor(x), action, action_mask)
+        return taken, logp, entropy, self.critic(x)
+
+
+class NatureCNNAgent(nn.Module):
+    """CleanRL ``ppo_atari.py``'s agent: the Nature DQN torso shared by the actor and the critic,
+    on channels-last frames (uint8 scaled by 1/255 here, in the model)."""
+
+    def __init__(self, observation_space: Any, action_space: Any) -> None:
+        super().__init__()
+        height, width, channels = observation_space.shape
+        if min(height, width) < MIN_IMAGE_SIDE:
+            raise ValueError(f"images of {height}x{width} are too small for the Nature CNN "
+                             f"(at least {MIN_IMAGE_SIDE}x{MIN_IMAGE_SIDE}); name your own "
+                             "model with --model module:factory")
+        self.scale = 1.0 / 255.0 if np.dtype(observation_space.dtype) == np.uint8 else 1.0
+        conv = nn.Sequential(
+            layer_init(nn.Conv2d(channels, 32, 8, stride=4)), nn.ReLU(),
+            layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
+            layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(), nn.Flatten())
+        with torch.no_grad():
+            flat = conv(torch.zeros(1, channels, height, width)).shape[1]
+        self.network = nn.Sequential(*conv, layer_init(nn.Linear(flat, CNN_FEATURES)),
+                                     nn.ReLU())
+        self.head = Head(CNN_FEATURES, action_space)
+        self.critic = layer_init(nn.Linear(CNN_FEATURES, 1), std=1.0)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.network(x.permute(0, 3, 1, 2).float() * self.scale)
+
+    def get_value(self, x: torch.Tensor) -> torch.Tensor:
+        return self.critic(self.features(x))
+
+    def get_action_and_value(self, x: torch.Tensor, action: torch.Tensor | None = None,
+                             action_mask: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden = self.features(x)
+        taken, logp, entropy = self.head(hidden, action, action_mask)
+        return taken, logp, entropy, self.critic(hidden)
+
+
+def make_agent(observation_space: Any, action_space: Any) -> nn.Module:
+    """`--model torch`: the Nature CNN for channels-last images (three dimensions), else the
+    MLP."""
+    if len(observation_space.shape) == 3:
+        return NatureCNNAgent(observation_space, action_space)
+    return MLPAgent(observation_space, action_space)

@@ -1,0 +1,254 @@
+"""Any CleanRL-shaped `torch.nn.Module` as a `stepbus.policy.Policy`: what the broker acts with
+for `--model torch` or `--model module:factory`.
+
+The module has CleanRL's agent methods: ``get_action_and_value(obs, action=None) -> (action,
+logprob, entropy, value)`` and ``get_value(obs)``. Its weights travel as they do for the numpy
+MLP, a flat map of named numpy arrays: the module's ``state_dict``, one raw frame per tensor.
+A broker judges weights against its own module's state_dict (names, shapes, dtypes, finite
+values) before loading them, so weights of another model are refused, never half-loaded.
+
+Importing this module imports torch: only a process configured with a torch model does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, cast
+
+import numpy as np
+import torch
+from torch import nn
+
+from stepbus.bus import protocol as p
+from stepbus.policy import ModelUnavailable, NoWeights, Params, Policy
+
+TRIAL_ROWS = 2  # a new module acts once on this many zero observations, to see it fits
+
+
+class Agent(Protocol):
+    """What a model's module must have: CleanRL's agent methods. `action` given: its
+    log-prob; None: one sampled. Values may be ``(B,)`` or ``(B, 1)``."""
+
+    def get_action_and_value(self, x: torch.Tensor, action: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        ...
+
+    def get_value(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def agent(module: nn.Module) -> Agent:
+    """The module as the agent `build` checked it is."""
+    return cast(Agent, module)
+
+
+def configure(device: str, threads: int) -> None:
+    """Process-wide torch settings, checked before the process starts.
+
+    Raises:
+        ModelUnavailable: a device that is not cpu or cuda[:N], CUDA asked for but not
+            available, or fewer than one thread.
+    """
+    if threads < 1:
+        raise ModelUnavailable(f"--torch-threads {threads}: at least 1")
+    torch_device(device)
+    torch.set_num_threads(threads)
+
+
+def torch_device(device: str) -> torch.device:
+    """Raises ModelUnavailable for anything but cpu, or cuda when CUDA is available."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise ModelUnavailable(f"--device {device!r}: {exc}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ModelUnavailable(f"--device {device!r}: use cpu or cuda[:N]")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelUnavailable(f"--device {device}: CUDA is not available here "
+                                   "(torch.cuda.is_available() is False); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ModelUnavailable(f"--device {device}: only {torch.cuda.device_count()} "
+                                   "CUDA devices here")
+    return dev
+
+
+def gym_spaces(spec: p.SpaceSpec) -> tuple[Any, Any]:
+    """The Gymnasium (observation_space, action_space) a worker's declared spaces stand for:
+    what a model factory is given."""
+    from gymnasium import spaces
+
+    dtype = np.dtype(spec.obs_dtype)
+    if dtype.kind == "f":
+        low, high = -np.inf, np.inf
+    elif dtype.kind == "b":
+        low, high = 0, 1
+    else:
+        low, high = np.iinfo(dtype).min, np.iinfo(dtype).max
+    obs = spaces.Box(low=low, high=high, shape=tuple(spec.obs_shape), dtype=dtype)
+    if spec.action_kind == "discrete":
+        return obs, spaces.Discrete(spec.action_n)
+    shape = tuple(spec.action_shape)
+    return obs, spaces.Box(low=np.asarray(spec.action_low, np.float32).reshape(shape),
+                           high=np.asarray(spec.action_high, np.float32).reshape(shape),
+                           dtype=np.float32)
+
+
+def as_input(obs: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Observations as a module takes them: floats as float32, anything else (uint8 frames)
+    as it is, for the module to convert and scale."""
+    array = np.asarray(obs)
+    if array.dtype.kind == "f" and array.dtype != np.float32:
+        array = array.astype(np.float32)
+    if not array.flags.writeable:
+        array = array.copy()  # torch wants memory it may write; frames off the wire are not
+    return torch.from_numpy(array).to(device)
+
+
+def state_arrays(module: nn.Module) -> Params:
+    """The module's state_dict as numpy copies: its weights as WEIGHTS carries them."""
+    return {name: tensor.detach().cpu().contiguous().numpy().copy()
+            for name, tensor in module.state_dict().items()}
+
+
+def load_arrays(module: nn.Module, params: Mapping[str, np.ndarray]) -> None:
+    """Weights `layout_problem` passed, into the module (strict: every name)."""
+    device = next(iter(module.state_dict().values())).device
+    module.load_state_dict({name: torch.from_numpy(np.array(value)).to(device)
+                            for name, value in params.items()})
+
+
+def layout_problem(want: Mapping[str, torch.Tensor], params: Mapping[str, np.ndarray]) -> str:
+    """Why `params` cannot be a state_dict like `want` ("" if they can): the same names,
+    shapes and dtypes, and finite floats."""
+    missing = [name for name in want if name not in params]
+    unexpected = [name for name in params if name not in want]
+    if missing or unexpected:
+        return (f"not this model's weights (another --model?): missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]}")[:200]
+    for name, tensor in want.items():
+        value = params[name]
+        if not isinstance(value, np.ndarray):
+            return f"{name} is not an array"
+        if value.shape != tuple(tensor.shape):
+            return f"{name} of shape {value.shape}, this model's is {tuple(tensor.shape)}"
+        if str(value.dtype) != str(tensor.dtype).removeprefix("torch."):
+            return f"{name} of dtype {value.dtype}, this model's is {tensor.dtype}"
+        if value.dtype.kind == "f" and not np.isfinite(value).all():
+            return f"non-finite values in {name}"
+    return ""
+
+
+class TorchPolicy(Policy):
+    """A CleanRL-shaped module acting for the broker: inference under ``torch.no_grad()``,
+    sampling seeded from the broker's generator, so a seeded run acts the same way twice."""
+
+    def __init__(self, spec: p.SpaceSpec, module: nn.Module, *, device: str = "cpu") -> None:
+        super().__init__(spec)
+        self.device = torch_device(device)
+        self.module = module.to(self.device)
+        self.layout = {name: t.detach() for name, t in self.module.state_dict().items()}
+
+    @classmethod
+    def of_factory(cls, factory: Callable[..., Any], spec: p.SpaceSpec, *, name: str,
+                   device: str = "cpu") -> TorchPolicy:
+        """The module `factory(observation_space, action_space)` makes, once it acted on a
+        trial batch with outputs of the right shapes.
+
+        Raises:
+            ValueError: the factory fails, makes no such module, or it does not fit the spaces.
+        """
+        module = build(factory, spec, name)
+        made = cls(spec, module, device=device)
+        problem = made.trial()
+        if problem:
+            raise ValueError(f"--model {name} does not fit {spec}: {problem}")
+        return made
+
+    def prepare(self, params: Mapping[str, np.ndarray]) -> None:
+        load_arrays(self.module, params)
+
+    def act(self, obs: np.ndarray, rng: np.random.Generator
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if not self.loaded:
+            raise NoWeights("the torch policy has no weights yet")
+        return self._act(obs, rng)
+
+    def _act(self, obs: np.ndarray, rng: np.random.Generator
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        b = len(obs)
+        self.seed(rng)
+        with torch.no_grad():
+            action, logp, _, value = agent(self.module).get_action_and_value(
+                as_input(obs, self.device))
+        if self.action.kind == "discrete":
+            actions = action.reshape(b).to(torch.int64).cpu().numpy()
+        else:
+            actions = action.reshape(b, *self.action.shape).to(torch.float32).cpu().numpy()
+        return (actions, logp.reshape(b).to(torch.float32).cpu().numpy(),
+                value.reshape(b).to(torch.float32).cpu().numpy())
+
+    def seed(self, rng: np.random.Generator) -> None:
+        """Sampling draws from the generator of the module's device, seeded from `rng` at
+        every batch (the CPU one alone: `torch.manual_seed` costs 40 times more)."""
+        seed = int(rng.integers(2**63))
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.default_generator.manual_seed(seed)
+
+    def weights_problem(self, params: Mapping[str, np.ndarray]) -> str:
+        try:
+            return layout_problem(self.layout, params)
+        except Exception as exc:  # anything off the wire is judged, never raised
+            return f"{type(exc).__name__}: {exc}"[:200]
+
+    def trial(self) -> str:
+        """Why the module cannot act on these spaces ("" if it can): one batch of zeros with
+        its initial weights, whose outputs must have one row each and the action's shape."""
+        obs = np.zeros((TRIAL_ROWS, *self.obs_shape), self.obs_dtype)
+        try:
+            actions, logp, value = self._act(obs, np.random.default_rng(0))
+            with torch.no_grad():
+                v = agent(self.module).get_value(as_input(obs, self.device))
+        except Exception as exc:  # user code: one line saying what went wrong
+            return f"{type(exc).__name__}: {exc}"[:300]
+        expected = ((TRIAL_ROWS,) if self.action.kind == "discrete"
+                    else (TRIAL_ROWS, *self.action.shape))
+        if actions.shape != expected:
+            return f"actions of shape {actions.shape}, expected {expected}"
+        if self.action.kind == "discrete" and not (
+                (actions >= 0).all() and (actions < self.action.n).all()):
+            return f"actions outside [0, {self.action.n})"
+        if v.numel() != TRIAL_ROWS:
+            return f"get_value gave {tuple(v.shape)}, expected one value per row"
+        if not (np.isfinite(logp).all() and np.isfinite(value).all()):
+            return "non-finite log-prob or value"
+        return ""
+
+
+def build(factory: Callable[..., Any], spec: p.SpaceSpec, name: str) -> nn.Module:
+    """`factory(observation_space, action_space)`, checked to be a CleanRL-shaped module.
+
+    Raises:
+        ValueError: the factory fails or makes something else.
+    """
+    observation_space, action_space = gym_spaces(spec)
+    try:
+        module = factory(observation_space, action_space)
+    except Exception as exc:  # user code: one line saying what went wrong
+        raise ValueError(f"--model {name} failed to build for {spec}: "
+                         f"{type(exc).__name__}: {exc}") from exc
+    if isinstance(module, Policy):
+        raise ValueError(f"--model {name}: a Policy is built from the spec by its class; "
+                         "name the class, not a function that makes one")
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"model {name!r} made a {type(module).__name__}, not a Policy or a "
+                         "torch.nn.Module")
+    missing = [m for m in ("get_action_and_value", "get_value")
+               if not callable(getattr(module, m, None))]
+    if missing:
+        raise ValueError(f"--model {name}: the module has no {' or '.join(missing)} "
+                         "(CleanRL's agent methods; see docs/models.md)")
+    if not module.state_dict():
+        raise ValueError(f"--model {name}: the module has no parameters to learn")
+    return module

@@ -1,0 +1,250 @@
+"""PPO for torch models (`--model torch` or your own module), as trainer/ppo.py does it for the
+numpy MLP: the same clipped surrogate, per-minibatch advantage normalisation, squared-error
+value loss, entropy bonus, global grad-norm clip and Adam (eps 1e-5), the same equal
+minibatches and GAE with the critic re-evaluated on the current weights, the same metrics
+figures. It is the learner's algorithm when `--model` is not mlp and `--algo` is the default.
+
+Reads top to bottom: GAE on the module's values, the batch, one gradient step, `TorchPPO`, and
+`TorchModel`, which is what the learner holds of a torch model (built from the spaces, weights
+out as numpy arrays, checkpoints as safetensors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from stepbus import policy
+from stepbus.bus import protocol as p
+from stepbus.models import torch_policy
+from stepbus.policy import ActionSpace
+from stepbus.trainer import algorithm, checkpoint
+from stepbus.trainer.algorithm import CannotStart, Model
+from stepbus.trainer.ppo import PPOConfig, Trajectory
+
+VALUE_CHUNK_ROWS = 1024  # the critic's pass over a batch goes in chunks of this many rows
+DEFAULT_ALGOS = ("stepbus.trainer.ppo:PPO", "stepbus.trainer.torch_ppo:TorchPPO")
+
+
+def values_of(module: nn.Module, obs: np.ndarray, device: torch.device) -> np.ndarray:
+    """The critic's values (float64, one per row), without gradients."""
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(obs), VALUE_CHUNK_ROWS):
+            chunk = torch_policy.as_input(obs[start:start + VALUE_CHUNK_ROWS], device)
+            out.append(torch_policy.agent(module).get_value(chunk).reshape(-1).double()
+                       .cpu().numpy())
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+def compute_gae(trajs: Sequence[Trajectory], module: nn.Module, cfg: PPOConfig,
+                device: torch.device) -> tuple[np.ndarray, np.ndarray]:
+    """(advantages, returns), float64, concatenated in trajectory order, as
+    `trainer.ppo.compute_gae`: every value, bootstrap ones included, from the current critic.
+    Observations keep their shape (images stay images)."""
+    lengths = np.array([len(t) for t in trajs])
+    n, n_traj = int(lengths.sum()), len(trajs)
+    all_obs = np.concatenate([*(t.obs for t in trajs),
+                              np.stack([t.bootstrap_obs for t in trajs])])
+    all_values = values_of(module, all_obs, device)
+    values, boot_values = all_values[:n], all_values[n:]
+    boot_values[[t.terminated for t in trajs]] = 0.0
+    ends = np.cumsum(lengths) - 1
+    next_values = np.empty(n)
+    next_values[:-1] = values[1:]
+    next_values[ends] = boot_values
+    rewards = np.concatenate([np.asarray(t.rewards, dtype=np.float64) for t in trajs])
+    deltas = rewards + cfg.gamma * next_values - values
+    # the discounted reverse cumsum per trajectory on a zero-padded grid, as ppo.py does
+    rows = np.repeat(np.arange(n_traj), lengths)
+    cols = np.arange(n) - np.repeat(ends - lengths + 1, lengths)
+    grid = np.zeros((n_traj, int(lengths.max()) + 1))
+    grid[rows, cols] = deltas
+    decay = cfg.gamma * cfg.gae_lambda
+    for t in range(grid.shape[1] - 2, -1, -1):
+        grid[:, t] += decay * grid[:, t + 1]
+    advantages = grid[rows, cols]
+    return advantages, advantages + values
+
+
+@dataclass
+class _Batch:
+    """One update's samples as tensors on the module's device, with GAE targets."""
+
+    b_obs: torch.Tensor
+    b_actions: torch.Tensor
+    b_logp: torch.Tensor
+    b_adv: torch.Tensor
+    b_returns: torch.Tensor
+    n_minibatches: int
+    explained_variance: float
+
+    @classmethod
+    def of(cls, trajs: Sequence[Trajectory], module: nn.Module, cfg: PPOConfig,
+           action: ActionSpace, device: torch.device) -> _Batch:
+        adv, returns = compute_gae(trajs, module, cfg, device)
+        b_obs = torch_policy.as_input(np.concatenate([t.obs for t in trajs]), device)
+        actions = np.concatenate([np.asarray(t.actions) for t in trajs])
+        b_actions = torch.from_numpy(actions.astype(
+            np.int64 if action.kind == "discrete" else np.float32)).to(device)
+        b_logp = torch.from_numpy(
+            np.concatenate([np.asarray(t.logp, np.float32) for t in trajs])).to(device)
+        values = returns - adv
+        var_returns = float(np.var(returns))
+        explained = (1.0 - float(np.var(returns - values)) / var_returns
+                     if var_returns > 0 else 0.0)
+        return cls(b_obs, b_actions, b_logp, torch.from_numpy(adv.astype(np.float32)).to(device),
+                   torch.from_numpy(returns.astype(np.float32)).to(device),
+                   max(1, round(len(adv) / cfg.minibatch_size)), explained)
+
+    @property
+    def n(self) -> int:
+        return len(self.b_adv)
+
+
+STATS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "loss",
+         "grad_norm")
+
+
+def gradient_step(module: nn.Module, optimizer: torch.optim.Optimizer, batch: _Batch,
+                  mb_inds: torch.Tensor, cfg: PPOConfig) -> dict[str, float]:
+    """One clipped-surrogate Adam step on the minibatch `mb_inds`; its loss stats, named as
+    trainer/ppo.py names them."""
+    mb_adv = batch.b_adv[mb_inds]
+    if len(mb_adv) > 1:  # unbiased std, as SB3 and ppo.py
+        mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+    _, newlogp, entropy, newvalue = torch_policy.agent(module).get_action_and_value(
+        batch.b_obs[mb_inds], batch.b_actions[mb_inds])
+    logratio = newlogp.reshape(-1) - batch.b_logp[mb_inds]
+    ratio = logratio.exp()
+    clipped = torch.clamp(ratio, 1.0 - cfg.clip_range, 1.0 + cfg.clip_range)
+    policy_loss = torch.max(-mb_adv * ratio, -mb_adv * clipped).mean()
+    value_loss = ((newvalue.reshape(-1) - batch.b_returns[mb_inds]) ** 2).mean()
+    entropy_mean = entropy.mean()
+    loss = policy_loss + cfg.vf_coef * value_loss - cfg.ent_coef * entropy_mean
+    optimizer.zero_grad()
+    loss.backward()
+    grad_norm = nn.utils.clip_grad_norm_(module.parameters(), cfg.max_grad_norm)
+    optimizer.step()
+    with torch.no_grad():
+        approx_kl = ((ratio - 1.0) - logratio).mean()
+        clip_fraction = ((ratio - 1.0).abs() > cfg.clip_range).float().mean()
+        figures = torch.stack([policy_loss, value_loss, entropy_mean, approx_kl, clip_fraction,
+                               loss, grad_norm.to(loss.dtype)]).double().cpu().tolist()
+    return dict(zip(STATS, figures, strict=True))
+
+
+class TorchPPO:
+    """The learner's algorithm for a torch model. Another one (`--algo module:Class` with a
+    torch --model) is built the same way, `(module, action, config, rng)`, trains `module` in
+    place, and has `update`, `optimizer_state` and `load_optimizer_state` (tensors by name)."""
+
+    def __init__(self, module: nn.Module, action: ActionSpace, config: PPOConfig,
+                 rng: np.random.Generator) -> None:
+        self.module, self.action, self.config, self.rng = module, action, config, rng
+        self.device = next(module.parameters()).device
+        self.optimizer = torch.optim.Adam(module.parameters(), lr=config.lr, eps=1e-5)
+
+    def update(self, batch: Sequence[Trajectory],
+               tick: Callable[[], object] | None = None) -> dict[str, float]:
+        """`config.n_epochs` of minibatch PPO on `batch`; stats averaged over the gradient
+        steps, the explained variance of the critic it started from, the sample count."""
+        trajs = [t for t in batch if len(t)]
+        if not trajs:
+            return {}
+        data = _Batch.of(trajs, self.module, self.config, self.action, self.device)
+        totals = dict.fromkeys(STATS, 0.0)
+        n_steps = 0
+        for _epoch in range(self.config.n_epochs):
+            for mb_inds in np.array_split(self.rng.permutation(data.n), data.n_minibatches):
+                stats = gradient_step(self.module, self.optimizer, data,
+                                      torch.from_numpy(mb_inds).to(self.device), self.config)
+                for key, val in stats.items():
+                    totals[key] += val
+                n_steps += 1
+                if tick is not None:
+                    tick()
+        return {**{key: val / n_steps for key, val in totals.items()},
+                "explained_variance": data.explained_variance, "n_samples": float(data.n),
+                "n_grad_steps": float(n_steps)}
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """Adam's moments and step counts by parameter name (`name/exp_avg`, ...)."""
+        names = [name for name, _ in self.module.named_parameters()]
+        state = self.optimizer.state_dict()["state"]
+        return {f"{names[index]}/{key}": torch.as_tensor(value)
+                for index, moments in state.items() for key, value in moments.items()}
+
+    def load_optimizer_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Moments from a checkpoint; the learning rate and the rest stay this config's."""
+        index = {name: i for i, (name, _) in enumerate(self.module.named_parameters())}
+        moments: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in state.items():
+            name, _, field = key.rpartition("/")
+            if name in index:
+                moments.setdefault(index[name], {})[field] = value
+        current = self.optimizer.state_dict()
+        self.optimizer.load_state_dict({"state": moments,
+                                        "param_groups": current["param_groups"]})
+
+
+class TorchModel(Model):
+    """A torch model as the learner holds one (the numpy MLP's is `algorithm.Model`): the
+    module the factory makes for the run's spaces, trained by TorchPPO (or --algo), its
+    state_dict published as numpy arrays, checkpointed as safetensors."""
+
+    def __init__(self, models: policy.ModelConfig, algo: str, env_spec: p.EnvSpec,
+                 config: PPOConfig, seed: int) -> None:
+        """Raises CannotStart when the model does not fit the spaces or the algorithm fails
+        to start."""
+        self.spec, self.config = env_spec.spec, config
+        self.action = policy.action_space(self.spec)
+        torch.manual_seed(seed)  # the initial weights
+        try:
+            acting = policy.make_policy(models.model, self.spec, device=models.device)
+        except ValueError as exc:
+            raise CannotStart(f"{exc}") from exc
+        assert isinstance(acting, torch_policy.TorchPolicy)
+        self.module = acting.module
+        algo_class = TorchPPO if algo in DEFAULT_ALGOS else algorithm.load(algo)
+        try:
+            self.torch_algo = algo_class(self.module, self.action, config,
+                                         np.random.default_rng(seed))
+        except Exception as exc:  # user code: one line
+            raise CannotStart(f"--algo {algo} failed to start with --model {models.model}: "
+                              f"{type(exc).__name__}: {exc}") from exc
+
+    def update(self, batch: Sequence[Trajectory],
+               tick: Callable[[], object]) -> dict[str, float]:
+        stats: dict[str, float] = self.torch_algo.update(batch, tick=tick)
+        return stats
+
+    def curriculum(self, stats: dict[str, float]) -> dict | None:
+        hook = getattr(self.torch_algo, "curriculum", None)
+        return hook(stats) if callable(hook) else None
+
+    def weights(self) -> dict[str, np.ndarray]:
+        return torch_policy.state_arrays(self.module)
+
+    def save(self, path: Path, progress: dict[str, Any]) -> None:
+        checkpoint.save_torch(path, self.module.state_dict(),
+                              self.torch_algo.optimizer_state(), progress)
+
+    def resume(self, path: Path) -> dict[str, Any]:
+        """The module's weights and the optimiser's state from the checkpoint at `path`; the
+        progress it carries. Raises CannotStart when it holds another model's weights."""
+        saved, optimizer, progress = checkpoint.load_torch(path)
+        problem = torch_policy.layout_problem(
+            self.module.state_dict(), {k: v.numpy() for k, v in saved.items()})
+        if problem:
+            raise CannotStart(f"checkpoint {path} does not fit this model ({problem}; spaces "
+                              f"{self.spec}): start a new run or use the old settings")
+        self.module.load_state_dict(saved)
+        self.torch_algo.load_optimizer_state(optimizer)
+        return progress
