@@ -226,6 +226,28 @@ def test_torch_ppo_solves_cartpole_in_process() -> None:
     assert len(finished) >= 20 and np.mean(finished[-20:]) >= 475, (env_steps, finished[-20:])
 
 
+def test_the_example_model_in_the_docs_acts_and_trains(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    page = (Path(__file__).parents[1] / "docs" / "models.md").read_text()
+    [example] = [block for block in page.split("```python\n")[1:] if "def make(" in block]
+    (tmp_path / "docs_model.py").write_text(example.split("```")[0])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env_spec = p.EnvSpec(env_id="CartPole-v1", spec=CARTPOLE, policy_version=0)
+    model = torch_ppo.TorchModel(policy.ModelConfig(model="docs_model:make"),
+                                 "stepbus.trainer.ppo:PPO", env_spec, ppo.PPOConfig(), seed=0)
+    stats = model.update([ppo.Trajectory(
+        obs=np.zeros((32, 4), np.float32), actions=np.zeros(32, np.int64),
+        logp=np.full(32, -0.69, np.float32), values=np.zeros(32, np.float32),
+        rewards=np.ones(32, np.float32), terminated=True, truncated=False,
+        bootstrap_obs=np.zeros(4, np.float32))], tick=lambda: None)
+    assert np.isfinite(stats["loss"]) and stats["n_samples"] == 32
+    acting = policy.make_policy("docs_model:make", CARTPOLE)
+    assert acting.weights_problem(model.weights()) == ""
+    acting.load(model.weights(), 1)
+    actions, _, _ = acting.act(np.zeros((3, 4), np.float32), np.random.default_rng(0))
+    assert actions.shape == (3,)
+
+
 def test_a_torch_checkpoint_is_safetensors_and_resumes_weights_and_adam_exactly(
         tmp_path: Path) -> None:
     env_spec = p.EnvSpec(env_id="CartPole-v1", spec=CARTPOLE, policy_version=0)
