@@ -20,7 +20,9 @@ from stepbus.bus import node, wiring
 from stepbus.bus import protocol as p
 from stepbus.processor import assembler
 
-CARTPOLE_SPEC = p.SpaceSpec([4], "<f4", "discrete", action_n=2)
+# What a real CartPole-v1 worker declares (its reward_threshold too), so a scripted hello of it
+# is accepted next to one.
+CARTPOLE_SPEC = p.SpaceSpec([4], "<f4", "discrete", action_n=2, reward_threshold=475.0)
 
 
 class Touch:
