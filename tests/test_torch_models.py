@@ -11,6 +11,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,16 @@ PENDULUM = p.SpaceSpec([3], "<f4", "box", action_shape=[1], action_low=[-2.0],
                        action_high=[2.0])
 ATARI = p.SpaceSpec([84, 84, 4], "|u1", "discrete", action_n=6)
 TORCH = policy.ModelConfig(model="torch")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """As stepbus processes run torch (--torch-threads 1): on a busy machine, torch's default
+    of a thread per core made these tests ten times slower, its threads waiting on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 class TinyAgent(nn.Module):
@@ -246,6 +257,28 @@ def test_the_example_model_in_the_docs_acts_and_trains(tmp_path: Path,
     acting.load(model.weights(), 1)
     actions, _, _ = acting.act(np.zeros((3, 4), np.float32), np.random.default_rng(0))
     assert actions.shape == (3,)
+
+
+def test_torch_ppo_is_reproducible_from_the_seed_bit_for_bit() -> None:
+    """What --deterministic needs of the learner: the same seed and the same trajectories make
+    the same weights and figures (the broker's side: sampling seeded per batch, above)."""
+    env_spec = p.EnvSpec(env_id="CartPole-v1", spec=CARTPOLE, policy_version=0)
+    rng = np.random.default_rng(5)
+    batch = [ppo.Trajectory(obs=rng.normal(size=(40, 4)).astype(np.float32),
+                            actions=rng.integers(0, 2, 40), logp=np.full(40, -0.69, np.float32),
+                            values=np.zeros(40, np.float32), rewards=rng.normal(size=40),
+                            terminated=bool(i % 2), truncated=False,
+                            bootstrap_obs=np.ones(4, np.float32)) for i in range(8)]
+    runs = []
+    for seed in (3, 3, 4):
+        model = torch_ppo.TorchModel(TORCH, "stepbus.trainer.ppo:PPO", env_spec,
+                                     ppo.PPOConfig(minibatch_size=64, n_epochs=2), seed=seed)
+        stats = [model.update(batch, tick=lambda: None) for _ in range(3)]
+        runs.append((stats, model.weights()))
+    (stats_a, weights_a), (stats_b, weights_b), (_, weights_c) = runs
+    assert stats_a == stats_b and stats_a[0]["n_grad_steps"] == 2 * 5
+    assert all(weights_a[k].tobytes() == weights_b[k].tobytes() for k in weights_a)
+    assert weights_a["head.out.weight"].tobytes() != weights_c["head.out.weight"].tobytes()
 
 
 def test_a_torch_checkpoint_is_safetensors_and_resumes_weights_and_adam_exactly(
