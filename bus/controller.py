@@ -11,6 +11,7 @@ import enum
 import logging
 import math
 import os
+import re
 import socket as pysocket
 import time
 import uuid
@@ -96,6 +97,8 @@ class VersionHistory:
 
 LIVENESS_S = node.LIVENESS_S
 SWAP_TIMEOUT_S = 30.0  # a slot stops its learner (<= 4 s) and watches the new one (3 s)
+ADOPT_RUN_S = 5.0  # a restarted controller takes the run id its peers report this long after start
+RUN_ID_PATTERN = re.compile(r"\d{8}-\d{6}-[0-9a-f]{6}")  # what `run_id` makes: safe in a path
 REBROADCAST_S = 0.2  # while shutting down, Shutdown again this often for late subscribers
 KINDS = (p.Heartbeat, p.StatusRequest, p.ResetRequest, p.BarrierDone, p.ShutdownRequest,
          p.RemoteError, p.TrainerSwap, p.Reply)  # what the ROUTER takes
@@ -238,10 +241,23 @@ class Controller(node.Process):
                            and address.startswith(("tcp://", "ipc://"))}
         known.rate.add(now, known.figures.get("env_steps"))
         self.versions.add(now, known.figures)
+        self.adopt_run(known)
         broker_epoch = known.figures.get("epoch") if msg.role == "broker" else None
         if isinstance(broker_epoch, int) and broker_epoch > self.epoch:
             self.epoch = broker_epoch  # this controller restarted: continue the run's epochs
         self.send("router", self.state(), to=peer)
+
+    def adopt_run(self, peer: Peer) -> None:
+        """A controller restarted under a running pipeline hears the run's id in its first
+        heartbeats: it carries that run on, so a learner started after it resumes the same run
+        directory instead of starting a new run. Only while young: later, its own id has been
+        handed out."""
+        said = peer.figures.get("run_id")
+        if (isinstance(said, str) and said != self.run_id and RUN_ID_PATTERN.fullmatch(said)
+                and self.now - self.started < ADOPT_RUN_S):
+            self.log.info("carrying on run %s (from %s %s's heartbeat) instead of %s",
+                          said, peer.role, peer.name, self.run_id)
+            self.run_id = said
 
     def purge(self, now: float) -> None:
         for peer in self.peers.expire(now):

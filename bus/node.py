@@ -258,6 +258,8 @@ class ControllerLink:
             if self.rejects.total:  # refused on this link: part of the process's count
                 sent["rejected"] = sent.get("rejected", 0) + self.rejects.total
             sent["uptime_s"] = round(now - self.started, 1)
+            if self.state is not None:  # so a restarted controller carries the run on
+                sent["run_id"] = self.state.run_id
             send(self.dealer, p.Heartbeat(role=self.role, name=self.name, host=self.host,
                                           pid=self.pid, leaving=leaving, figures=sent,
                                           binds=self.binds), block=False)

@@ -266,3 +266,16 @@ def test_the_run_state_names_the_horizon_the_assembler_reports():
     assert bench.beat(b"broker", "broker", T0 + 0.5).horizon == 128
     bench.beat(b"worker", "worker", T0 + 0.5, horizon=7)  # only the assembler's counts
     assert bench.beat(b"broker", "broker", T0 + 0.6).horizon == 128
+
+
+def test_a_restarted_controller_carries_on_the_run_its_peers_report_while_it_is_young():
+    bench = Bench()
+    own = bench.ctl.run_id
+    assert bench.beat(b"learner", "trainer", T0 + 1).run_id == own, "a new peer knows no run"
+    assert bench.beat(b"broker", "broker", T0 + 1.5, run_id="20261123-101500-abc123").run_id \
+        == "20261123-101500-abc123", "the pipeline's run, carried on"
+    assert bench.beat(b"worker", "worker", T0 + 2, run_id="../../etc").run_id == \
+        "20261123-101500-abc123", "not a run id: ignored"
+    later = bench.beat(b"other", "worker", T0 + controller.ADOPT_RUN_S + 1,
+                       run_id="20261124-000000-def456")
+    assert later.run_id == "20261123-101500-abc123", "too late: its id has been handed out"
