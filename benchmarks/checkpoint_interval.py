@@ -47,7 +47,9 @@ def checkpoints(workdir: Path) -> tuple[float, int]:
 def start_job(workdir: Path, interval: float, algo: str) -> list[subprocess.Popen]:
     env = job_env(workdir)
     roles = [("controller",), ("broker",), ("worker",), ("assembler",),
+             # a metrics record per update: each one's arrival is what is timed
              ("learner", "--target-return", "0", "--checkpoint-interval-s", str(interval),
+              "--metrics-interval-s", "0",
               "--algo", algo)]
     procs = []
     for role in roles:

@@ -28,6 +28,9 @@ from stepbus.policy import ActionSpace
 TESTS_DIR = Path(__file__).parent
 REPO = TESTS_DIR.parent
 ROLES = ("controller", "broker", "worker", "assembler", "trainer")
+# Learner flags for a test that counts metrics records as policy updates (or compares records
+# update by update): a record per update, where by default there is one a second at most.
+EVERY_UPDATE = ("--metrics-interval-s", "0")
 
 
 class Proc:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import Cluster, wait_for
+from conftest import EVERY_UPDATE, Cluster, wait_for
 
 RECORDING = ("--env", "scripted_envs:recording_cartpole", "--envs-per-worker", "3")
 
@@ -17,8 +17,8 @@ def test_a_worker_that_joins_after_a_barrier_resets_with_its_options(cluster: Cl
     first, late = cluster.dir / "first.jsonl", cluster.dir / "late.jsonl"
     procs = {role: cluster.start(role) for role in ("controller", "broker", "assembler")}
     procs["w0"] = cluster.start("worker", *RECORDING, "--name", "w0", env={"RESET_LOG": str(first)})
-    procs["trainer"] = cluster.start("trainer", "--target-return", "0")
-    wait_for(lambda: len(cluster.metrics()) >= 2, 60, "training under way")
+    procs["trainer"] = cluster.start("trainer", "--target-return", "0", *EVERY_UPDATE)
+    wait_for(lambda: len(cluster.metrics()) >= 2, 60, "training under way (two updates)")
     done = cluster.cli("reset", "--option", "level=3")
     assert done.returncode == 0, done.stdout + done.stderr
     procs["w1"] = cluster.start("worker", *RECORDING, "--name", "w1", "--worker-index", "1",

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 import zmq
-from conftest import Cluster, recv_message, send_message, wait_for
+from conftest import EVERY_UPDATE, Cluster, recv_message, send_message, wait_for
 
 from stepbus.bus import protocol as p
 from stepbus.bus import wiring
@@ -51,7 +51,8 @@ def cli_status(cluster: Cluster) -> list[dict]:
 
 
 def test_the_run_survives_the_broker_being_killed_and_restarted(cluster: Cluster):
-    procs = cluster.start_all(trainer_args=("--target-return", "0"), workers=2)
+    # Records are counted as updates here, to time the first ones after the restart.
+    procs = cluster.start_all(trainer_args=("--target-return", "0", *EVERY_UPDATE), workers=2)
     status = Status(cluster)
     try:
         wait_for(lambda: len(cluster.metrics()) >= 3, 60, "training under way")
@@ -173,7 +174,7 @@ def test_a_restarted_broker_resets_workers_into_the_runs_epoch_with_its_options(
     is frozen while the new broker starts, so the workers' hellos surely come first."""
     reset_log = cluster.dir / "resets.jsonl"
     monkeypatch.setenv("RESET_LOG", str(reset_log))
-    procs = cluster.start_all(trainer_args=("--target-return", "0"), workers=2,
+    procs = cluster.start_all(trainer_args=("--target-return", "0", *EVERY_UPDATE), workers=2,
                               worker_args=("--env", "scripted_envs:recording_cartpole",
                                            "--envs-per-worker", "3"))
     status = Status(cluster)

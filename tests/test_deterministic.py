@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-from conftest import Cluster, Proc, wait_for
+from conftest import EVERY_UPDATE, Cluster, Proc, wait_for
 
 UPDATES = 30
 # what may differ between identical runs: the clock, and every rate (`*_per_second`)
@@ -43,8 +43,9 @@ def run_pipeline(seed: int, meddle: Callable[[Cluster, dict[str, Proc]], None] |
                  "broker": c.start("broker", "--seed", s, *broker_args),
                  "assembler": c.start("assembler"),
                  "worker": c.start("worker", "--name", "w0", "--seed", s),
+                 # a record per update: the runs are compared update by update
                  "learner": c.start("learner", "--seed", s, "--target-return", "0",
-                                    "--max-updates", str(UPDATES))}
+                                    "--max-updates", str(UPDATES), *EVERY_UPDATE)}
         if meddle is not None:
             meddle(c, procs)
         codes = {name: proc.wait(60) for name, proc in procs.items()}

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import zmq
-from conftest import Cluster, recv_message, send_message, status_rows, wait_for
+from conftest import EVERY_UPDATE, Cluster, recv_message, send_message, status_rows, wait_for
 
 from stepbus.bus import protocol as p
 
@@ -18,7 +18,7 @@ def figure(cluster: Cluster, role: str, key: str, name: str | None = None) -> in
 
 
 def test_the_run_survives_the_assembler_being_killed_and_restarted_twice(cluster: Cluster):
-    procs = cluster.start_all()
+    procs = cluster.start_all(trainer_args=EVERY_UPDATE)  # records counted as updates
     for round_ in range(2):
         records = len(cluster.metrics())
         wait_for(lambda n=records: len(cluster.metrics()) >= n + 3, 60, "three more updates")
@@ -51,8 +51,8 @@ def test_a_worker_whose_batch_takes_longer_than_the_liveness_timeout_is_not_decl
 
 def test_a_barrier_completes_without_a_frozen_worker_which_is_served_again_later(
         cluster: Cluster):
-    procs = cluster.start_all(trainer_args=("--target-return", "0"), workers=2)
-    wait_for(lambda: len(cluster.metrics()) >= 2, 60, "training under way")
+    procs = cluster.start_all(trainer_args=("--target-return", "0", *EVERY_UPDATE), workers=2)
+    wait_for(lambda: len(cluster.metrics()) >= 2, 60, "training under way (two updates)")
     wait_for(lambda: figure(cluster, "worker", "env_steps", "w1") > 0, 30,
              "the second worker to be served before it is frozen")
     control = cluster.socket(zmq.DEALER, cluster.endpoints["controller"])
@@ -76,7 +76,7 @@ def test_a_barrier_completes_without_a_frozen_worker_which_is_served_again_later
 
 def test_reset_options_an_environment_rejects_fail_the_barrier_clearly_and_the_run_goes_on(
         cluster: Cluster):
-    procs = cluster.start_all(trainer_args=("--target-return", "0"),
+    procs = cluster.start_all(trainer_args=("--target-return", "0", *EVERY_UPDATE),
                               worker_args=("--env", "scripted_envs:picky_cartpole",
                                            "--envs-per-worker", "2"))
     wait_for(lambda: len(cluster.metrics()) >= 2, 60, "training under way")

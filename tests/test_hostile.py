@@ -14,7 +14,7 @@ import msgpack_numpy
 import numpy as np
 import pytest
 import zmq
-from conftest import Cluster, send_message, wait_for
+from conftest import EVERY_UPDATE, Cluster, send_message, wait_for
 
 from stepbus.bus import node, wiring
 from stepbus.bus import protocol as p
@@ -65,7 +65,8 @@ SQUATTER_HELLOS = 30  # more than any other peer's refusals: first in rejected_f
 def test_hostile_messages_on_every_bound_socket_are_refused_and_learning_goes_on(
         cluster: Cluster, tmp_path: Path):
     marker = tmp_path / "unpickled"
-    procs = cluster.start_all(trainer_args=("--target-return", "0"))  # we stop it ourselves
+    # we stop it ourselves; records counted as updates
+    procs = cluster.start_all(trainer_args=("--target-return", "0", *EVERY_UPDATE))
     wait_for(lambda: len(cluster.metrics()) >= 2, 60, "training under way")
     sent = 0
     for name, kind in (("controller", zmq.DEALER), ("steps", zmq.DEALER),

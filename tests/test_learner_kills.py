@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from conftest import Cluster, Proc, recv_message, send_message, wait_for
+from conftest import EVERY_UPDATE, Cluster, Proc, recv_message, send_message, wait_for
 from scripted_algos import RecordsLearned
 
 from stepbus.bus import protocol as p
@@ -130,6 +130,7 @@ def start_pipeline(cluster: Cluster, log: Path) -> dict[str, Proc]:
             "assembler": cluster.start("assembler"),
             "worker": cluster.start("worker", "--name", "w0", "--envs-per-worker", "4"),
             "trainer": cluster.start("trainer", "--algo", ALGO, "--target-return", "0",
+                                     *EVERY_UPDATE,  # policy lag compared update by update
                                      "--batch-steps", "64", "--max-policy-lag", "1000",
                                      env={"STEPBUS_TEST_LEARNED_LOG": str(log)})}
 

@@ -58,11 +58,15 @@ class Bench:
                  algo_class: type = ppo.PPO, incarnation: str = "i1",
                  spaces: p.SpaceSpec = SPEC, **cfg: object) -> None:
         """A learner of the run in `run_dir`, resuming its checkpoint if there is one;
-        checkpointing after every update unless `checkpoint_interval_s` says otherwise. The
-        workers declared `spaces` (CartPole's: reward_threshold 475)."""
+        checkpointing and recording after every update unless `checkpoint_interval_s` and
+        `metrics_interval_s` say otherwise. The workers declared `spaces` (CartPole's:
+        reward_threshold 475)."""
         self.clock = ManualClock(T0)
         self.out = node.Outbox()
         cfg.setdefault("checkpoint_interval_s", 0.0)
+        # One metrics record per update unless a test says otherwise: most tests here count
+        # records as updates (the cadence's own tests set --metrics-interval-s).
+        cfg.setdefault("metrics_interval_s", 0.0)
         self.cfg = learner.Config(ppo=ppo.PPOConfig(batch_steps=BATCH, minibatch_size=BATCH,
                                                     n_epochs=2), **cfg)  # type: ignore[arg-type]
         self.run_dir = run_dir
@@ -308,6 +312,53 @@ def test_the_target_return_flag_defaults_to_the_envs_and_says_so_in_its_help() -
     (action,) = [a for a in parser._actions if "--target-return" in a.option_strings]
     assert action.help.endswith("[default: the env's reward_threshold; none: run until stopped "
                                 "or --max-env-steps]")
+
+
+class NumberedPPO(ppo.PPO):
+    """Reports each update's number as its loss, so a record's average is known."""
+
+    updates = 0
+
+    def update(self, batch, tick=None):  # type: ignore[no-untyped-def]
+        self.updates += 1
+        return {"loss": float(self.updates)}
+
+
+def test_metrics_records_come_at_most_once_a_second_averaging_every_update_in_between(
+        tmp_path: Path) -> None:
+    b = Bench(tmp_path, algo_class=NumberedPPO, metrics_interval_s=1.0)
+    b.deliver(*episodes(0, ret=10.0))
+    assert [(r["updates"], r["loss"]) for r in b.records()] == [(1, 1.0)], "the first at once"
+    b.deliver(*episodes(4, ret=20.0), *episodes(8, ret=30.0))  # two more updates, no time
+    assert len(b.records()) == 1, "the next waits for the interval"
+    b.later(1.0)  # no update comes: the interval's end writes the record of the two
+    _, second = b.records()
+    assert (second["updates"], second["loss"], second["policy_version"]) == (2, 2.5, 4)
+    assert (second["env_steps"], second["episodes"]) == (12 * STEPS, 12)
+    assert second["interval_mean_return"] == 25.0, "every episode since the last record"
+    assert second["mean_return"] == 20.0, "the goal's mean: the last --target-episodes"
+    assert second["steps_per_second"] == 8 * STEPS, "over the interval"
+    b.later(5.0)
+    assert len(b.records()) == 2, "no update, no record"
+    b.deliver(*episodes(12, ret=40.0))
+    assert [(r["updates"], r["loss"]) for r in b.records()[2:]] == [(1, 4.0)], "due: at once"
+    b.learner.metrics.close()
+
+
+def test_the_update_that_ends_the_run_and_a_leaving_learners_last_ones_are_recorded(
+        tmp_path: Path) -> None:
+    b = Bench(tmp_path / "a", algo_class=NumberedPPO, metrics_interval_s=60.0, max_updates=3)
+    b.deliver(*(episodes(0, ret=1.0, n=12)))
+    assert solved_by(b).startswith("trainer made --max-updates 3")
+    assert [(r["updates"], r["loss"], r["policy_version"]) for r in b.records()] == [
+        (1, 1.0, 2), (2, 2.5, 4)], "the last record is the update that ended the run"
+    left = Bench(tmp_path / "b", algo_class=NumberedPPO, metrics_interval_s=60.0,
+                 checkpoint_interval_s=5.0)
+    left.deliver(*(episodes(0, ret=1.0, n=8)))
+    assert len(left.records()) == 0, "the first record waits for its checkpoint"
+    left.learner.on_signal("SIGUSR1")  # the trainer slot's hand-over
+    left.learner.finish()
+    assert [r["updates"] for r in left.records()] == [1, 1]
 
 
 def test_at_shutdown_the_assembler_flush_is_taken_in_until_it_disconnects_then_checkpointed(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import Cluster
+from conftest import EVERY_UPDATE, Cluster
 from PIL import Image
 from tensorboardX.proto import event_pb2
 from tensorboardX.record_writer import masked_crc32c
@@ -29,11 +29,13 @@ UPDATES = 20
 
 @pytest.fixture(scope="module")
 def finished_run() -> Iterator[Path]:
-    """The run directory of a short real CartPole run that stopped itself after UPDATES."""
+    """The run directory of a short real CartPole run that stopped itself after UPDATES, with
+    a record per update, so the files can be checked against the updates one by one (the
+    default cadence, a record a second, is test_learner_state's)."""
     cluster = Cluster()
     try:
         procs = cluster.start_all(trainer_args=("--target-return", "0", "--max-updates",
-                                                str(UPDATES)))
+                                                str(UPDATES), *EVERY_UPDATE))
         for name, proc in procs.items():
             assert proc.wait(60) == 0, f"{name}\n{cluster.dump()}"
         yield (cluster.runs_dir / "latest").resolve()
@@ -120,11 +122,26 @@ def test_policy_lag_is_the_updated_versions_distance_from_each_step_as_p50_and_p
     assert stats.take(updated_from=12)["policy_lag_p99"] == 7, "counting starts afresh"
 
 
+def test_a_record_of_several_updates_has_the_lag_of_every_step_of_each():
+    clock = iter([0.0, 1.0])
+    stats = metrics.IntakeStats(episodes=2, clock=lambda: next(clock))
+    stats.add(trajectory([10] * 98))
+    stats.updated(10)  # lag 0 for 98 steps
+    stats.add(trajectory([8, 8]))
+    stats.updated(11)  # lag 3 for 2 steps
+    assert stats.last == {"policy_lag_p50": 3, "policy_lag_p99": 3}, "status: the last update"
+    figures = stats.take()
+    assert (figures["policy_lag_p50"], figures["policy_lag_p99"]) == (0, 3), "over both"
+    assert figures["trajectories_per_second"] == 2.0
+
+
 def test_scalars_map_known_keys_to_tags_and_an_algorithms_own_stats_under_algo():
-    record = {"time": 1.0, "env_steps": 5, "digest": "ab", "mean_return": None,
-              "entropy": 0.5, "my_stat": 2, "no_update": True, "bad": float("nan")}
-    assert metrics.scalars(record) == [("entropy", "policy/entropy", 0.5),
-                                       ("my_stat", "algo/my_stat", 2.0)]
+    record = {"time": 1.0, "env_steps": 5, "digest": "ab", "mean_return": None, "updates": 3,
+              "interval_mean_return": 9.5, "entropy": 0.5, "my_stat": 2, "no_update": True,
+              "bad": float("nan")}
+    assert metrics.scalars(record) == [
+        ("interval_mean_return", "episode/return_mean_interval", 9.5),
+        ("entropy", "policy/entropy", 0.5), ("my_stat", "algo/my_stat", 2.0)]
 
 
 def test_progress_lines_come_on_a_steady_five_second_beat_with_the_rate_over_the_interval(

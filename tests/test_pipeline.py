@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from conftest import Cluster, honcho, interrupt_honcho, status_rows, wait_for
+from conftest import EVERY_UPDATE, Cluster, honcho, interrupt_honcho, status_rows, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,7 +47,7 @@ def test_a_run_given_no_target_return_ends_at_the_reward_threshold_its_env_decla
 
 
 def test_killed_trainer_resumes_from_its_checkpoint_with_a_higher_policy_version(cluster: Cluster):
-    procs = cluster.start_all(trainer_args=("--checkpoint-interval-s", "0.2"))
+    procs = cluster.start_all(trainer_args=("--checkpoint-interval-s", "0.2", *EVERY_UPDATE))
     wait_for(lambda: len(cluster.metrics()) >= 15 and list(cluster.runs_dir.glob(
         "*/checkpoint.npz")), 60, "15 updates and a checkpoint")
     learner_pid = wait_for(lambda: [r["pid"] for r in status_rows(cluster)
@@ -78,7 +78,7 @@ def test_reset_barrier_resets_every_env_with_the_options_and_stepping_resumes(cl
     try:
         procs = {"controller": cluster.start("controller"), "broker": cluster.start("broker"),
                  "assembler": cluster.start("assembler"),
-                 "trainer": cluster.start("trainer", "--target-return", "0")}
+                 "trainer": cluster.start("trainer", "--target-return", "0", *EVERY_UPDATE)}
         for i in range(2):
             procs[f"w{i}"] = cluster.start("worker", "--env", "scripted_envs:recording_cartpole",
                                            "--envs-per-worker", "3", "--name", f"w{i}")

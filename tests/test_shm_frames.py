@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 from conftest import (
+    EVERY_UPDATE,
     Cluster,
     TrajectoryInbox,
     act_as_trainer,
@@ -176,7 +177,7 @@ def run_deterministic(shm_frames: bool) -> tuple[list[dict], str]:
                  c.start("worker", "--name", worker_name("d"), "--seed", "3", *ENV,
                          *(("--shm-frames",) if shm_frames else ())),
                  c.start("learner", "--seed", "3", "--target-return", "0", "--max-updates",
-                         "6", "--hidden", "8")]
+                         "6", "--hidden", "8", *EVERY_UPDATE)]  # compared update by update
         codes = [proc.wait(90) for proc in procs]
         assert codes == [0] * 5, codes
         return c.metrics(), procs[2].output()

@@ -10,7 +10,7 @@ import threading
 import time
 
 import zmq
-from conftest import Cluster, act_as_trainer, send_message, status_rows, wait_for
+from conftest import EVERY_UPDATE, Cluster, act_as_trainer, send_message, status_rows, wait_for
 
 from stepbus import status
 from stepbus.bus import protocol as p
@@ -31,7 +31,7 @@ def parse_table(text: str) -> tuple[str, list[dict[str, str]]]:
 
 
 def test_status_shows_every_live_process_with_rates_queues_versions_and_lag(cluster: Cluster):
-    cluster.start_all(trainer_args=("--target-return", "0"), workers=2)
+    cluster.start_all(trainer_args=("--target-return", "0", *EVERY_UPDATE), workers=2)
     wait_for(lambda: len(cluster.metrics()) >= 3, 60, "training under way")
 
     def settled() -> list[dict]:

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import zmq
-from conftest import Cluster, Proc, wait_for
+from conftest import EVERY_UPDATE, Cluster, Proc, wait_for
 
 from stepbus.bus import protocol as p
 from stepbus.bus import wiring
@@ -411,7 +411,7 @@ def learning_goes_on_through_raw_connections(cluster: Cluster, assembler: Proc,
     pipeline that is learning: the assembler sends nothing again and logs no learner (it
     used to resend its whole backlog for each TCP accept), and the policy version rises."""
     cluster.start("worker", "--name", "w0")
-    cluster.start("learner", "--target-return", "0")
+    cluster.start("learner", "--target-return", "0", *EVERY_UPDATE)  # records are updates
     wait_for(lambda: len(cluster.metrics()) >= 3, 60, "the learner's third policy update")
     asked = time.monotonic()
     before = rows_by_role(cluster)["assembler"]

@@ -8,7 +8,7 @@ import signal
 import time
 from collections.abc import Callable
 
-from conftest import Cluster, honcho, interrupt_honcho, status_rows, wait_for
+from conftest import EVERY_UPDATE, Cluster, honcho, interrupt_honcho, status_rows, wait_for
 
 
 def row(cluster: Cluster, role: str) -> dict:
@@ -31,7 +31,7 @@ def never_taken_in(assembler_log: str) -> int:
 
 def test_a_killed_learner_is_restarted_by_its_slot_and_nothing_sent_to_it_is_lost(
         cluster: Cluster):
-    procs = cluster.start_all(trainer_args=("--target-return", "0",
+    procs = cluster.start_all(trainer_args=("--target-return", "0", *EVERY_UPDATE,
                                             "--checkpoint-interval-s", "0.2"), workers=2)
     wait_for(lambda: len(cluster.metrics()) >= 5, 60, "five updates")
     first = learner_row(cluster, 1)
@@ -72,7 +72,7 @@ def plateau(read: Callable[[], int], quiet_s: float, timeout: float, what: str) 
 
 def test_swap_to_new_flags_and_algorithm_keeps_versions_rising_and_reverts_a_bad_one(
         cluster: Cluster):
-    procs = cluster.start_all(trainer_args=("--target-return", "0"))
+    procs = cluster.start_all(trainer_args=("--target-return", "0", *EVERY_UPDATE))
     wait_for(lambda: len(cluster.metrics()) >= 3, 60, "three updates")
     before = max(r["policy_version"] for r in cluster.metrics())
 
@@ -110,7 +110,7 @@ def test_swap_to_new_flags_and_algorithm_keeps_versions_rising_and_reverts_a_bad
 
 def test_without_a_learner_stepping_pauses_and_the_next_learner_gets_everything(
         cluster: Cluster):
-    args = ("--target-return", "0", "--checkpoint-interval-s", "0.2")
+    args = ("--target-return", "0", "--checkpoint-interval-s", "0.2", *EVERY_UPDATE)
     procs = cluster.start_all(trainer_args=args, trainer="learner")
     wait_for(lambda: len(cluster.metrics()) >= 3 and list(cluster.runs_dir.glob(
         "*/checkpoint.npz")), 60, "three updates and a checkpoint")
@@ -157,7 +157,7 @@ def test_under_honcho_a_killed_or_swapped_learner_is_replaced_and_ctrl_c_ends_cl
 
 
 def test_a_frozen_learner_is_killed_by_its_slot_and_replaced(cluster: Cluster):
-    procs = cluster.start_all(trainer_args=("--target-return", "0"))
+    procs = cluster.start_all(trainer_args=("--target-return", "0", *EVERY_UPDATE))
     wait_for(lambda: len(cluster.metrics()) >= 3, 60, "three updates")
     frozen = learner_row(cluster, 1)["pid"]
     os.kill(frozen, signal.SIGSTOP)
@@ -180,7 +180,7 @@ def test_a_learner_killed_with_the_assembler_at_its_bound_does_not_stall_the_run
     procs = {"controller": cluster.start("controller"), "broker": cluster.start("broker"),
              "assembler": cluster.start("assembler", "--max-buffered", "10"),
              "worker": cluster.start("worker", "--name", "w0"),
-             "trainer": cluster.start("learner", "--target-return", "0",
+             "trainer": cluster.start("learner", "--target-return", "0", *EVERY_UPDATE,
                                       "--checkpoint-interval-s", "0.2")}
     wait_for(lambda: len(cluster.metrics()) >= 3, 60, "three updates")
     procs["trainer"].signal(signal.SIGKILL)

@@ -48,7 +48,13 @@ from stepbus.trainer import algorithm, ppo
 from stepbus.trainer.algorithm import CannotStart, Model
 from stepbus.trainer.checkpoint import Unsaved
 from stepbus.trainer.intake import Batch, RunDigest
-from stepbus.trainer.metrics import IntakeStats, MetricsFiles, ProgressLog
+from stepbus.trainer.metrics import (
+    RECORD_INTERVAL_S,
+    IntakeStats,
+    MetricsFiles,
+    ProgressLog,
+    RecordCadence,
+)
 
 SLOT_BEAT_FD_ENV = "STEPBUS_SLOT_BEAT_FD"  # the pipe a trainer slot watches (see SlotBeat)
 RECEIPTS_WARN_S = 5.0  # receipts undelivered this long: say so (a wrong --receipts?)
@@ -102,6 +108,11 @@ class Config:
         "help": "checkpoint what was learned at most this often (0: after every update); "
                 "receipts of learned trajectories and metrics records wait for the checkpoint "
                 "that holds them, so a killed learner loses nothing it confirmed"})
+    metrics_interval_s: float = field(default=RECORD_INTERVAL_S, metadata={
+        "help": "write a metrics record (metrics.jsonl, TensorBoard) at most this often, with "
+                "the algorithm's figures averaged over the updates since the last one (0: one "
+                "record per update), so a long run's files grow with time, not with the update "
+                "rate"})
     seed: int = field(default=0, metadata={"help": "seeds initial weights and minibatches"})
     policy_name: str = field(default=policies.DEFAULT, metadata={
         "help": "the policy this learner trains (see the broker's --policy-map); pull its "
@@ -373,7 +384,8 @@ class Learner(node.Process):
     (the checkpoint's plus those taken in since), so the broker's credit window continues
     across learners without counting a resent step twice.
 
-    Timers: "checkpoint" (learning waits for it), "report" (the progress line), "receipts" (at
+    Timers: "checkpoint" (learning waits for it), "record" (the metrics record of updates
+    made before --metrics-interval-s was up), "report" (the progress line), "receipts" (at
     most every RECEIPT_INTERVAL_S), "slot_beat", "republish" (weights again on a quiet link),
     "curriculum" (a reset barrier the algorithm asked for), "shutdown_request" (once solved)
     and "drain" (the end of the shutdown drain)."""
@@ -401,8 +413,9 @@ class Learner(node.Process):
         self.ckpt_path = policy_dir / checkpoint_name(cfg.models)
         self.returns = collections.deque(progress.recent_returns, maxlen=cfg.target_episodes)
         self.metrics = MetricsFiles(policy_dir)  # metrics.jsonl and TensorBoard scalars
-        # policy lag, episode length and link rates per update; a progress line every 5 s
+        # policy lag, episode length and link rates per record; a progress line every 5 s
         self.intake_stats = IntakeStats(cfg.target_episodes, clock)
+        self.cadence = RecordCadence(cfg.metrics_interval_s)  # a record a second at most
         self.progress_log = ProgressLog(log, progress.env_steps, clock)
         log.info("run directory %s; policy %s version %d, generation %d, algorithm %s",
                  policy_dir, cfg.policy_name, progress.version, progress.generation, cfg.algo)
@@ -506,6 +519,7 @@ class Learner(node.Process):
             if ret is not None:
                 progress.episodes += 1
                 self.returns.append(ret)
+                self.cadence.episode(ret)
         if learned:
             self.receipts.learn(batch.ids)
 
@@ -552,6 +566,7 @@ class Learner(node.Process):
         self.solve(reason)
         self.log.info("%s at %d env steps (%.1fs); asking the controller to shut the pipeline "
                       "down", said, self.progress.env_steps, self.clock() - self.started)
+        self.flush_record()  # the last record is the update that ended the run
         self.checkpoint(self.now)
 
     def goal_reached(self) -> tuple[str, str]:
@@ -640,19 +655,46 @@ class Learner(node.Process):
         self.at("receipts", now + RECEIPT_INTERVAL_S, self.send_receipts)  # until they arrive
 
     def record(self, stats: dict[str, float]) -> None:
-        """The metrics record of an update, written once a checkpoint holds the update."""
+        """An update's figures go into the next metrics record, made at once if one is due,
+        else when --metrics-interval-s since the last is up (by then, or at the end of the
+        run, with the updates that came meanwhile)."""
+        self.intake_stats.updated(self.progress.version - 1)
+        self.cadence.add(stats)
+        if self.clock() >= self.cadence.due:
+            self.make_record()
+        elif "record" not in self.timers:
+            self.at("record", self.cadence.due, self.record_due)
+
+    def make_record(self) -> None:
+        """The metrics record of the updates since the last one, written once a checkpoint
+        holds them."""
+        self.cancel("record")
         now, progress = self.clock(), self.progress
         rate = (progress.env_steps - self.last_record_steps) / max(now - self.last_record, 1e-9)
         self.last_record, self.last_record_steps = now, progress.env_steps
+        counts, means = self.cadence.take(now)
         self.unsaved.records.append({
             "time": time.time(), "wall_s": round(now - self.started, 3),
             "env_steps": progress.env_steps, "episodes": progress.episodes,
             "mean_return": self.mean_return(), "policy_version": progress.version,
             "generation": progress.generation, "steps_per_second": round(rate, 1),
             "stale_dropped": self.counts.stale_dropped, "digest": self.digest.hexdigest(),
-            **self.intake_stats.take(updated_from=progress.version - 1),
-            **{k: round(v, 6) for k, v in stats.items()},
+            **counts, **self.intake_stats.take(), **means,
         })
+
+    def record_due(self, now: float) -> None:
+        """The interval is up with updates not yet in a record: it is made now, and written
+        now too if the checkpoint that holds them is on disk already."""
+        self.make_record()
+        if self.unsaved.since is None:  # nothing settled waits for a checkpoint
+            for record in self.unsaved.records:
+                self.metrics.write(record)
+            self.unsaved.records.clear()
+
+    def flush_record(self) -> None:
+        """The run or this learner ends: the updates waiting for a record get it now."""
+        if self.cadence.updates:
+            self.make_record()
 
     def checkpoint(self, now: float) -> None:
         """Write what was learned, atomically; then what waited for it may go out: the
@@ -727,6 +769,7 @@ class Learner(node.Process):
         self.drained_from, self.drain_end = self.counts.trajectories, "the assembler did not finish"
         for name in ("report", "republish", "curriculum", "shutdown_request"):
             self.cancel(name)
+        self.flush_record()
         self.checkpoint(self.now)  # what was learned: receipted before the drain
         self.settle(self.batch, learned=False)
         self.batch = Batch()
@@ -749,6 +792,7 @@ class Learner(node.Process):
         if self.phase is Phase.DRAINING:
             self.log.info("took in %d trajectories after the shutdown began (%s)",
                           self.counts.trajectories - self.drained_from, self.drain_end)
+        self.flush_record()
         self.checkpoint(self.clock())
         self.send_receipts(self.clock())
         self.metrics.close()  # also flushes TensorBoard's events (the process ends with os._exit)

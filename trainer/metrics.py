@@ -1,6 +1,6 @@
 """What the learner writes about a run: `metrics.jsonl` and TensorBoard scalars from the same
-record per policy update, the intake figures that go in it (policy lag, episode length, link
-throughput), and the progress line in the log.
+records, at most one a second (`RecordCadence`), the intake figures that go in them (policy
+lag, episode length, link throughput), and the progress line in the log.
 
 One record feeds both files, so they never disagree and the learner keeps one dict, not two
 kinds of bookkeeping. TensorBoard event files are written with tensorboardX, which needs neither
@@ -24,12 +24,17 @@ import numpy as np
 from stepbus.bus import protocol as p
 
 FLUSH_S = 5  # TensorBoard events reach the disk at least this often (metrics.jsonl: each line)
+# One metrics record a second at most by default: about 1.8 KB of the two files a second
+# whatever the update rate (PPO on CartPole makes up to 30 updates a second, one record each
+# was 180 MB an hour; docs/performance.md); see RecordCadence.
+RECORD_INTERVAL_S = 1.0
 PROGRESS_INTERVAL_S = 5.0  # one progress line in the log this often, whatever the update rate
 
 # metrics.jsonl key -> TensorBoard tag. Other numeric keys (an --algo's own stats) go under
 # "algo/"; SKIPPED ones are the x axis, identities or not numbers worth a curve.
 TAGS = {
     "mean_return": "episode/return_mean",
+    "interval_mean_return": "episode/return_mean_interval",
     "mean_length": "episode/length_mean",
     "episodes": "episode/count",
     "policy_loss": "loss/policy",
@@ -49,7 +54,7 @@ TAGS = {
     "generation": "run/generation",
     "stale_dropped": "run/stale_dropped",
 }
-SKIPPED = {"time", "wall_s", "env_steps", "digest", "n_samples", "n_grad_steps"}
+SKIPPED = {"time", "wall_s", "env_steps", "digest", "n_samples", "n_grad_steps", "updates"}
 
 
 class MetricsFiles:
@@ -102,19 +107,70 @@ def scalars(record: dict[str, Any]) -> list[tuple[str, str, float]]:
     return out
 
 
+class RecordCadence:
+    """When the next metrics record is due, and what it holds of the policy updates since the
+    last one: at most one record every `interval_s` (0: one per update), so metrics.jsonl and
+    the event file grow with time, not with the update rate.
+
+    A record's algorithm figures (losses, entropy, KL, ...) are the mean over its updates:
+    every update counts, and the curve is the smoothed one a TensorBoard user would look at
+    anyway, not one update picked out of thirty. Counts, versions and the goal's mean return
+    (the last --target-episodes episodes) are as they stand at the record; the return of every
+    episode that ended since the last record counts in `interval_mean_return`, so none is
+    lost when more than --target-episodes end in one interval."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = max(interval_s, 0.0)
+        self.last = -math.inf  # when the last record was made: the first update's is at once
+        self.updates = 0
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.return_sum, self.episodes = 0.0, 0
+
+    @property
+    def due(self) -> float:
+        """When a record of the updates waiting may be made."""
+        return self.last + self.interval_s
+
+    def add(self, stats: dict[str, float]) -> None:
+        """An update's figures (an algorithm may report different ones per update)."""
+        self.updates += 1
+        for key, value in stats.items():
+            self.sums[key] = self.sums.get(key, 0.0) + float(value)
+            self.counts[key] = self.counts.get(key, 0) + 1
+
+    def episode(self, episode_return: float) -> None:
+        self.return_sum += episode_return
+        self.episodes += 1
+
+    def take(self, now: float) -> tuple[dict[str, float | None], dict[str, float]]:
+        """(`updates` and `interval_mean_return`, the algorithm's figures averaged) for the
+        record made at `now`; counting starts afresh."""
+        counts: dict[str, float | None] = {
+            "updates": self.updates,
+            "interval_mean_return": (round(self.return_sum / self.episodes, 4)
+                                     if self.episodes else None)}
+        means = {key: round(total / self.counts[key], 6) for key, total in self.sums.items()}
+        self.last, self.updates, self.sums, self.counts = now, 0, {}, {}
+        self.return_sum, self.episodes = 0.0, 0
+        return counts, means
+
+
 class IntakeStats:
-    """Figures about what the learner took in between two policy updates: the policy lag of
+    """Figures about what the learner took in between two metrics records: the policy lag of
     its steps, finished episodes' lengths, and the assembler-to-learner link's throughput.
 
-    Policy lag of a step: the version the update started from minus the version that chose
-    the step, over every step taken in for that update (stale trajectories too, which
-    --max-policy-lag then drops), as p50 and p99. 0: acted with the very policy being updated.
+    Policy lag of a step: the version the update it was taken in for started from minus the
+    version that chose the step, over every step of the record's updates (stale trajectories
+    too, which --max-policy-lag then drops), as p50 and p99. 0: acted with the very policy
+    being updated.
     """
 
     def __init__(self, episodes: int, clock: Any = time.monotonic) -> None:
         self.clock = clock
         self.lengths: collections.deque[int] = collections.deque(maxlen=max(episodes, 1))
-        self.versions: list[np.ndarray] = []
+        self.versions: list[np.ndarray] = []  # of steps taken in since the last update
+        self.lags: list[np.ndarray] = []  # of the steps of the updates since the last record
         self.trajectories = self.nbytes = 0
         self.since = clock()
         self.last: dict[str, float] = {}  # the last update's lag, for `stepbus status`
@@ -127,9 +183,20 @@ class IntakeStats:
         if t.episode_length is not None:
             self.lengths.append(t.episode_length)
 
-    def take(self, updated_from: int) -> dict[str, float | None]:
-        """The figures for the update that started from policy version `updated_from`; starts
+    def updated(self, updated_from: int) -> None:
+        """An update that started from policy version `updated_from` learned from the steps
+        taken in since the last one: their lag."""
+        if self.versions:
+            lag = updated_from - np.concatenate(self.versions).astype(np.int64)
+            self.versions = []
+            self.lags.append(lag)
+            self.last = _lag_percentiles(lag)
+
+    def take(self, updated_from: int | None = None) -> dict[str, float | None]:
+        """The figures for the next record (`updated_from`: an update to count first); starts
         counting afresh."""
+        if updated_from is not None:
+            self.updated(updated_from)
         now = self.clock()
         seconds = max(now - self.since, 1e-9)
         out: dict[str, float | None] = {
@@ -137,13 +204,16 @@ class IntakeStats:
             "trajectories_per_second": round(self.trajectories / seconds, 1),
             "intake_bytes_per_second": round(self.nbytes / seconds),
         }
-        if self.versions:
-            lag = updated_from - np.concatenate(self.versions).astype(np.int64)
-            p50, p99 = np.percentile(lag, [50, 99], method="inverted_cdf")
-            self.last = {"policy_lag_p50": int(p50), "policy_lag_p99": int(p99)}
-            out.update(self.last)
-        self.versions, self.trajectories, self.nbytes, self.since = [], 0, 0, now
+        if self.lags:
+            out.update(self.last if len(self.lags) == 1
+                       else _lag_percentiles(np.concatenate(self.lags)))
+        self.lags, self.trajectories, self.nbytes, self.since = [], 0, 0, now
         return out
+
+
+def _lag_percentiles(lag: np.ndarray) -> dict[str, float]:
+    p50, p99 = np.percentile(lag, [50, 99], method="inverted_cdf")
+    return {"policy_lag_p50": int(p50), "policy_lag_p99": int(p99)}
 
 
 class ProgressLog:
