@@ -6,6 +6,7 @@ import collections
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -206,6 +207,12 @@ def honcho(cluster: Cluster, *args: str, target: str | None = None) -> subproces
     return subprocess.Popen([honcho_bin, "start", *args], cwd=cluster.dir, env=env,
                             stdout=open(cluster.dir / "honcho.out", "wb"),
                             stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def never_taken_in(assembler_log: str) -> int:
+    """From the assembler's last line: trajectories no learner ever took in."""
+    line = [ln for ln in assembler_log.splitlines() if "assembler stopping" in ln][-1]
+    return int(re.search(r"(\d+) never taken in by a learner", line).group(1))
 
 
 def interrupt_honcho(cluster: Cluster, proc: subprocess.Popen) -> str:

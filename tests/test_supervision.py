@@ -10,7 +10,7 @@ import subprocess
 import time
 
 import zmq
-from conftest import Cluster, honcho, send_message, wait_for
+from conftest import Cluster, honcho, never_taken_in, send_message, wait_for
 
 from stepbus.bus import protocol as p
 
@@ -84,6 +84,10 @@ def test_under_honcho_kill_9_of_each_role_in_turn_and_the_run_goes_on_and_ends_b
             assert proc.poll() is None, f"honcho went on after the {role} was killed"
         print("kill -9 to steps flowing again:",
               ", ".join(f"{role} {s:.1f}s" for role, s in recovered.items()))
+        swap = cluster.cli("trainer", "swap", "--lr", "0.0005")  # a live swap, under honcho too
+        assert swap.returncode == 0, swap.stdout + swap.stderr
+        wait_for(lambda: any(r.get("generation") == 3 for r in role_rows(cluster, "trainer")),
+                 30, "the swapped-in learner (generation 3) reporting")
         assert proc.wait(60) == 0, "the run finished by itself"
     except (AssertionError, subprocess.TimeoutExpired):
         print((cluster.dir / "honcho.out").read_text()[-8000:])
@@ -93,6 +97,9 @@ def test_under_honcho_kill_9_of_each_role_in_turn_and_the_run_goes_on_and_ends_b
             os.killpg(proc.pid, signal.SIGKILL)
     out = (cluster.dir / "honcho.out").read_text()
     assert "Traceback" not in out
+    assert never_taken_in(out) == 0, out[-3000:]
+    runs = [d.name for d in cluster.runs_dir.iterdir() if d.name != "latest"]
+    assert len(runs) == 1, f"one run carried on across the controller's restart: {runs}"
     for role in ("controller", "broker", "worker", "assembler"):
         assert f"{role} (pid" in out and "killed by SIGKILL after" in out, role
     wait_for(lambda: cluster.strays() == [], 10, "no process left behind")

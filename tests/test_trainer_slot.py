@@ -1,14 +1,14 @@
-"""The trainer slot: a learner killed or swapped under a running pipeline, nothing lost."""
+"""The trainer slot: a learner killed or swapped under a running pipeline, nothing lost. A
+learner killed and swapped under honcho is test_supervision's."""
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
 from collections.abc import Callable
 
-from conftest import EVERY_UPDATE, Cluster, honcho, interrupt_honcho, status_rows, wait_for
+from conftest import EVERY_UPDATE, Cluster, never_taken_in, status_rows, wait_for
 
 
 def row(cluster: Cluster, role: str) -> dict:
@@ -21,12 +21,6 @@ def learner_row(cluster: Cluster, generation: int) -> dict:
     heartbeats, so this waits)."""
     return wait_for(lambda: (r := row(cluster, "trainer")).get("generation") == generation and r,
                     60, f"learner generation {generation} in stepbus status")
-
-
-def never_taken_in(assembler_log: str) -> int:
-    """From the assembler's last line: trajectories no learner ever took in."""
-    line = [ln for ln in assembler_log.splitlines() if "assembler stopping" in ln][-1]
-    return int(re.search(r"(\d+) never taken in by a learner", line).group(1))
 
 
 def test_a_killed_learner_is_restarted_by_its_slot_and_nothing_sent_to_it_is_lost(
@@ -134,26 +128,6 @@ def test_without_a_learner_stepping_pauses_and_the_next_learner_gets_everything(
     codes = {name: proc.wait(30) for name, proc in procs.items()}
     assert codes == dict.fromkeys(procs, 0), cluster.dump()
     assert never_taken_in(procs["assembler"].output()) == 0, procs["assembler"].output()[-2000:]
-
-
-def test_under_honcho_a_killed_or_swapped_learner_is_replaced_and_ctrl_c_ends_cleanly(
-        cluster: Cluster):
-    proc = honcho(cluster, target="0")
-    try:
-        wait_for(lambda: len(cluster.metrics()) >= 3, 60, "training under way")
-        os.kill(learner_row(cluster, 1)["pid"], signal.SIGKILL)
-        learner_row(cluster, 2)
-        swap = cluster.cli("trainer", "swap", "--lr", "0.0005")
-        assert swap.returncode == 0, swap.stdout + swap.stderr
-        learner_row(cluster, 3)
-        wait_for(lambda: any(r["generation"] == 3 for r in cluster.metrics()), 60,
-                 "the swapped-in learner's first update")
-        assert proc.poll() is None, "honcho kept every process running"
-        out = interrupt_honcho(cluster, proc)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert never_taken_in(out) == 0, out[-3000:]
 
 
 def test_a_frozen_learner_is_killed_by_its_slot_and_replaced(cluster: Cluster):
