@@ -85,6 +85,8 @@ def spec_problem(spec: p.SpaceSpec) -> str:
             and len(action.low) == len(action.high) == math.prod(action.shape)):
         return (f"box actions of shape {action.shape} with {len(action.low)} lows and "
                 f"{len(action.high)} highs")[:200]
+    if spec.reward_threshold is not None and not math.isfinite(spec.reward_threshold):
+        return f"reward_threshold {spec.reward_threshold}"  # NaN would mismatch every later hello
     return ""
 
 

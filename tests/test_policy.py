@@ -194,6 +194,8 @@ SPEC_REFUSALS = [
                                     "action_low": [0.0], "action_high": [1.0, 1.0]},
      "box actions of shape (2,) with 1 lows and 2 highs"),
     ("a box of no dims", {"action_kind": "box", "action_shape": [0]}, "box actions"),
+    ("a NaN reward threshold", {"reward_threshold": float("nan")}, "reward_threshold nan"),
+    ("an infinite reward threshold", {"reward_threshold": float("inf")}, "reward_threshold inf"),
 ]
 
 
