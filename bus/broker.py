@@ -205,8 +205,7 @@ class Broker(node.Process):
     # -- workers
     def on_worker_hello(self, peer: bytes, msg: p.WorkerHello) -> None:
         w = self.table.get(peer)
-        if w is None and (same := self.table.named(msg.worker)) is not None and \
-                same.incarnation == msg.incarnation:
+        if w is None and self.table.known_as(msg.worker, msg.incarnation):
             # Queued on a connection the worker has replaced since (a reconnect after we froze):
             # ROUTER_HANDOVER gives the old connection a made-up routing id until it is gone.
             self.counts.stale_hellos += 1

@@ -184,6 +184,7 @@ class Controller(node.Process):
         super().__init__(ports, log, clock=clock)
         self.cfg = cfg
         self.run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        self.adopted, self.adopted_from = False, ("", "")  # see `adopt_run`
         self.peers = PeerTable()
         self.epoch = 0
         self.options: dict[str, p.Json] = {}
@@ -250,14 +251,22 @@ class Controller(node.Process):
     def adopt_run(self, peer: Peer) -> None:
         """A controller restarted under a running pipeline hears the run's id in its first
         heartbeats: it carries that run on, so a learner started after it resumes the same run
-        directory instead of starting a new run. Only while young: later, its own id has been
-        handed out."""
-        said = peer.figures.get("run_id")
-        if (isinstance(said, str) and said != self.run_id and RUN_ID_PATTERN.fullmatch(said)
-                and self.now - self.started < ADOPT_RUN_S):
-            self.log.info("carrying on run %s (from %s %s's heartbeat) instead of %s",
-                          said, peer.role, peer.name, self.run_id)
-            self.run_id = said
+        directory instead of starting a new run. Only once, only while young (later its own id
+        has been handed out), and only from a process older than itself (which knew the run
+        before this controller existed)."""
+        said, age = peer.figures.get("run_id"), self.now - self.started
+        if not (isinstance(said, str) and said != self.run_id and RUN_ID_PATTERN.fullmatch(said)):
+            return
+        uptime = peer.figures.get("uptime_s")
+        if self.adopted or age >= ADOPT_RUN_S or not (
+                isinstance(uptime, (int, float)) and uptime > age):
+            if self.adopted and said != self.adopted_from[0]:
+                self.log.warning("%s %s reports run %s, not %s: a process of another run?",
+                                 peer.role, peer.name, said, self.run_id)
+            return
+        self.log.info("carrying on run %s (from %s %s's heartbeat) instead of %s",
+                      said, peer.role, peer.name, self.run_id)
+        self.run_id, self.adopted, self.adopted_from = said, True, (said, peer.name)
 
     def purge(self, now: float) -> None:
         for peer in self.peers.expire(now):

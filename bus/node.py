@@ -597,7 +597,7 @@ class Loop:
             self.register(name)
         self.watch_fds: set[int] = set()  # the process's `wake_on_readable_fds`, as polled
         self.signalled = False  # the process was told of a signal
-        self.last_mark = process.clock()  # see `mark_time`
+        self.last_mark, self.last_cpu = process.clock(), time.process_time()  # see `mark_time`
 
     def watch_writable(self, port: str, on: bool) -> None:
         """Wake when `port` can take a message again (a full or absent consumer)."""
@@ -650,10 +650,12 @@ class Loop:
 
     def mark_time(self, allowed_s: float) -> float:
         """The time now; tells the process if more than `allowed_s` (a poll's timeout) plus
-        STALLED_S passed since the last mark: it was stopped or starved, not its peers."""
-        now = self.process.clock()
-        late = now - self.last_mark - allowed_s
-        self.last_mark = now
+        STALLED_S passed since the last mark without it using the CPU: it was stopped or
+        starved, not its peers. Time it spent working (slow inference, say) is not a stall, or
+        a slow process would never find a peer dead."""
+        now, cpu = self.process.clock(), time.process_time()
+        late = now - self.last_mark - allowed_s - (cpu - self.last_cpu)
+        self.last_mark, self.last_cpu = now, cpu
         if late > STALLED_S:
             self.process.now = now
             self.process.on_stalled(late)

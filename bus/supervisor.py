@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import dataclasses
 import enum
+import functools
 import logging
 import math
 import os
@@ -118,14 +118,17 @@ def restart_delay(quick_deaths: int, code: int) -> float:
     return max(delay, 1.0) if code == 0 else delay
 
 
-_PRCTL = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).prctl  # loaded before fork
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # looked up before any fork
+CONFIG_ERROR_EXIT = 2  # a role's exit code for a bad setting: restarting cannot help
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
     """In the child, before exec: SIGTERM when the supervisor dies (even by SIGKILL), so a
-    child never outlives the Procfile process honcho stops. Only a call into libc, loaded
-    before the fork: the supervisor has ZeroMQ's threads."""
-    _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+    child never outlives the Procfile process honcho stops. Only calls into libc, looked up
+    before the fork: the supervisor has ZeroMQ's threads. A supervisor that died before the
+    prctl took effect is caught by the parent check."""
+    if _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM) != 0 or os.getppid() != parent:
+        os._exit(1)
 
 
 class Supervisor(node.Process):
@@ -150,7 +153,9 @@ class Supervisor(node.Process):
         self.running: Running | None = None
         self.child = Child.WAITING
         self.leaving = ""  # why the supervisor is stopping ("": it is not)
+        self.shutting_down = ""  # the run's shutdown, heard: the child leaves, none is restarted
         self.counts = Figures()
+        self.gave_up_exit = False  # gave up and stops: the supervisor exits 1
         self.at("restart", self.now, self.start_child)
 
     # -- the child's life
@@ -162,10 +167,20 @@ class Supervisor(node.Process):
             beats, beat_end = os.pipe()
             env[self.beat_env] = str(beat_end)
             keep.append(beat_end)
-        popen = subprocess.Popen([*self.command, *self.args], env=env, stderr=err_write,
-                                 pass_fds=tuple(keep), preexec_fn=_die_with_parent)
-        for fd in keep:
-            os.close(fd)
+        self.counts.last_error = ""  # this child's, not an earlier one's
+        try:
+            popen = subprocess.Popen([*self.command, *self.args], env=env, stderr=err_write,
+                                     pass_fds=tuple(keep),
+                                     preexec_fn=functools.partial(_die_with_parent, os.getpid()))
+        except (OSError, subprocess.SubprocessError) as exc:  # no memory or pids left, say
+            for fd in (err_read, beats):
+                if fd is not None:
+                    os.close(fd)
+            self.could_not_start(exc, now)
+            return
+        finally:
+            for fd in keep:  # the child's ends: it has its own copies
+                os.close(fd)
         os.set_blocking(err_read, False)
         if beats is not None:
             os.set_blocking(beats, False)
@@ -185,6 +200,18 @@ class Supervisor(node.Process):
 
     def child_started(self, now: float) -> None:
         """A hook for subclasses: a child was just started."""
+
+    def could_not_start(self, exc: Exception, now: float) -> None:
+        """Starting a child failed (fork or exec): a quick death, with the same back-off."""
+        self.counts.last_error = f"cannot start: {type(exc).__name__}: {exc}"[:LAST_ERROR_CHARS]
+        self.log.error("%s could not be started: %s", self.noun, self.counts.last_error)
+        self.counts.deaths += 1
+        self.counts.last_death = "not started"
+        self.counts.quick_deaths += 1
+        if self.counts.quick_deaths >= self.quick_deaths_limit:
+            self.give_up(0.0)
+        else:
+            self.at("restart", now + restart_delay(self.counts.quick_deaths, 1), self.start_child)
 
     def tick(self, now: float) -> float:
         """Pass the child's stderr on, take its beats, notice its exit; without a pidfd, look
@@ -207,12 +234,16 @@ class Supervisor(node.Process):
 
     def pass_stderr(self, run: Running, *, final: bool = False) -> None:
         """Write the child's stderr through to ours and keep its last line."""
-        data = b""
+        data, eof = b"", False
         with contextlib.suppress(BlockingIOError, OSError):
             while chunk := os.read(run.stderr, 65536):
                 data += chunk
                 if len(data) > 1 << 20:
                     break
+            else:
+                eof = True  # the child closed its stderr: stop polling it
+        if eof and run.stderr in self.wake_on_readable_fds:
+            self.wake_on_readable_fds = self.wake_on_readable_fds - {run.stderr}
         if data:
             with contextlib.suppress(OSError, ValueError):
                 sys.stderr.buffer.write(data)
@@ -261,9 +292,9 @@ class Supervisor(node.Process):
         self.wake_on_readable_fds = set()
         for name in ("silence", "kill", "shutdown"):
             self.cancel(name)
-        if self.leaving:
+        if self.leaving or self.shutting_down:
             self.log.info("%s stopped (%s)", self.noun, describe_exit(code))
-            self.stop(self.leaving)
+            self.stop(self.leaving or self.shutting_down)
         else:
             self.exited_unasked(ended, code, now, asked)
 
@@ -281,6 +312,9 @@ class Supervisor(node.Process):
         self.counts.deaths += 1
         self.counts.last_death = "frozen, killed" if ended.killed_frozen else describe_exit(code)
         self.counts.quick_deaths = 0 if ran >= STEADY_S else self.counts.quick_deaths + 1
+        if code == CONFIG_ERROR_EXIT:  # a bad setting: every restart would refuse it again
+            self.give_up(ran, exit_anyway=True)
+            return
         if self.counts.quick_deaths >= self.quick_deaths_limit:
             self.give_up(ran)
             return
@@ -293,14 +327,20 @@ class Supervisor(node.Process):
     def last_error_text(self) -> str:
         return f" (last error: {self.counts.last_error})" if self.counts.last_error else ""
 
-    def give_up(self, ran: float) -> None:
+    def give_up(self, ran: float, *, exit_anyway: bool = False) -> None:
+        """No more restarts. `exit_anyway`: a setting is wrong (exit code 2), which the same
+        flags give every peer of a worker too, so even a worker's supervisor exits."""
         self.child = Child.GAVE_UP
-        self.log.error("%s died %d times in a row, each within %gs of its start (last: %s after "
-                       "%.1fs%s); giving up%s", self.noun, self.counts.quick_deaths, STEADY_S,
+        staying = self.give_up_rule is GiveUp.STAY and not exit_anyway
+        reason = ("exited 2: a setting is wrong (see its log above); restarting cannot help"
+                  if exit_anyway else
+                  f"died {self.counts.quick_deaths} times in a row, each within {STEADY_S:g}s "
+                  f"of its start")
+        self.log.error("%s %s (last: %s after %.1fs%s); giving up%s", self.noun, reason,
                        self.counts.last_death, ran, self.last_error_text(),
-                       "" if self.give_up_rule is GiveUp.STAY
-                       else ": the run cannot go on without it")
-        if self.give_up_rule is GiveUp.EXIT:
+                       "" if staying else ": the run cannot go on without it")
+        if not staying:
+            self.gave_up_exit = True
             self.stop(f"gave up on the {self.noun}")
 
     @property
@@ -323,8 +363,9 @@ class Supervisor(node.Process):
     def leave_after_shutdown(self, reason: str) -> None:
         """The child heard the same shutdown and leaves by itself; it gets SIGTERM only if it
         outstays SHUTDOWN_WAIT_S. Nothing is restarted from now on."""
-        if self.leaving or "shutdown" in self.timers:
+        if self.leaving or self.shutting_down:
             return
+        self.shutting_down = reason
         self.cancel("restart")
         if self.running is None:
             self.leave(reason)
@@ -399,7 +440,7 @@ def run(role: str, flags: list[str], *, controller: str, security: wiring.Securi
         log.info("supervising %s %s: restarted if it dies, up to %d quick deaths in a row",
                  role, name, quick_deaths_limit)
         code = node.Loop(sup, {}, link, stop).run()
-        return 1 if sup.gave_up and give_up is GiveUp.EXIT else code
+        return 1 if sup.gave_up_exit else code
     finally:
         if sup is not None:
             sup.kill_child()

@@ -80,8 +80,10 @@ class WorkerTable:
     def get(self, ident: bytes) -> Worker | None:
         return self.workers.get(ident)
 
-    def named(self, name: str) -> Worker | None:
-        return next((w for w in self.workers.values() if w.name == name), None)
+    def known_as(self, name: str, incarnation: str) -> bool:
+        """A worker of this name and incarnation is in (under any routing id)."""
+        return any(w.name == name and w.incarnation == incarnation
+                   for w in self.workers.values())
 
     def join(self, ident: bytes, msg: p.WorkerHello, now: float) -> tuple[Worker, Worker | None]:
         """Enter a worker (a new one, or a new incarnation under a known identity, whose old

@@ -272,10 +272,16 @@ def test_a_restarted_controller_carries_on_the_run_its_peers_report_while_it_is_
     bench = Bench()
     own = bench.ctl.run_id
     assert bench.beat(b"learner", "trainer", T0 + 1).run_id == own, "a new peer knows no run"
-    assert bench.beat(b"broker", "broker", T0 + 1.5, run_id="20261123-101500-abc123").run_id \
-        == "20261123-101500-abc123", "the pipeline's run, carried on"
-    assert bench.beat(b"worker", "worker", T0 + 2, run_id="../../etc").run_id == \
-        "20261123-101500-abc123", "not a run id: ignored"
-    later = bench.beat(b"other", "worker", T0 + controller.ADOPT_RUN_S + 1,
-                       run_id="20261124-000000-def456")
-    assert later.run_id == "20261123-101500-abc123", "too late: its id has been handed out"
+    assert bench.beat(b"young", "worker", T0 + 1.2, run_id="20261123-101500-abc123",
+                      uptime_s=0.5).run_id == own, "younger than the controller: not the run's"
+    assert bench.beat(b"worker", "worker", T0 + 1.3, run_id="../../etc",
+                      uptime_s=100.0).run_id == own, "not a run id: ignored"
+    assert bench.beat(b"broker", "broker", T0 + 1.5, run_id="20261123-101500-abc123",
+                      uptime_s=100.0).run_id == "20261123-101500-abc123", "carried on"
+    other = bench.beat(b"stray", "worker", T0 + 2, run_id="20261122-000000-def456",
+                       uptime_s=100.0)
+    assert other.run_id == "20261123-101500-abc123", "adopted once: another id is not"
+    later = Bench()
+    assert later.beat(b"broker", "broker", T0 + controller.ADOPT_RUN_S + 1,
+                      run_id="20261123-101500-abc123", uptime_s=100.0).run_id == \
+        later.ctl.run_id, "too late: its own id has been handed out"

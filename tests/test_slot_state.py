@@ -225,7 +225,8 @@ def test_on_shutdown_the_learner_gets_sigterm_then_sigkill_after_the_grace_and_t
     bench.wait_beat(0.5)  # it ignores SIGTERM by now
     bench.slot.deliver(b"", p.Shutdown(reason="stepbus shutdown"), now=T0 + 1)
     bench.slot.deliver(b"", p.TrainerSwap(slot="", args=[]), now=T0 + 1)
-    assert bench.replies() == [], "no swap while stopping"
+    assert bench.replies() == [p.Reply(ok=False, detail="the slot is stopping")], \
+        "no swap while stopping, and the asker is told at once"
     assert bench.slot.figures()["state"] == "stopping" and not bench.slot.stop_reason
     bench.at(1.0 + supervisor.STOP_GRACE_S - 0.1)
     assert bench.learner().popen.poll() is None

@@ -120,3 +120,35 @@ def test_after_a_shutdown_the_child_may_leave_by_itself_and_is_not_restarted(
     idle.wait_exit(0.1)  # waiting 0.5 s to restart it when the shutdown comes
     idle.sup.deliver(b"", p.Shutdown(reason="stepbus shutdown"), now=T0 + 0.2)
     assert idle.sup.stop_reason == "stepbus shutdown" and "restart" not in idle.sup.timers
+
+
+def test_a_child_that_exits_2_has_a_bad_setting_and_is_given_up_on_at_once_even_a_worker(
+        benches: list[Bench], caplog: pytest.LogCaptureFixture):
+    bench = Bench("import sys; sys.exit(2)", give_up=supervisor.GiveUp.STAY)
+    benches.append(bench)
+    bench.at(0.0)
+    assert bench.wait_exit(0.1) == 2
+    assert bench.sup.gave_up and bench.sup.gave_up_exit, "restarting cannot fix a setting"
+    assert "a setting is wrong" in caplog.text
+
+
+def test_a_child_that_cannot_be_started_is_a_quick_death_with_the_back_off(
+        benches: list[Bench]):
+    bench = Bench(SLEEPS)
+    benches.append(bench)
+    bench.sup.command = ["/nonexistent/python"]
+    bench.at(0.0)
+    figures = bench.sup.figures()
+    assert (figures["state"], figures["deaths"], figures["last_death"]) == (
+        "restarting", 1, "not started")
+    assert "FileNotFoundError" in figures["last_error"]
+    assert bench.sup.timers["restart"].due == T0 + 0.5
+
+
+def test_a_child_that_dies_while_the_run_shuts_down_is_not_restarted(benches: list[Bench]):
+    bench = Bench("import sys, time; time.sleep(0.3); sys.exit(3)")
+    benches.append(bench)
+    bench.at(0.0)
+    bench.sup.deliver(b"", p.Shutdown(reason="stepbus shutdown"), now=T0 + 0.1)
+    bench.wait_exit(0.5)
+    assert bench.sup.stop_reason == "stepbus shutdown" and "restart" not in bench.sup.timers

@@ -81,6 +81,7 @@ class Slot(supervisor.Supervisor):
     # -- swaps
     def on_trainer_swap(self, peer: bytes, msg: p.TrainerSwap) -> None:
         if self.leaving or self.gave_up:
+            self.send("controller", p.Reply(ok=False, detail="the slot is stopping"))
             return
         if self.swap is not None:
             self.send("controller", p.Reply(ok=False, detail="a swap is already under way"))
@@ -153,7 +154,7 @@ def run(cfg: learner.Config, learner_args: list[str],
         slot = Slot(node.SocketPorts({"controller": link.dealer}), log, name=name,
                     args=learner_args, validate=validate)
         code = node.Loop(slot, {}, link, stop).run()
-        return 1 if slot.gave_up else code
+        return 1 if slot.gave_up_exit else code
     finally:
         if slot is not None:
             slot.kill_child()
