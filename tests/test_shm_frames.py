@@ -76,11 +76,12 @@ class Checker:
             self.take(self.inbox)
             self.credit(self.steps)
 
-    def credit(self, consumed: int) -> None:
-        """Say we took in `consumed` steps: the broker steps up to its window beyond that."""
+    def credit(self, consumed: int, *, starving: bool = False) -> None:
+        """Say we took in `consumed` steps: the broker steps up to its window beyond that (and,
+        `starving`, tops the window up: we wait for data it thinks is in flight)."""
         send_message(self.weights, p.Weights(
             trainer="t", incarnation="t1", policy="default", version=1,
-            consumed_steps=consumed, batch_steps=256, starving=False, params=self.params))
+            consumed_steps=consumed, batch_steps=256, starving=starving, params=self.params))
 
     def close(self) -> None:
         self.weights.close()
@@ -108,11 +109,11 @@ def test_observations_arrive_intact_through_shared_memory_and_a_stopped_assemble
         # slots (the worker sends rows), and nothing is lost once it goes on.
         assembler = next(proc for proc in cluster.procs if proc.name.startswith("assembler"))
         assembler.signal(signal.SIGSTOP)
-        checker.credit(checker.steps + 3000)  # stepping goes on meanwhile (queued for it)
-        try:
-            wait_for(lambda: figures(cluster, "worker").get("shm_full", 0)
-                     + figures(cluster, "broker").get("shm_rows_forwarded", 0) > 0, 20,
-                     "batches on the socket while the assembler is stopped")
+        try:  # starving, we are granted steps beyond the window (queued for the assembler)
+            wait_for(lambda: checker.credit(checker.steps, starving=True) or figures(
+                cluster, "worker").get("shm_full", 0) + figures(cluster, "broker").get(
+                "shm_rows_forwarded", 0) > 0, 20,
+                "batches on the socket while the assembler is stopped")
         finally:
             assembler.signal(signal.SIGCONT)
         checker.run_until(checker.steps + 3000)
