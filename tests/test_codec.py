@@ -281,7 +281,7 @@ def test_large_arrays_are_decoded_without_copying() -> None:
 
 @pytest.mark.parametrize("bad", [np.array([object()]), np.array(["ab"]), np.zeros(2, ">f8"),
                                  np.zeros(2, "complex64"), np.zeros(2, "datetime64[ns]"),
-                                 np.zeros(2, [("a", "<i4")])], ids=str)
+                                 np.zeros(2, [("a", "<i4")])], ids=lambda bad: str(bad.dtype))
 def test_encoding_an_array_of_a_disallowed_dtype_raises_protocol_error(bad: np.ndarray) -> None:
     with pytest.raises(p.ProtocolError) as info:
         p.encode(p.Step(epoch=0, seq=0, policy_version=0, actions=bad))
