@@ -62,21 +62,11 @@ def corpus(marker: Path) -> list[list[bytes]]:
 SQUATTER_HELLOS = 30  # more than any other peer's refusals: first in rejected_from
 
 
-def test_hostile_messages_on_every_bound_socket_are_refused_and_learning_goes_on(
-        cluster: Cluster, tmp_path: Path):
-    marker = tmp_path / "unpickled"
-    # we stop it ourselves; records counted as updates
-    procs = cluster.start_all(trainer_args=("--target-return", "0", *EVERY_UPDATE))
-    wait_for(lambda: len(cluster.metrics()) >= 2, 60, "training under way")
-    sent = 0
-    for name, kind in (("controller", zmq.DEALER), ("steps", zmq.DEALER),
-                       ("policy", zmq.DEALER), ("experience", zmq.PUSH)):
-        sock = cluster.socket(kind, cluster.endpoints[name])
-        for frames in corpus(marker):
-            sock.send_multipart(frames)
-            sent += 1
-        sock.close(linger=1000)
-    # A liar: a well-formed worker hello with the right spaces, then results of the wrong shape.
+def well_formed_lies(cluster: Cluster) -> None:
+    """Messages that decode, from peers that lie: a worker whose results have the wrong shape,
+    a trainer with values no honest one sends, and a squatter with a routing id of its own
+    saying hello in the real worker's name (its refusals count against its id, never w0)."""
+    # the liar: a well-formed worker hello with the right spaces, then results of the wrong shape
     liar = cluster.socket(zmq.DEALER, cluster.endpoints["steps"])
     liar.setsockopt(zmq.IDENTITY, b"liar")
     send_message(liar, p.WorkerHello(worker="liar", incarnation="x", env_id="CartPole-v1",
@@ -107,6 +97,23 @@ def test_hostile_messages_on_every_bound_socket_are_refused_and_learning_goes_on
         send_message(squatter, p.WorkerHello(worker="w0", incarnation="s", env_id="x",
                                              num_envs=-1000, seed=0, spec=CARTPOLE_SPEC, seq=0))
     squatter.close(linger=1000)
+
+
+def test_hostile_messages_on_every_bound_socket_are_refused_and_learning_goes_on(
+        cluster: Cluster, tmp_path: Path):
+    marker = tmp_path / "unpickled"
+    # we stop it ourselves; records counted as updates
+    procs = cluster.start_all(trainer_args=("--target-return", "0", *EVERY_UPDATE))
+    wait_for(lambda: len(cluster.metrics()) >= 2, 60, "training under way")
+    sent = 0
+    for name, kind in (("controller", zmq.DEALER), ("steps", zmq.DEALER),
+                       ("policy", zmq.DEALER), ("experience", zmq.PUSH)):
+        sock = cluster.socket(kind, cluster.endpoints[name])
+        for frames in corpus(marker):
+            sock.send_multipart(frames)
+            sent += 1
+        sock.close(linger=1000)
+    well_formed_lies(cluster)
 
     def rejected_by_role() -> dict[str, dict]:
         status = cluster.cli("status", "--json", "--timeout", "2")
