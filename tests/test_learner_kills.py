@@ -177,6 +177,7 @@ def assert_every_trajectory_learned(cluster: Cluster, assembler_log: str,
     assert progress["env_steps"] >= records[-1]["env_steps"]
 
 
+@pytest.mark.solo  # compares policy lag before and after: another test beside it moves it
 def test_learners_killed_and_swapped_in_a_row_lose_no_confirmed_learning_nor_credit(
         cluster: Cluster, watch: Watch) -> None:
     log = cluster.dir / "learned.log"
