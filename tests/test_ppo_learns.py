@@ -6,6 +6,7 @@ rl-zoo's SB3 PPO settings (8 envs x 32 steps, 20 epochs, lr 1e-3) solve CartPole
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import gymnasium as gym
@@ -45,53 +46,70 @@ class _Segment:
         )
 
 
+class Rollout:
+    """CartPole envs stepped by a policy's `act(obs, rng) -> (actions, logp, values)`, cut
+    into trajectories as a learner gets them: at episode end, and at the horizon."""
+
+    def __init__(self, n_envs: int, seed: int = 0) -> None:
+        self.envs = [gym.make("CartPole-v1") for _ in range(n_envs)]
+        self.obs = np.stack([env.reset(seed=seed * 1000 + i)[0]
+                             for i, env in enumerate(self.envs)])
+        self.segments = [_Segment() for _ in self.envs]
+        self.episode_return = np.zeros(n_envs)
+        self.finished: list[float] = []
+        self.env_steps = 0
+
+    def collect(self, act: Callable[[np.ndarray, np.random.Generator], tuple],
+                rng: np.random.Generator, horizon: int) -> list[Trajectory]:
+        trajs: list[Trajectory] = []
+        for _ in range(horizon):
+            actions, logp, values = act(self.obs, rng)
+            for i, env in enumerate(self.envs):
+                next_obs, reward, terminated, truncated, _ = env.step(int(actions[i]))
+                seg = self.segments[i]
+                seg.obs.append(self.obs[i].copy())
+                seg.actions.append(int(actions[i]))
+                seg.logp.append(float(logp[i]))
+                seg.values.append(float(values[i]))
+                seg.rewards.append(float(reward))
+                self.episode_return[i] += reward
+                if terminated or truncated:
+                    # next_obs is the true final observation: bootstrapped iff truncated
+                    trajs.append(seg.cut(terminated, truncated, next_obs))
+                    self.segments[i] = _Segment()
+                    self.finished.append(self.episode_return[i])
+                    self.episode_return[i] = 0.0
+                    next_obs, _ = env.reset()
+                self.obs[i] = next_obs
+            self.env_steps += len(self.envs)
+        for i, seg in enumerate(self.segments):  # horizon cut: bootstrap from the current obs
+            if seg.rewards:
+                trajs.append(seg.cut(False, False, self.obs[i]))
+                self.segments[i] = _Segment()
+        return trajs
+
+    def solved(self, target: float) -> bool:
+        return len(self.finished) >= 20 and float(np.mean(self.finished[-20:])) >= target
+
+
 @pytest.mark.timeout(60)
 def test_ppo_solves_cartpole() -> None:
     seed = 0
     cfg = PPOConfig()
     rng = np.random.default_rng(seed)
-    envs = [gym.make("CartPole-v1") for _ in range(N_ENVS)]
-    space = ActionSpace.from_gymnasium(envs[0].action_space)
-    obs = np.stack([env.reset(seed=seed * 1000 + i)[0] for i, env in enumerate(envs)])
-    params = init_params(obs.shape[1], space, cfg.hidden, rng)
+    rollout = Rollout(N_ENVS, seed)
+    space = ActionSpace.from_gymnasium(rollout.envs[0].action_space)
+    params = init_params(rollout.obs.shape[1], space, cfg.hidden, rng)
     adam = Adam(lr=cfg.lr)
 
-    segments = [_Segment() for _ in envs]
-    episode_return = np.zeros(N_ENVS)
-    finished: list[float] = []
-    env_steps = 0
-    while env_steps < MAX_ENV_STEPS:
-        trajs: list[Trajectory] = []
-        for _ in range(HORIZON):
-            actions, logp, values = act(params, obs, space, rng)
-            for i, env in enumerate(envs):
-                next_obs, reward, terminated, truncated, _ = env.step(int(actions[i]))
-                seg = segments[i]
-                seg.obs.append(obs[i].copy())
-                seg.actions.append(int(actions[i]))
-                seg.logp.append(float(logp[i]))
-                seg.values.append(float(values[i]))
-                seg.rewards.append(float(reward))
-                episode_return[i] += reward
-                if terminated or truncated:
-                    # next_obs is the true final observation: bootstrapped iff truncated
-                    trajs.append(seg.cut(terminated, truncated, next_obs))
-                    segments[i] = _Segment()
-                    finished.append(episode_return[i])
-                    episode_return[i] = 0.0
-                    next_obs, _ = env.reset()
-                obs[i] = next_obs
-            env_steps += N_ENVS
-        for i, seg in enumerate(segments):  # horizon cut: bootstrap from the current obs
-            if seg.rewards:
-                trajs.append(seg.cut(False, False, obs[i]))
-                segments[i] = _Segment()
-
+    while rollout.env_steps < MAX_ENV_STEPS:
+        trajs = rollout.collect(lambda obs, rng: act(params, obs, space, rng), rng, HORIZON)
         stats = ppo_update(params, adam, trajs, cfg, rng)
         assert np.isfinite(stats["loss"])
-        if len(finished) >= 20 and np.mean(finished[-20:]) >= TARGET:
+        if rollout.solved(TARGET):
             break
 
+    finished, env_steps = rollout.finished, rollout.env_steps
     assert len(finished) >= 20, f"only {len(finished)} episodes in {env_steps} steps"
     mean_last = float(np.mean(finished[-20:]))
     assert mean_last >= TARGET, f"mean of last 20 returns {mean_last:.1f} after {env_steps} steps"

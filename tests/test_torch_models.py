@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import Cluster, ManualClock
-from test_ppo_learns import _Segment
+from test_ppo_learns import Rollout
 from torch import nn
 
 from stepbus import policy
@@ -199,42 +199,20 @@ def test_a_broker_whose_model_cannot_act_on_the_spaces_refuses_the_hello_not_cra
 def test_torch_ppo_solves_cartpole_in_process() -> None:
     """As test_ppo_learns does for the numpy PPO: the broker's TorchPolicy acts, TorchPPO
     learns, rl-zoo's settings; the return of the last 20 episodes reaches 475."""
-    n_envs, horizon, cfg = 8, 32, ppo.PPOConfig()
+    horizon, cfg = 32, ppo.PPOConfig()
     rng = np.random.default_rng(0)
     torch.manual_seed(0)
-    envs_ = [gym.make("CartPole-v1") for _ in range(n_envs)]
+    rollout = Rollout(8)
     acting = loaded(CARTPOLE)
     algo = torch_ppo.TorchPPO(acting.module, acting.action, cfg, rng)
-    obs = np.stack([env.reset(seed=i)[0] for i, env in enumerate(envs_)])
-    segments = [_Segment() for _ in envs_]
-    returns, finished, env_steps = np.zeros(n_envs), [], 0
-    while env_steps < 100_000 and not (len(finished) >= 20 and np.mean(finished[-20:]) >= 475):
-        trajs = []
-        for _ in range(horizon):
-            actions, logp, values = acting.act(obs, rng)
-            for i, env in enumerate(envs_):
-                next_obs, reward, terminated, truncated, _ = env.step(int(actions[i]))
-                seg = segments[i]
-                seg.obs.append(obs[i].copy())
-                seg.actions.append(int(actions[i]))
-                seg.logp.append(float(logp[i]))
-                seg.values.append(float(values[i]))
-                seg.rewards.append(float(reward))
-                returns[i] += reward
-                if terminated or truncated:
-                    trajs.append(seg.cut(terminated, truncated, next_obs))
-                    segments[i], finished, returns[i] = _Segment(), [*finished, returns[i]], 0
-                    next_obs, _ = env.reset()
-                obs[i] = next_obs
-            env_steps += n_envs
-        trajs += [seg.cut(False, False, obs[i]) for i, seg in enumerate(segments) if seg.rewards]
-        segments = [_Segment() for _ in envs_]
-        stats = algo.update(trajs)
+    while rollout.env_steps < 100_000 and not rollout.solved(475):
+        stats = algo.update(rollout.collect(acting.act, rng, horizon))
         assert set(stats) >= {"policy_loss", "value_loss", "entropy", "approx_kl",
                               "clip_fraction", "grad_norm", "explained_variance"}
         assert np.isfinite(stats["loss"])
         acting.load(torch_policy.state_arrays(acting.module), acting.version + 1)
-    assert len(finished) >= 20 and np.mean(finished[-20:]) >= 475, (env_steps, finished[-20:])
+    finished = rollout.finished
+    assert rollout.solved(475), (rollout.env_steps, finished[-20:])
 
 
 def test_the_example_model_in_the_docs_acts_and_trains(tmp_path: Path,

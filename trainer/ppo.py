@@ -98,14 +98,20 @@ def compute_gae(
     trajs = [t for t in trajs if len(t)]
     if not trajs:
         return np.zeros(0), np.zeros(0)
-    lengths = np.array([len(t) for t in trajs])
-    n, n_traj = int(lengths.sum()), len(trajs)
     obs_dim = trajs[0].bootstrap_obs.size
     all_obs = np.concatenate(
         [t.obs.reshape(len(t), obs_dim) for t in trajs]
         + [np.stack([t.bootstrap_obs.reshape(obs_dim) for t in trajs])]
     )
-    all_values = value(params, all_obs)
+    return gae(trajs, value(params, all_obs), cfg)
+
+
+def gae(trajs: Sequence[Trajectory], all_values: np.ndarray, cfg: PPOConfig
+        ) -> tuple[np.ndarray, np.ndarray]:
+    """(advantages, returns) from the critic's values of every step of `trajs` in order, then
+    of each trajectory's bootstrap observation: the part of GAE every model kind shares."""
+    lengths = np.array([len(t) for t in trajs])
+    n, n_traj = int(lengths.sum()), len(trajs)
     values, boot_values = all_values[:n], all_values[n:]
     boot_values[[t.terminated for t in trajs]] = 0.0
 

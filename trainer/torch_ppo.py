@@ -24,7 +24,7 @@ from stepbus import policy
 from stepbus.bus import protocol as p
 from stepbus.models import torch_policy
 from stepbus.policy import ActionSpace
-from stepbus.trainer import algorithm, checkpoint
+from stepbus.trainer import algorithm, checkpoint, ppo
 from stepbus.trainer.algorithm import CannotStart, Model
 from stepbus.trainer.ppo import PPOConfig, Trajectory
 
@@ -48,29 +48,9 @@ def compute_gae(trajs: Sequence[Trajectory], module: nn.Module, cfg: PPOConfig,
     """(advantages, returns), float64, concatenated in trajectory order, as
     `trainer.ppo.compute_gae`: every value, bootstrap ones included, from the current critic.
     Observations keep their shape (images stay images)."""
-    lengths = np.array([len(t) for t in trajs])
-    n, n_traj = int(lengths.sum()), len(trajs)
     all_obs = np.concatenate([*(t.obs for t in trajs),
                               np.stack([t.bootstrap_obs for t in trajs])])
-    all_values = values_of(module, all_obs, device)
-    values, boot_values = all_values[:n], all_values[n:]
-    boot_values[[t.terminated for t in trajs]] = 0.0
-    ends = np.cumsum(lengths) - 1
-    next_values = np.empty(n)
-    next_values[:-1] = values[1:]
-    next_values[ends] = boot_values
-    rewards = np.concatenate([np.asarray(t.rewards, dtype=np.float64) for t in trajs])
-    deltas = rewards + cfg.gamma * next_values - values
-    # the discounted reverse cumsum per trajectory on a zero-padded grid, as ppo.py does
-    rows = np.repeat(np.arange(n_traj), lengths)
-    cols = np.arange(n) - np.repeat(ends - lengths + 1, lengths)
-    grid = np.zeros((n_traj, int(lengths.max()) + 1))
-    grid[rows, cols] = deltas
-    decay = cfg.gamma * cfg.gae_lambda
-    for t in range(grid.shape[1] - 2, -1, -1):
-        grid[:, t] += decay * grid[:, t + 1]
-    advantages = grid[rows, cols]
-    return advantages, advantages + values
+    return ppo.gae(trajs, values_of(module, all_obs, device), cfg)
 
 
 @dataclass
