@@ -427,18 +427,27 @@ def run(role: str, flags: list[str], *, controller: str, security: wiring.Securi
     with GiveUp.EXIT). The supervisor reports to the controller at `controller` as role
     "supervisor", named like its child."""
     log = node.setup_logging("supervisor")
+    name = os.environ.get("HONCHO_PROCESS_NAME") or f"{role}-{pysocket.gethostname()}-{os.getpid()}"
+    log.info("supervising %s %s: restarted if it dies, up to %d quick deaths in a row",
+             role, name, quick_deaths_limit)
+    return serve(security, log, lambda ports: Supervisor(
+        ports, log, name=name, command=[sys.executable, "-m", "stepbus", role], args=flags,
+        give_up=give_up, quick_deaths_limit=quick_deaths_limit, noun=role),
+        role="supervisor", name=name, controller=controller, broadcast="")
+
+
+def serve(security: wiring.Security, log: logging.Logger,
+          build: Callable[[node.Ports], Supervisor], *, role: str, name: str, controller: str,
+          broadcast: str) -> int:
+    """Run a supervisor, built by `build` on its link to the controller (as `role` `name`), to
+    the end: 1 if it gave up and stopped, else the loop's code; its child never outlives it."""
     stop = node.StopFlag()
     ctx = wiring.context(security)
-    name = os.environ.get("HONCHO_PROCESS_NAME") or f"{role}-{pysocket.gethostname()}-{os.getpid()}"
     sup: Supervisor | None = None
     try:
-        link = node.ControllerLink(ctx, role="supervisor", name=name, controller=controller,
-                                   broadcast="", log=log)
-        sup = Supervisor(node.SocketPorts({"controller": link.dealer}), log, name=name,
-                         command=[sys.executable, "-m", "stepbus", role], args=flags,
-                         give_up=give_up, quick_deaths_limit=quick_deaths_limit, noun=role)
-        log.info("supervising %s %s: restarted if it dies, up to %d quick deaths in a row",
-                 role, name, quick_deaths_limit)
+        link = node.ControllerLink(ctx, role=role, name=name, controller=controller,
+                                   broadcast=broadcast, log=log)
+        sup = build(node.SocketPorts({"controller": link.dealer}))
         code = node.Loop(sup, {}, link, stop).run()
         return 1 if sup.gave_up_exit else code
     finally:

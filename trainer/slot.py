@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from stepbus.bus import node, supervisor, wiring
+from stepbus.bus import node, supervisor
 from stepbus.bus import protocol as p
 from stepbus.bus.supervisor import Running
 from stepbus.trainer import learner
@@ -143,19 +143,9 @@ def run(cfg: learner.Config, learner_args: list[str],
     """`learner_args` are the slot's own flags, passed on to every learner; `validate(args)`
     returns why a swap's flags are unusable (empty if they are fine)."""
     log = node.setup_logging("slot")
-    stop = node.StopFlag()
-    ctx = wiring.context(cfg.security)
     name = (os.environ.get("HONCHO_PROCESS_NAME")
             or f"trainer-{pysocket.gethostname()}-{os.getpid()}")
-    slot: Slot | None = None
-    try:
-        link = node.ControllerLink(ctx, role="slot", name=name, controller=cfg.controller,
-                                   broadcast=cfg.broadcast, log=log)
-        slot = Slot(node.SocketPorts({"controller": link.dealer}), log, name=name,
-                    args=learner_args, validate=validate)
-        code = node.Loop(slot, {}, link, stop).run()
-        return 1 if slot.gave_up_exit else code
-    finally:
-        if slot is not None:
-            slot.kill_child()
-        wiring.destroy(ctx, wiring.LINGER_MS)
+    return supervisor.serve(
+        cfg.security, log,
+        lambda ports: Slot(ports, log, name=name, args=learner_args, validate=validate),
+        role="slot", name=name, controller=cfg.controller, broadcast=cfg.broadcast)
