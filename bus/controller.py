@@ -142,7 +142,9 @@ class PeerTable:
         return min((q.last_seen for q in self.by_id.values()), default=math.inf) + LIVENESS_S
 
     def only_clients_left(self) -> bool:
-        return not any(q.role != "cli" for q in self.by_id.values())
+        """Nobody a shutdown waits for is left. Supervisors leave only after their child, and
+        this controller's own waits for it: waiting for them would hold every run's end."""
+        return not any(q.role not in ("cli", "supervisor") for q in self.by_id.values())
 
 
 class Phase(enum.Enum):
