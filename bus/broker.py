@@ -43,7 +43,7 @@ import numpy as np
 import zmq
 
 from stepbus import policy
-from stepbus.bus import checks, node, policies, wiring
+from stepbus.bus import checks, node, policies, rows, wiring
 from stepbus.bus import protocol as p
 from stepbus.bus.barrier import ResetBarrier
 from stepbus.bus.credit import Credit, DueVersions, Weights
@@ -166,7 +166,7 @@ class PolicySlot:
         else:
             self.policy.load(params, version)
 
-    def act(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def act(self, obs: p.Obs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Actions, their log-probabilities and the values for a batch of observations."""
         assert self.policy is not None
         return self.policy.act(obs, self.rng)
@@ -304,7 +304,8 @@ class Broker(node.Process):
     def segment_rows(self, w: Worker, msg: p.StepResult) -> np.ndarray | None:
         """The observations of a result that names a slot of w's segment, read in place (None:
         not a batch we can read)."""
-        if w.segment is None or self.spec is None or msg.obs.shape[0] != 0:
+        if (w.segment is None or self.spec is None or isinstance(msg.obs, dict)
+                or msg.obs.shape[0] != 0):
             return None
         view = w.segment.view(msg.obs_slot, np.dtype(self.spec.obs_dtype),
                               policy.obs_shape(self.spec))
@@ -380,7 +381,7 @@ class Broker(node.Process):
             self.rejects.refuse(f"assembler at {self.cfg.experience}", p.ProtocolError(
                 "experience dropped", "the assembler's queue is full or it went away"))
 
-    def experience_obs(self, w: Worker, r: p.StepResult) -> tuple[np.ndarray, int]:
+    def experience_obs(self, w: Worker, r: p.StepResult) -> tuple[p.Obs, int]:
         """A result's observations as the assembler gets them, and their slot: the slot alone
         when the assembler maps the worker's segment too, else the rows (the slot goes back)."""
         segment = w.segment
@@ -388,11 +389,11 @@ class Broker(node.Process):
             return r.obs, r.obs_slot
         if segment.reader_fresh():
             self.counts.shm_slots_forwarded += 1
-            return r.obs[:0], r.obs_slot
-        rows = r.obs.copy()  # no (live) assembler on this host maps it: the rows go on the socket
+            return rows.take(r.obs, slice(0, 0)), r.obs_slot
+        copied = rows.copy(r.obs)  # no (live) assembler here maps it: the rows go on the socket
         segment.release(r.obs_slot, r.seq)
         self.counts.shm_rows_forwarded += 1
-        return rows, -1
+        return copied, -1
 
     # -- trainers
     def known_policy(self, trainer: str, name: str) -> PolicySlot | None:
@@ -545,7 +546,7 @@ class Broker(node.Process):
         goes to the assembler."""
         # One worker's observations are the batch as they came: no copy of its frames.
         results = [w.result for w in ready if w.result is not None]
-        obs = results[0].obs if len(results) == 1 else np.concatenate([r.obs for r in results])
+        obs = rows.concat([r.obs for r in results])
         actions, logp, value, versions = self.act(obs, ready)
         start = 0
         for w, r in zip(ready, results, strict=True):
@@ -560,24 +561,25 @@ class Broker(node.Process):
                                 versions[start:end]))
             start = end
 
-    def act(self, obs: np.ndarray, ready: list[Worker]) -> Outputs:
+    def act(self, obs: p.Obs, ready: list[Worker]) -> Outputs:
         """Every policy's outputs on its own rows of one batch, and each row's version."""
+        b = rows.count(obs)
         if len(self.slots) == 1:
             slot = self.slots[0]
-            return (*slot.act(obs), np.full(len(obs), slot.version, np.int64))
+            return (*slot.act(obs), np.full(b, slot.version, np.int64))
         row_policy = np.concatenate([w.row_policy for w in ready])
-        versions = np.empty(len(obs), np.int64)
+        versions = np.empty(b, np.int64)
         parts = []
         for k, slot in enumerate(self.slots):
-            rows = np.flatnonzero(row_policy == k)
-            if len(rows):
-                parts.append((rows, *slot.act(obs[rows])))
-                versions[rows] = slot.version
+            mine = np.flatnonzero(row_policy == k)
+            if len(mine):
+                parts.append((mine, *slot.act(rows.take(obs, mine))))
+                versions[mine] = slot.version
         _, a, lp, v = parts[0]
-        actions = np.empty((len(obs), *a.shape[1:]), a.dtype)
-        logp, value = np.empty(len(obs), lp.dtype), np.empty(len(obs), v.dtype)
-        for rows, a, lp, v in parts:
-            actions[rows], logp[rows], value[rows] = a, lp, v
+        actions = np.empty((b, *a.shape[1:]), a.dtype)
+        logp, value = np.empty(b, lp.dtype), np.empty(b, v.dtype)
+        for mine, a, lp, v in parts:
+            actions[mine], logp[mine], value[mine] = a, lp, v
         return actions, logp, value, versions
 
     def count_steps(self, w: Worker, r: p.StepResult) -> None:

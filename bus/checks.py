@@ -11,14 +11,15 @@ import math
 
 import numpy as np
 
-from stepbus import policy
-from stepbus.bus import policies
+from stepbus import policy, spaces
+from stepbus.bus import policies, rows
 from stepbus.bus import protocol as p
 from stepbus.policy import ActionSpace
 
 MAX_ENVS_PER_WORKER = 65_536
 MAX_BATCH_STEPS = 10_000_000
 MAX_TRAJECTORY_STEPS = 1_000_000
+MAX_CATEGORIES = 1 << 20  # of all categorical action dimensions together
 
 def rows_problem(m: p.StepResult | p.Experience, rows: int) -> str:
     """The optional per-row arrays: `alive` (bool), `episode` and `episode_seed` (integers)."""
@@ -45,16 +46,16 @@ def result_problem(r: p.StepResult, num_envs: int, spec: p.SpaceSpec | None) -> 
     k = num_envs
     if spec is None:
         return "no spaces declared"
-    obs_shape = policy.obs_shape(spec)
-    if r.obs.shape != (k, *obs_shape):
-        return f"obs shape {r.obs.shape}, expected {(k, *obs_shape)}"
+    problem = spaces.obs_problem(r.obs, spec, (k,))
+    if problem:
+        return problem
     if any(a.shape != (k,) for a in (r.reward, r.terminated, r.truncated)):
         return "reward/terminated/truncated must have one entry per env"
     if r.terminated.dtype != bool or r.truncated.dtype != bool:
         return "terminated/truncated must be bool"
     ended = int((r.terminated | r.truncated).sum())
-    if r.final_obs.shape != (ended, *obs_shape):
-        return f"final_obs shape {r.final_obs.shape}, expected one row per ended episode"
+    if spaces.obs_problem(r.final_obs, spec, (ended,)):
+        return f"final_obs: {spaces.obs_problem(r.final_obs, spec, (ended,))}, one row per ended"
     return rows_problem(r, k)
 
 
@@ -76,30 +77,46 @@ def spec_problem(spec: p.SpaceSpec) -> str:
         action = policy.action_space(spec)
     except ValueError as exc:
         return f"{type(exc).__name__}: {exc}"[:200]
-    if len(spec.obs_shape) >= p.MAX_NDIM or not all(d > 0 for d in spec.obs_shape):
+    if spec.obs_leaves:
+        problem = spaces.spec_problem(spec)
+        if problem or spec.obs_shape or spec.obs_dtype:
+            return problem or "obs_shape and obs_dtype go with a Box, not with leaves"
+    elif len(spec.obs_shape) >= p.MAX_NDIM or not all(d > 0 for d in spec.obs_shape):
         return f"obs_shape {spec.obs_shape}"[:200]
-    if spec.obs_dtype not in p.ALLOWED_DTYPES:
+    elif spec.obs_dtype not in p.ALLOWED_DTYPES:
         return f"obs_dtype {spec.obs_dtype}"[:200]
     if action.kind == "box" and not (
             len(action.shape) < p.MAX_NDIM and all(d > 0 for d in action.shape)
             and len(action.low) == len(action.high) == math.prod(action.shape)):
         return (f"box actions of shape {action.shape} with {len(action.low)} lows and "
                 f"{len(action.high)} highs")[:200]
+    if action.kind in ("multi_discrete", "multi_binary") and (
+            len(action.shape) >= p.MAX_NDIM or sum(action.nvec) > MAX_CATEGORIES):
+        return f"{action.kind} actions of shape {action.shape}, {sum(action.nvec)} categories"
     if spec.reward_threshold is not None and not math.isfinite(spec.reward_threshold):
         return f"reward_threshold {spec.reward_threshold}"  # NaN would mismatch every later hello
     return ""
 
 
+def _leaves(obs: p.Obs) -> list[np.ndarray]:
+    return list(obs.values()) if isinstance(obs, dict) else [obs]
+
+
 def experience_problem(m: p.Experience) -> str:
     """Why an EXPERIENCE message cannot be used (empty if it can): consistent rows per env."""
-    if m.obs.ndim < 1 or not 1 <= m.obs.shape[0] <= 65_536:
-        return f"obs shape {m.obs.shape}"
-    k = m.obs.shape[0]
+    leaves = _leaves(m.obs)
+    if not leaves or any(v.ndim < 1 or not 1 <= v.shape[0] <= 65_536 for v in leaves):
+        return f"obs of {rows.layout(m.obs) if leaves else 'no leaves'}"[:200]
+    k = rows.count(m.obs)
+    if any(v.shape[0] != k for v in leaves):
+        return "obs leaves of different row counts"
     if any(a.shape != (k,) for a in (m.reward, m.terminated, m.truncated)):
         return "reward/terminated/truncated need one entry per env"
     if m.terminated.dtype != bool or m.truncated.dtype != bool:
         return "terminated/truncated must be bool"
-    if m.final_obs.shape != (int((m.terminated | m.truncated).sum()), *m.obs.shape[1:]):
+    ended = int((m.terminated | m.truncated).sum())
+    if (rows.layout(m.final_obs) != rows.layout(m.obs) or rows.count(m.final_obs) != ended
+            or any(v.shape[0] != ended for v in _leaves(m.final_obs))):
         return "final_obs needs one row per ended episode, shaped like obs"
     if not -1 <= m.policy_version < 2**53:
         return f"policy_version {m.policy_version}"
@@ -164,23 +181,19 @@ def _steps_problem(t: p.Trajectory | p.Trajectories, n: int, bootstraps: tuple[i
                    spec: p.SpaceSpec, action: ActionSpace) -> str:
     """The step arrays: `n` rows each, fitting the spaces; `bootstraps` leads the bootstrap
     observations' shape (one trajectory: none)."""
-    obs_shape = policy.obs_shape(spec)
     if any(a.shape != (n,) for a in (t.logp, t.values, t.policy_versions)):
         return "logp, values and policy_versions need one entry per step"
     if t.policy_versions.dtype.kind not in "iu":
         return f"policy_versions of dtype {t.policy_versions.dtype}"
-    if t.obs.shape != (n, *obs_shape) or t.bootstrap_obs.shape != (*bootstraps, *obs_shape):
-        return f"obs {t.obs.shape} / bootstrap {t.bootstrap_obs.shape}, spaces say {obs_shape}"
-    if action.kind == "discrete":
-        if t.actions.shape != (n,) or t.actions.dtype.kind not in "iu":
-            return f"actions {t.actions.dtype} {t.actions.shape}, expected {n} integers"
-        if t.actions.min() < 0 or t.actions.max() >= action.n:
-            return f"actions outside [0, {action.n})"
-    elif t.actions.shape != (n, *action.shape) or t.actions.dtype.kind != "f":
-        return f"actions {t.actions.dtype} {t.actions.shape}, expected floats {(n, *action.shape)}"
+    problem = (spaces.obs_problem(t.obs, spec, (n,))
+               or spaces.obs_problem(t.bootstrap_obs, spec, bootstraps))
+    if problem:
+        return f"{problem} (steps or bootstrap)"
+    problem = spaces.actions_problem(spec, t.actions, n)
+    if problem:
+        return f"actions: {problem}"
     if not (np.isfinite(t.rewards).all() and np.isfinite(t.logp).all()):
         return "non-finite rewards or log-probs"
-    if t.obs.dtype.kind == "f" and not (np.isfinite(t.obs).all()
-                                        and np.isfinite(t.bootstrap_obs).all()):
+    if not (rows.all_finite(t.obs) and rows.all_finite(t.bootstrap_obs)):
         return "non-finite observations"
     return ""

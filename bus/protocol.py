@@ -59,7 +59,10 @@ from typing import Any, ClassVar, TypeVar, Union
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 3  # 2: RUN_STATE carries the run's horizon; 3: SpaceSpec the env's goal
+from stepbus.bus import rows
+from stepbus.bus.rows import Obs
+
+PROTOCOL_VERSION = 4  # 2: RUN_STATE's horizon; 3: SpaceSpec's goal; 4: every Gymnasium space
 
 # Decoding cost grows with the header's bytes and its lists and maps (each one allocated,
 # checked, freed), so both are bounded: any header, valid or not, decodes in about 2 ms.
@@ -139,6 +142,8 @@ class Kind(enum.IntEnum):
 # A JSON-like value (str keys, scalars, lists, maps) of bounded depth: options, figures, status.
 Json = Any
 ArrayMap = dict[str, np.ndarray]
+# Obs (stepbus.bus.rows): a batch of observations, one array for a Box observation space, else
+# a map of leaf key to array (`LeafSpec.key`), each leaf its own frame on the wire.
 R = TypeVar("R")
 
 
@@ -150,7 +155,7 @@ R = TypeVar("R")
 # annotation the codec cannot carry is a TypeError there, never a refusal of every such
 # message at run time.
 
-_ARRAY, _OPT_ARRAY, _ARRAY_MAP = "array", "optional array", "array map"
+_ARRAY, _OPT_ARRAY, _ARRAY_MAP, _OBS = "array", "optional array", "array map", "observations"
 
 
 def _is_optional(hint: Any) -> bool:
@@ -165,7 +170,10 @@ def _strip_optional(hint: Any) -> Any:
 
 
 def _array_how(hint: Any) -> str:
-    """How an array field travels (_ARRAY, _OPT_ARRAY, _ARRAY_MAP); "" for a header field."""
+    """How an array field travels (_ARRAY, _OPT_ARRAY, _ARRAY_MAP, _OBS: an array or a map);
+    "" for a header field."""
+    if hint == Obs:
+        return _OBS
     if hint is np.ndarray:
         return _ARRAY
     if _is_optional(hint) and _strip_optional(hint) is np.ndarray:
@@ -398,19 +406,42 @@ class Message:
 
 
 @dataclass(frozen=True)
+class LeafSpec:
+    """One leaf of an observation that is not a single Box (`stepbus.spaces`): its key in the
+    observation map, one row's shape and dtype, what it is, and where it sits in the env's own
+    space (the Dict keys and Tuple indices leading to it, and which each container is)."""
+
+    key: str
+    kind: str  # "box", "discrete", "multi_discrete", "multi_binary", or "mask" (from info)
+    shape: list[int]
+    dtype: str
+    path: list[str] = field(default_factory=list)
+    containers: list[str] = field(default_factory=list)  # "dict" or "tuple", one per path step
+    nvec: list[int] = field(default_factory=list)  # categories: [n], or each dimension's, flat
+    start: list[int] = field(default_factory=list)  # the lowest value of each, flat
+
+
+@dataclass(frozen=True)
 class SpaceSpec:
     """Observation and action spaces, as workers declare them and learners build policies,
-    and the env's own goal, which a learner without --target-return stops at."""
+    and the env's own goal, which a learner without --target-return stops at.
+
+    A Box observation is `obs_shape`/`obs_dtype` and travels as one array; any other (Discrete,
+    MultiDiscrete, MultiBinary, Tuple, Dict, or a Box with an action mask from `info`) is
+    `obs_leaves`, and travels as a map of those leaves (`obs_shape` is then empty).
+    """
 
     obs_shape: list[int]
     obs_dtype: str
-    action_kind: str  # "discrete" or "box"
+    action_kind: str  # "discrete", "box", "multi_discrete" or "multi_binary"
     action_n: int = 0
     action_shape: list[int] = field(default_factory=list)
     action_low: list[float] = field(default_factory=list)
     action_high: list[float] = field(default_factory=list)
     # The env's own `spec.reward_threshold` (None: it has none): the learner's default target.
     reward_threshold: float | None = None
+    obs_leaves: list[LeafSpec] = field(default_factory=list)
+    action_nvec: list[int] = field(default_factory=list)  # multi_discrete: each dim's count
 
 
 @dataclass(frozen=True)
@@ -468,11 +499,11 @@ class StepResult(Message):
     epoch: int
     seq: int
     first: bool
-    obs: np.ndarray
+    obs: Obs
     reward: np.ndarray
     terminated: np.ndarray
     truncated: np.ndarray
-    final_obs: np.ndarray
+    final_obs: Obs
     alive: np.ndarray | None = None
     # Per row: the episode obs[i] belongs to (counted per env from 0) and the seed its env was
     # reset with, so any episode can be replayed alone from its seed and actions.
@@ -501,11 +532,11 @@ class Experience(Message):
     seq: int
     first: bool
     policy_version: int
-    obs: np.ndarray
+    obs: Obs
     reward: np.ndarray
     terminated: np.ndarray
     truncated: np.ndarray
-    final_obs: np.ndarray
+    final_obs: Obs
     action: np.ndarray | None = None
     logp: np.ndarray | None = None
     value: np.ndarray | None = None
@@ -540,13 +571,13 @@ class Trajectory(Message):
     truncated: bool
     episode_return: float | None
     episode_length: int | None
-    obs: np.ndarray
+    obs: Obs
     actions: np.ndarray
     logp: np.ndarray
     values: np.ndarray
     rewards: np.ndarray
     policy_versions: np.ndarray
-    bootstrap_obs: np.ndarray
+    bootstrap_obs: Obs
     assembler: str  # the assembler incarnation that numbered it
     seq: int  # its number there; a trainer's RECEIPT names it back
     # What produced it: the env's episode index and reset seed, and the index of its first step
@@ -578,13 +609,13 @@ class Trajectories(Message):
     episodes: list[int]
     episode_seeds: list[int]
     episode_steps: list[int]
-    obs: np.ndarray
+    obs: Obs
     actions: np.ndarray
     logp: np.ndarray
     values: np.ndarray
     rewards: np.ndarray
     policy_versions: np.ndarray
-    bootstrap_obs: np.ndarray  # one row per trajectory
+    bootstrap_obs: Obs  # one row per trajectory
 
     @classmethod
     def of(cls, trajs: Sequence[Trajectory]) -> Trajectories:
@@ -592,13 +623,10 @@ class Trajectories(Message):
         arrays are used as they are (no copy: observation frames stay zero-copy)."""
         first = trajs[0]
 
-        def steps(name: str) -> np.ndarray:
-            if len(trajs) == 1:
-                return getattr(first, name)
-            return np.concatenate([getattr(t, name) for t in trajs])
+        def steps(name: str) -> Any:
+            return rows.concat([getattr(t, name) for t in trajs])
 
-        bootstrap = (first.bootstrap_obs[np.newaxis] if len(trajs) == 1
-                     else np.stack([t.bootstrap_obs for t in trajs]))
+        bootstrap = rows.stack([t.bootstrap_obs for t in trajs])
         return cls(
             assembler=first.assembler, policy=first.policy, seqs=[t.seq for t in trajs],
             agents=[t.agent for t in trajs], epochs=[t.epoch for t in trajs],
@@ -622,11 +650,11 @@ class Trajectories(Message):
             out.append(Trajectory(
                 agent=self.agents[i], epoch=self.epochs[i], terminated=self.terminated[i],
                 truncated=self.truncated[i], episode_return=self.episode_returns[i],
-                episode_length=self.episode_lengths[i], obs=self.obs[start:end],
+                episode_length=self.episode_lengths[i], obs=rows.take(self.obs, slice(start, end)),
                 actions=self.actions[start:end], logp=self.logp[start:end],
                 values=self.values[start:end], rewards=self.rewards[start:end],
                 policy_versions=self.policy_versions[start:end],
-                bootstrap_obs=self.bootstrap_obs[i], assembler=self.assembler,
+                bootstrap_obs=rows.take(self.bootstrap_obs, i), assembler=self.assembler,
                 seq=self.seqs[i], episode=self.episodes[i], episode_seed=self.episode_seeds[i],
                 episode_step=self.episode_steps[i], policy=self.policy))
         return out
@@ -867,7 +895,7 @@ def encode(msg: Message) -> list[Any]:
         fields[name] = to_header(fields[name])
     for name, how in schema.arrays.items():
         value = getattr(msg, name)
-        if how == _ARRAY_MAP:
+        if how == _ARRAY_MAP or (how == _OBS and isinstance(value, dict)):
             for key, arr in value.items():
                 _array_buffer(f"{name}.{key}", arr, descs, frames)
         elif value is not None:
@@ -1025,18 +1053,19 @@ def _add_arrays(kind: Kind, schema: _Schema, descs: list[Any], frames: Sequence[
         name, arr = _decode_array(desc, frame)
         top, dot, key = name.partition(".")
         how = schema.arrays.get(top)
-        if how == _ARRAY_MAP and dot and key:
-            values.setdefault(top, {})
-            if key in values[top]:
-                raise ProtocolError("bad array name", f"{kind.name}: duplicate {name}")
-            values[top][key] = arr
-        elif how in (_ARRAY, _OPT_ARRAY) and not dot and top not in values:
+        if how in (_ARRAY_MAP, _OBS) and dot and key:
+            leaves = values.setdefault(top, {})
+            if type(leaves) is not dict or key in leaves:
+                raise ProtocolError("bad array name", f"{kind.name}: {name} twice, or as an "
+                                    "array and a map")
+            leaves[key] = arr
+        elif how in (_ARRAY, _OPT_ARRAY, _OBS) and not dot and top not in values:
             values[top] = arr
         else:
             raise ProtocolError("bad array name", f"{kind.name}: {name!r}"[:120])
     for name, how in schema.arrays.items():
         if name not in values:
-            if how == _ARRAY:
+            if how in (_ARRAY, _OBS):
                 raise ProtocolError("missing array", f"{kind.name}.{name}")
             values[name] = {} if how == _ARRAY_MAP else None
 

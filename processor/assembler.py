@@ -25,9 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import zmq
 
-from stepbus.bus import checks, credit, node, policies, shm, wiring
+from stepbus.bus import checks, credit, node, policies, rows, shm, wiring
 from stepbus.bus import protocol as p
 from stepbus.processor.buffers import WorkerTrack
 from stepbus.processor.outlets import (
@@ -147,7 +148,7 @@ class Assembler(node.Process):
         """A track for m's worker, from m's observations."""
         if not m.first and m.worker not in self.tracks_seen:
             # Steps before this one went to an assembler that is gone (this one restarted).
-            self.counts.joined_mid_episode += m.obs.shape[0]
+            self.counts.joined_mid_episode += rows.count(m.obs)
         self.tracks_seen.add(m.worker)
         track = self.tracks[m.worker] = WorkerTrack.start(m, self.cfg.horizon)
         return track
@@ -218,7 +219,8 @@ class Assembler(node.Process):
             return None
         s = m.obs_slot
         view = (seg.view(s, m.obs.dtype, m.obs.shape[1:])
-                if m.obs.ndim >= 1 and m.obs.shape[0] == 0 else None)
+                if isinstance(m.obs, np.ndarray) and m.obs.ndim >= 1 and m.obs.shape[0] == 0
+                else None)
         if view is None:
             self.reject(m, "bad experience", f"obs_slot {s}", "bad obs_slot")
             return None

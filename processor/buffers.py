@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from stepbus.bus import policies
+from stepbus.bus import policies, rows
 from stepbus.bus import protocol as p
+from stepbus.bus.rows import Obs
 
 
 class AgentBuffer:
@@ -28,24 +29,29 @@ class AgentBuffer:
         self.n = 0
         self.pending = False  # obs/action at row n chosen, reward not yet seen
         self.arrays: dict[str, np.ndarray] = {}
+        self.obs: Obs = {}  # the observations' rows, in the form they travel (bus/rows.py)
         self.episode_return, self.episode_length = 0.0, 0
         self.stats_valid = True  # False when we joined mid-episode (assembler restart)
         self.origin = (-1, -1, -1)  # the trajectory's episode, episode seed, first episode step
 
-    def choose(self, obs: np.ndarray, action: np.ndarray, logp: float, value: float,
+    def choose(self, obs: Obs, action: np.ndarray, logp: float, value: float,
                version: int, episode: int = -1, seed: int = -1) -> None:
         if self.n == 0:
             self.origin = (episode, seed, self.episode_length if self.stats_valid else -1)
         if not self.arrays:
             h = self.horizon
+            self.obs = rows.empty(obs, h)
             self.arrays = {
-                "obs": np.empty((h, *obs.shape), obs.dtype),
                 "actions": np.empty((h, *action.shape), action.dtype),
                 "logp": np.empty(h, np.float32), "values": np.empty(h, np.float32),
                 "rewards": np.empty(h, np.float32), "policy_versions": np.empty(h, np.int64),
             }
         a, n = self.arrays, self.n
-        a["obs"][n], a["actions"][n], a["logp"][n], a["values"][n] = obs, action, logp, value
+        if isinstance(self.obs, np.ndarray):
+            self.obs[n] = obs
+        else:
+            rows.put(self.obs, n, obs)
+        a["actions"][n], a["logp"][n], a["values"][n] = action, logp, value
         a["policy_versions"][n] = version
         self.pending = True
 
@@ -56,7 +62,7 @@ class AgentBuffer:
         self.episode_return += float(reward)
         self.episode_length += 1
 
-    def take(self, epoch: int, bootstrap: np.ndarray, *, terminated: bool = False,
+    def take(self, epoch: int, bootstrap: Obs, *, terminated: bool = False,
              truncated: bool = False, episode_end: bool = False) -> p.Trajectory | None:
         """The trajectory so far (None if empty); the buffer starts afresh."""
         traj = None
@@ -67,16 +73,17 @@ class AgentBuffer:
                 agent=self.agent, epoch=epoch, terminated=terminated, truncated=truncated,
                 episode_return=self.episode_return if ended else None,
                 episode_length=self.episode_length if ended else None,
-                obs=a["obs"][:n], actions=a["actions"][:n], logp=a["logp"][:n],
+                obs=rows.take(self.obs, slice(0, n)), actions=a["actions"][:n],
+                logp=a["logp"][:n],
                 values=a["values"][:n], rewards=a["rewards"][:n],
                 policy_versions=a["policy_versions"][:n],
                 # A copy: a view would pin the whole received message (libzmq's 8 KiB
                 # receive buffer, or the whole frame) for as long as this waits.
-                bootstrap_obs=bootstrap.copy(),
+                bootstrap_obs=rows.copy(bootstrap),
                 assembler="", seq=-1,  # numbered when sent
                 episode=self.origin[0], episode_seed=self.origin[1], episode_step=self.origin[2],
                 policy=self.policy)
-            self.arrays = {}
+            self.arrays, self.obs = {}, {}
         self.n, self.pending = 0, False
         if episode_end or truncated:
             self.episode_return, self.episode_length, self.stats_valid = 0.0, 0, True
@@ -108,7 +115,7 @@ class WorkerTrack:
     incarnation: str
     epoch: int
     agents: list[AgentBuffer]
-    last_obs: np.ndarray
+    last_obs: Obs
     seq: int = 0  # of the last message; the next must be seq + 1 or a reset
     action_shape: tuple | None = None
 
@@ -117,7 +124,7 @@ class WorkerTrack:
         """A track from m's observations: its rewards belong to actions we never saw."""
         names = m.agent_policies or [policies.DEFAULT]
         agents = [AgentBuffer(agent, horizon, names[i % len(names)])
-                  for i, agent in enumerate(agent_ids(m.worker, m.agents, m.obs.shape[0]))]
+                  for i, agent in enumerate(agent_ids(m.worker, m.agents, rows.count(m.obs)))]
         for agent in agents:
             agent.stats_valid = m.first
         return cls(m.incarnation, m.epoch, agents, m.obs)
@@ -129,7 +136,8 @@ class WorkerTrack:
         gap = self.incarnation == m.incarnation and m.seq != self.seq + 1
         why = ("reset" if m.first else
                "new incarnation" if self.incarnation != m.incarnation else
-               "other shapes" if self.last_obs.shape != m.obs.shape else
+               "other shapes" if (rows.layout(self.last_obs) != rows.layout(m.obs)
+                                  or rows.count(self.last_obs) != rows.count(m.obs)) else
                "sequence gap" if gap else "")
         return why, gap
 
@@ -145,15 +153,15 @@ class WorkerTrack:
             out.steps += 1
             if done[i]:
                 term = bool(m.terminated[i])
-                traj = agent.take(m.epoch, m.final_obs[final_rows[i]], terminated=term,
+                traj = agent.take(m.epoch, rows.take(m.final_obs, final_rows[i]), terminated=term,
                                   truncated=not term, episode_end=True)
             elif m.alive is not None and not m.alive[i]:
                 # Vanished: neither done nor acting next. Closed, not dropped, and
                 # bootstrapped from the last observation we have of it.
                 out.vanished += 1
-                traj = agent.take(m.epoch, self.last_obs[i], truncated=True)
+                traj = agent.take(m.epoch, rows.take(self.last_obs, i), truncated=True)
             elif agent.n >= horizon:
-                traj = agent.take(m.epoch, m.obs[i])
+                traj = agent.take(m.epoch, rows.take(m.obs, i))
             else:
                 continue
             if traj is not None:
@@ -170,14 +178,14 @@ class WorkerTrack:
             self.action_shape = (m.action.shape, m.action.dtype)
         elif self.action_shape != (m.action.shape, m.action.dtype):
             return "actions changed shape"
-        k = m.obs.shape[0]
+        k = rows.count(m.obs)
         episodes = m.episode.tolist() if m.episode is not None else [-1] * k
         seeds = m.episode_seed.tolist() if m.episode_seed is not None else [-1] * k
         versions = (m.policy_versions.tolist() if m.policy_versions is not None
                     else [m.policy_version] * k)
         for i, agent in enumerate(self.agents):
             if m.alive is None or m.alive[i]:  # an agent that appears starts here
-                agent.choose(m.obs[i], m.action[i], m.logp[i], m.value[i],
+                agent.choose(rows.take(m.obs, i), m.action[i], m.logp[i], m.value[i],
                              versions[i], episodes[i], seeds[i])
             else:
                 agent.pending = False  # finished, vanished or not there yet
@@ -189,6 +197,6 @@ class WorkerTrack:
 
     def close(self) -> list[p.Trajectory]:
         """Every open trajectory, truncated, bootstrapping from the last observation seen."""
-        taken = (agent.take(self.epoch, self.last_obs[i], truncated=True)
+        taken = (agent.take(self.epoch, rows.take(self.last_obs, i), truncated=True)
                  for i, agent in enumerate(self.agents))
         return [traj for traj in taken if traj is not None]

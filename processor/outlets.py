@@ -17,7 +17,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from stepbus.bus import policies, wiring
+from stepbus.bus import policies, rows, wiring
 from stepbus.bus import protocol as p
 
 # Trajectories waiting for a learner go out together in one TRAJECTORIES message, up to
@@ -94,11 +94,10 @@ def next_batch(held: collections.deque[p.Trajectory]) -> list[p.Trajectory]:
     """The held trajectories that go out in the next message, oldest first: small ones
     together, within the bounds above; a large one alone."""
     first = held[0]
-    batch, obs_bytes = [first], first.obs.nbytes
+    batch, obs_bytes, layout = [first], rows.nbytes(first.obs), rows.layout(first.obs)
     for traj in itertools.islice(held, 1, p.MAX_TRAJECTORIES_PER_MESSAGE):
-        obs_bytes += traj.obs.nbytes
-        if (obs_bytes > MAX_BATCHED_OBS_BYTES or traj.obs.dtype != first.obs.dtype
-                or traj.obs.shape[1:] != first.obs.shape[1:]
+        obs_bytes += rows.nbytes(traj.obs)
+        if (obs_bytes > MAX_BATCHED_OBS_BYTES or rows.layout(traj.obs) != layout
                 or traj.actions.dtype != first.actions.dtype
                 or traj.actions.shape[1:] != first.actions.shape[1:]):
             break

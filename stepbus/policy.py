@@ -135,60 +135,83 @@ def check_model(cfg: ModelConfig) -> bool:
 
 @dataclass(frozen=True)
 class ActionSpace:
-    """What the policy head emits: ``n`` categories, or a float box of ``shape``."""
+    """What the policy head emits: ``n`` categories (discrete); a float box of ``shape``; or
+    one categorical per element of ``shape``, element i with ``nvec[i]`` categories
+    (multi_discrete, and multi_binary with two each)."""
 
-    kind: str  # "discrete" or "box"
+    kind: str  # "discrete", "box", "multi_discrete" or "multi_binary"
     n: int = 0
     shape: tuple[int, ...] = ()
     low: tuple[float, ...] = ()
     high: tuple[float, ...] = ()
+    nvec: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.kind not in ("discrete", "box"):
-            raise ValueError(f"ActionSpace.kind must be 'discrete' or 'box', got {self.kind!r}")
+        if self.kind not in ("discrete", "box", "multi_discrete", "multi_binary"):
+            raise ValueError("ActionSpace.kind must be 'discrete', 'box', 'multi_discrete' or "
+                             f"'multi_binary', got {self.kind!r}")
         if self.kind == "discrete" and self.n < 1:
             raise ValueError("a discrete ActionSpace needs n >= 1")
+        if self.kind in ("multi_discrete", "multi_binary") and (
+                len(self.nvec) != math.prod(self.shape) or not all(n >= 1 for n in self.nvec)):
+            raise ValueError(f"a {self.kind} ActionSpace of shape {self.shape} needs that many "
+                             f"category counts >= 1, got {self.nvec[:4]}")
+
+    @property
+    def categorical(self) -> bool:
+        return self.kind != "box"
+
+    @property
+    def categories(self) -> tuple[int, ...]:
+        """Category counts of each categorical dimension: (n,) for discrete."""
+        return (self.n,) if self.kind == "discrete" else self.nvec
 
     @property
     def dim(self) -> int:
         """Width of the policy head: number of logits, or number of Gaussian means."""
-        return self.n if self.kind == "discrete" else math.prod(self.shape)
+        return math.prod(self.shape) if self.kind == "box" else sum(self.categories)
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        """One action's shape in a batch: () for discrete, else the space's shape."""
+        return () if self.kind == "discrete" else self.shape
+
+    @property
+    def dtype(self) -> type:
+        """How actions travel: int64 categories (int8 for multi_binary), float32 boxes."""
+        return {"box": np.float32, "multi_binary": np.int8}.get(self.kind, np.int64)
 
     @classmethod
     def from_gymnasium(cls, space: Any) -> ActionSpace:
-        """Build from a ``gymnasium.spaces.Discrete`` or ``Box`` (duck-typed, no import)."""
-        if hasattr(space, "n"):
-            return cls("discrete", n=int(space.n))
-        low = np.broadcast_to(np.asarray(space.low, dtype=np.float64), space.shape)
-        high = np.broadcast_to(np.asarray(space.high, dtype=np.float64), space.shape)
-        return cls(
-            "box",
-            shape=tuple(int(s) for s in space.shape),
-            low=tuple(low.ravel().tolist()),
-            high=tuple(high.ravel().tolist()),
-        )
+        """Build from a Gymnasium Discrete, Box, MultiDiscrete or MultiBinary space."""
+        from stepbus import spaces
+
+        return action_space(p.SpaceSpec([], "", **spaces._action_fields(space)))
 
 
 def action_space(spec: p.SpaceSpec) -> ActionSpace:
     """The action head the spaces call for.
 
     Raises:
-        ValueError: an action kind other than "discrete" or "box", or fewer than 1 action.
+        ValueError: an unknown action kind, or fewer than 1 action.
     """
     if spec.action_kind == "discrete":
         return ActionSpace("discrete", n=spec.action_n)
     return ActionSpace(spec.action_kind, shape=tuple(spec.action_shape),
-                       low=tuple(spec.action_low), high=tuple(spec.action_high))
+                       low=tuple(spec.action_low), high=tuple(spec.action_high),
+                       nvec=tuple(spec.action_nvec))
 
 
 def obs_shape(spec: p.SpaceSpec) -> tuple[int, ...]:
-    """One observation's shape (a batch adds a leading dimension)."""
+    """One Box observation's shape (a batch adds a leading dimension); () for any other."""
     return tuple(spec.obs_shape)
 
 
 def obs_dim(spec: p.SpaceSpec) -> int:
-    """Numbers in one observation, flattened."""
-    return math.prod(spec.obs_shape)
+    """Numbers in one observation, flattened (categorical leaves one-hot)."""
+    from stepbus import spaces
+
+    return spaces.flat_dim(spec)
 
 
 def fingerprint(params: Mapping[str, np.ndarray]) -> str:
@@ -213,8 +236,6 @@ class Policy(abc.ABC):
     def __init__(self, spec: p.SpaceSpec) -> None:
         self.spec = spec
         self.action = action_space(spec)
-        self.obs_shape = obs_shape(spec)
-        self.obs_dtype = np.dtype(spec.obs_dtype)
         self.version = -1
         self.fingerprint = ""
 
@@ -232,14 +253,22 @@ class Policy(abc.ABC):
     def prepare(self, params: Mapping[str, np.ndarray]) -> None:
         """Make `params` ready to act with (once per version, not per batch)."""
 
+    def zeros(self, n: int) -> p.Obs:
+        """A batch of `n` observations of these spaces, all zero: for trial steps."""
+        from stepbus import spaces
+
+        return spaces.zeros(self.spec, n)
+
     @abc.abstractmethod
-    def act(self, obs: np.ndarray, rng: np.random.Generator
+    def act(self, obs: p.Obs, rng: np.random.Generator
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Actions for a batch of observations ``(B, *obs_shape)``.
+        """Actions for a batch of observations (`stepbus.spaces`: one array for a Box, else a
+        map of leaves, the action mask among them when the env gives one; a masked action
+        must never be chosen).
 
         Returns:
-            (actions, logp, value): actions int64 ``(B,)`` (discrete) or float32
-            ``(B, *action shape)`` (box); log-probs and values float32 ``(B,)``.
+            (actions, logp, value): actions of `ActionSpace.dtype` and ``(B, *batch_shape)``;
+            log-probs and values float32 ``(B,)``.
 
         Raises:
             NoWeights: before the first `load`.

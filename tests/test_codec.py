@@ -78,6 +78,9 @@ def strategy_for(hint: Any) -> st.SearchStrategy[Any]:
         return ARRAYS
     if hint == p.ArrayMap:
         return ARRAY_MAPS
+    if hint == p.Obs:  # one array, or a map of at least one (an empty map is no frame at all)
+        return ARRAYS | st.dictionaries(st.text(min_size=1, max_size=8), ARRAYS, min_size=1,
+                                        max_size=3)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (Union, types.UnionType) and type(None) in args:
         (inner,) = [a for a in args if a is not type(None)]
@@ -1085,7 +1088,8 @@ def sample(cls: type[Any]) -> Any:
             item = args[0]
             if typing.get_origin(item) in (Union, types.UnionType):  # list[float | None]
                 item = next(a for a in typing.get_args(item) if a is not type(None))
-            fields[f.name] = [values[item]]
+            is_record = isinstance(item, type) and dataclasses.is_dataclass(item)
+            fields[f.name] = [sample(item) if is_record else values[item]]
         elif origin is dict:
             fields[f.name] = {"k": values[args[1]]}
         elif isinstance(hint, type) and dataclasses.is_dataclass(hint):

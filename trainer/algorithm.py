@@ -12,8 +12,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from stepbus import imports, policy
-from stepbus.bus import checks
+from stepbus import imports, policy, spaces
+from stepbus.bus import checks, rows
 from stepbus.bus import protocol as p
 from stepbus.trainer import checkpoint, ppo
 
@@ -74,13 +74,21 @@ class Model:
             return checks.trajectory_problem(msg, self.spec, self.action)
         return checks.trajectories_problem(msg, self.spec, self.action)
 
-    @staticmethod
-    def record(t: p.Trajectory) -> ppo.Trajectory:
-        """What the algorithm learns from, of a trajectory off the bus."""
-        return ppo.Trajectory(obs=t.obs, actions=t.actions, logp=t.logp, values=t.values,
+    def record(self, t: p.Trajectory) -> ppo.Trajectory:
+        """What the algorithm learns from, of a trajectory off the bus: observations as flat
+        rows (categorical leaves one-hot, `spaces.flatten`), and the action mask."""
+        obs, bootstrap = t.obs, t.bootstrap_obs
+        if isinstance(obs, dict):
+            obs = spaces.flatten(self.spec, obs, np.float32)
+            bootstrap = spaces.flatten(self.spec, rows.stack([bootstrap]), np.float32)[0]
+        return self.trajectory(t, obs, bootstrap)
+
+    def trajectory(self, t: p.Trajectory, obs: p.Obs, bootstrap: p.Obs) -> ppo.Trajectory:
+        return ppo.Trajectory(obs=obs, actions=t.actions, logp=t.logp, values=t.values,
                               rewards=t.rewards, terminated=t.terminated,
-                              truncated=t.truncated, bootstrap_obs=t.bootstrap_obs,
-                              assembler=t.assembler, seq=t.seq)
+                              truncated=t.truncated, bootstrap_obs=bootstrap,
+                              assembler=t.assembler, seq=t.seq,
+                              action_mask=spaces.mask(self.spec, t.obs))
 
     def update(self, batch: Sequence[ppo.Trajectory],
                tick: Callable[[], object]) -> dict[str, float]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from stepbus.bus.rows import Obs
 from stepbus.models.mlp import (
     Adam,
     clip_grad_norm,
@@ -62,10 +63,12 @@ class Trajectory:
     False) the return is bootstrapped with V(bootstrap_obs).
     """
 
-    obs: np.ndarray
-    """(T, *obs_shape) observations the actions were taken in."""
+    obs: Obs
+    """(T, *obs_shape) observations the actions were taken in: for the numpy MLP flat rows
+    (`spaces.flatten`), for a torch model as they travel (one array, or a map of leaves)."""
     actions: np.ndarray
-    """(T,) int for discrete, (T, *action_shape) float for box, unclipped as sampled."""
+    """(T,) int for discrete, (T, *action_shape) float for box or int for the multi kinds,
+    unclipped as sampled."""
     logp: np.ndarray
     """(T,) behaviour-policy log-probs of ``actions``, used for the importance ratio."""
     values: np.ndarray
@@ -76,12 +79,14 @@ class Trajectory:
     """The last step ended the episode in a terminal state (no bootstrap)."""
     truncated: bool
     """The last step ended the episode by a time limit (bootstrap from ``bootstrap_obs``)."""
-    bootstrap_obs: np.ndarray
+    bootstrap_obs: Obs
     """(*obs_shape) observation following the last step."""
     assembler: str = ""
     """The assembler incarnation that numbered it (empty: not from the bus)."""
     seq: int = -1
     """Its number: with ``assembler``, which trajectory an update learned from."""
+    action_mask: np.ndarray | None = None
+    """(T, action dim) bool: the actions the env allowed at each step (None: all)."""
 
     def __len__(self) -> int:
         return len(self.rewards)
@@ -98,10 +103,10 @@ def compute_gae(
     trajs = [t for t in trajs if len(t)]
     if not trajs:
         return np.zeros(0), np.zeros(0)
-    obs_dim = trajs[0].bootstrap_obs.size
+    obs_dim = np.asarray(trajs[0].bootstrap_obs).size
     all_obs = np.concatenate(
-        [t.obs.reshape(len(t), obs_dim) for t in trajs]
-        + [np.stack([t.bootstrap_obs.reshape(obs_dim) for t in trajs])]
+        [np.asarray(t.obs).reshape(len(t), obs_dim) for t in trajs]
+        + [np.stack([np.asarray(t.bootstrap_obs).reshape(obs_dim) for t in trajs])]
     )
     return gae(trajs, value(params, all_obs), cfg)
 
@@ -182,6 +187,14 @@ def ppo_update(
     return out | batch.critic_stats() | {"n_grad_steps": float(n_steps)}
 
 
+def masks_of(trajs: Sequence[Trajectory], action: ActionSpace) -> np.ndarray | None:
+    """Every step's action mask, (N, action.dim) bool, or None when no trajectory has one."""
+    if all(t.action_mask is None for t in trajs):
+        return None
+    return np.concatenate([np.ones((len(t), action.dim), bool) if t.action_mask is None
+                           else t.action_mask for t in trajs])
+
+
 @dataclass
 class _Batch:
     """One update's samples, flattened across trajectories, with GAE targets."""
@@ -192,15 +205,18 @@ class _Batch:
     b_adv: np.ndarray
     b_returns: np.ndarray
     n_minibatches: int
+    b_mask: np.ndarray | None = None
 
     @classmethod
     def of(
         cls, trajs: Sequence[Trajectory], params: Params, cfg: PPOConfig, action: ActionSpace
     ) -> _Batch:
-        b_obs = np.concatenate([t.obs.reshape(len(t), -1) for t in trajs]).astype(np.float64)
+        b_obs = np.concatenate([np.asarray(t.obs).reshape(len(t), -1)
+                                for t in trajs]).astype(np.float64)
         b_actions = np.concatenate([np.asarray(t.actions).reshape(len(t), -1) for t in trajs])
         if action.kind == "discrete":
             b_actions = b_actions[:, 0]
+        b_mask = masks_of(trajs, action)
         b_logp = np.concatenate([np.asarray(t.logp, dtype=np.float64) for t in trajs])
         b_adv, b_returns = compute_gae(trajs, params, cfg)
         # Batches off the bus overshoot batch_steps by part of a trajectory. Splitting into
@@ -208,7 +224,7 @@ class _Batch:
         # normalised by their own std and given a full Adam step; at n == k * minibatch_size
         # it is SB3 exactly.
         n_minibatches = max(1, round(len(b_adv) / cfg.minibatch_size))
-        return cls(b_obs, b_actions, b_logp, b_adv, b_returns, n_minibatches)
+        return cls(b_obs, b_actions, b_logp, b_adv, b_returns, n_minibatches, b_mask)
 
     @property
     def n(self) -> int:
@@ -250,6 +266,7 @@ def _gradient_step(
         clip_range=clip_range,
         ent_coef=cfg.ent_coef,
         vf_coef=cfg.vf_coef,
+        mask=None if batch.b_mask is None else batch.b_mask[mb_inds],
     )
     stats["grad_norm"] = clip_grad_norm(grads, cfg.max_grad_norm)
     adam.step(params, grads, lr)

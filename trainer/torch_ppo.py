@@ -11,6 +11,7 @@ out as numpy arrays, checkpoints as safetensors).
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from torch import nn
 
 from stepbus import policy
 from stepbus.bus import protocol as p
+from stepbus.bus import rows
 from stepbus.models import torch_policy
 from stepbus.policy import ActionSpace
 from stepbus.trainer import algorithm, checkpoint, ppo
@@ -32,47 +34,58 @@ VALUE_CHUNK_ROWS = 1024  # the critic's pass over a batch goes in chunks of this
 DEFAULT_ALGOS = ("stepbus.trainer.ppo:PPO", "stepbus.trainer.torch_ppo:TorchPPO")
 
 
-def values_of(module: nn.Module, obs: np.ndarray, device: torch.device) -> np.ndarray:
-    """The critic's values (float64, one per row), without gradients."""
+def values_of(module: nn.Module, obs: p.Obs, device: torch.device,
+              spec: p.SpaceSpec | None = None) -> np.ndarray:
+    """The critic's values (float64, one per row), without gradients. `spec`: how a map of
+    leaves nests (None: `obs` is one array)."""
     out = []
     with torch.no_grad():
-        for start in range(0, len(obs), VALUE_CHUNK_ROWS):
-            chunk = torch_policy.as_input(obs[start:start + VALUE_CHUNK_ROWS], device)
+        for start in range(0, rows.count(obs), VALUE_CHUNK_ROWS):
+            part = rows.take(obs, slice(start, start + VALUE_CHUNK_ROWS))
+            chunk = (torch_policy.module_input(spec, part, device) if spec is not None
+                     else torch_policy.as_input(typing.cast(np.ndarray, part), device))
             out.append(torch_policy.agent(module).get_value(chunk).reshape(-1).double()
                        .cpu().numpy())
     return np.concatenate(out) if out else np.zeros(0)
 
 
 def compute_gae(trajs: Sequence[Trajectory], module: nn.Module, cfg: PPOConfig,
-                device: torch.device) -> tuple[np.ndarray, np.ndarray]:
+                device: torch.device, spec: p.SpaceSpec | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
     """(advantages, returns), float64, concatenated in trajectory order, as
     `trainer.ppo.compute_gae`: every value, bootstrap ones included, from the current critic.
     Observations keep their shape (images stay images)."""
-    all_obs = np.concatenate([*(t.obs for t in trajs),
-                              np.stack([t.bootstrap_obs for t in trajs])])
-    return ppo.gae(trajs, values_of(module, all_obs, device), cfg)
+    all_obs = rows.concat([*(t.obs for t in trajs), rows.stack([t.bootstrap_obs for t in trajs])])
+    return ppo.gae(trajs, values_of(module, all_obs, device, spec), cfg)
 
 
 @dataclass
 class _Batch:
     """One update's samples as tensors on the module's device, with GAE targets."""
 
-    b_obs: torch.Tensor
+    b_obs: torch.Tensor | dict[str, torch.Tensor]  # as the observations travel, as tensors
     b_actions: torch.Tensor
     b_logp: torch.Tensor
     b_adv: torch.Tensor
     b_returns: torch.Tensor
     n_minibatches: int
     explained_variance: float
+    b_mask: torch.Tensor | None = None
 
     @classmethod
     def of(cls, trajs: Sequence[Trajectory], module: nn.Module, cfg: PPOConfig,
-           action: ActionSpace, device: torch.device) -> _Batch:
-        adv, returns = compute_gae(trajs, module, cfg, device)
-        b_obs = torch_policy.as_input(np.concatenate([t.obs for t in trajs]), device)
+           action: ActionSpace, device: torch.device, spec: p.SpaceSpec | None = None
+           ) -> _Batch:
+        adv, returns = compute_gae(trajs, module, cfg, device, spec)
+        obs = rows.concat([t.obs for t in trajs])
+        b_obs: torch.Tensor | dict[str, torch.Tensor] = (
+            {k: torch_policy.as_input(v, device) for k, v in obs.items()}
+            if isinstance(obs, dict) else torch_policy.as_input(obs, device))
         actions = np.concatenate([np.asarray(t.actions) for t in trajs])
         b_actions = torch.from_numpy(actions.astype(
-            np.int64 if action.kind == "discrete" else np.float32)).to(device)
+            np.float32 if action.kind == "box" else np.int64)).to(device)
+        masks = ppo.masks_of(trajs, action)
+        b_mask = None if masks is None else torch.from_numpy(masks).to(device)
         b_logp = torch.from_numpy(
             np.concatenate([np.asarray(t.logp, np.float32) for t in trajs])).to(device)
         values = returns - adv
@@ -81,7 +94,7 @@ class _Batch:
                      if var_returns > 0 else 0.0)
         return cls(b_obs, b_actions, b_logp, torch.from_numpy(adv.astype(np.float32)).to(device),
                    torch.from_numpy(returns.astype(np.float32)).to(device),
-                   max(1, round(len(adv) / cfg.minibatch_size)), explained)
+                   max(1, round(len(adv) / cfg.minibatch_size)), explained, b_mask)
 
     @property
     def n(self) -> int:
@@ -93,14 +106,21 @@ STATS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "
 
 
 def gradient_step(module: nn.Module, optimizer: torch.optim.Optimizer, batch: _Batch,
-                  mb_inds: torch.Tensor, cfg: PPOConfig) -> dict[str, float]:
+                  mb_inds: torch.Tensor, cfg: PPOConfig, spec: p.SpaceSpec | None = None
+                  ) -> dict[str, float]:
     """One clipped-surrogate Adam step on the minibatch `mb_inds`; its loss stats, named as
     trainer/ppo.py names them."""
     mb_adv = batch.b_adv[mb_inds]
     if len(mb_adv) > 1:  # unbiased std, as SB3 and ppo.py
         mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+    obs = batch.b_obs
+    inputs = (torch_policy.module_input(spec, {k: v[mb_inds] for k, v in obs.items()},
+                                        mb_inds.device)
+              if isinstance(obs, dict) and spec is not None else
+              typing.cast(torch.Tensor, obs)[mb_inds])
+    masks = {} if batch.b_mask is None else {"action_mask": batch.b_mask[mb_inds]}
     _, newlogp, entropy, newvalue = torch_policy.agent(module).get_action_and_value(
-        batch.b_obs[mb_inds], batch.b_actions[mb_inds])
+        inputs, batch.b_actions[mb_inds], **masks)
     logratio = newlogp.reshape(-1) - batch.b_logp[mb_inds]
     ratio = logratio.exp()
     clipped = torch.clamp(ratio, 1.0 - cfg.clip_range, 1.0 + cfg.clip_range)
@@ -126,8 +146,10 @@ class TorchPPO:
     place, and has `update`, `optimizer_state` and `load_optimizer_state` (tensors by name)."""
 
     def __init__(self, module: nn.Module, action: ActionSpace, config: PPOConfig,
-                 rng: np.random.Generator) -> None:
+                 rng: np.random.Generator, *, spec: p.SpaceSpec | None = None) -> None:
+        """`spec`: how observations that travel as a map of leaves nest for the module."""
         self.module, self.action, self.config, self.rng = module, action, config, rng
+        self.spec = spec
         self.device = next(module.parameters()).device
         self.optimizer = torch.optim.Adam(module.parameters(), lr=config.lr, eps=1e-5)
 
@@ -138,13 +160,14 @@ class TorchPPO:
         trajs = [t for t in batch if len(t)]
         if not trajs:
             return {}
-        data = _Batch.of(trajs, self.module, self.config, self.action, self.device)
+        data = _Batch.of(trajs, self.module, self.config, self.action, self.device, self.spec)
         totals = dict.fromkeys(STATS, 0.0)
         n_steps = 0
         for _epoch in range(self.config.n_epochs):
             for mb_inds in np.array_split(self.rng.permutation(data.n), data.n_minibatches):
                 stats = gradient_step(self.module, self.optimizer, data,
-                                      torch.from_numpy(mb_inds).to(self.device), self.config)
+                                      torch.from_numpy(mb_inds).to(self.device), self.config,
+                                      self.spec)
                 for key, val in stats.items():
                     totals[key] += val
                 n_steps += 1
@@ -193,12 +216,17 @@ class TorchModel(Model):
         assert isinstance(acting, torch_policy.TorchPolicy)
         self.module = acting.module
         algo_class = TorchPPO if algo in DEFAULT_ALGOS else algorithm.load(algo)
+        given = {"spec": self.spec} if algo_class is TorchPPO else {}
         try:
             self.torch_algo = algo_class(self.module, self.action, config,
-                                         np.random.default_rng(seed))
+                                         np.random.default_rng(seed), **given)
         except Exception as exc:  # user code: one line
             raise CannotStart(f"--algo {algo} failed to start with --model {models.model}: "
                               f"{type(exc).__name__}: {exc}") from exc
+
+    def record(self, t: p.Trajectory) -> Trajectory:
+        """Observations as they travel (the module nests them itself), and the action mask."""
+        return self.trajectory(t, t.obs, t.bootstrap_obs)
 
     def update(self, batch: Sequence[Trajectory],
                tick: Callable[[], object]) -> dict[str, float]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import gymnasium as gym
 
-from stepbus import imports
+from stepbus import imports, spaces
 from stepbus.bus import protocol as p
 
 
@@ -61,7 +61,12 @@ def reward_threshold(env: Any) -> float | None:
 
 
 def space_spec(env: Any) -> p.SpaceSpec:
-    """The env's spaces and goal, as its worker declares them."""
+    """The env's spaces and goal, as its worker declares them. A categorical-action env is reset
+    once to see whether its `info` carries an action mask (Gymnasium's convention).
+
+    Raises:
+        TypeError: spaces stepbus cannot carry (`spaces.SpaceError`), or agents that differ.
+    """
     agents = list(env.possible_agents) if agents_of(env) else []  # the env's own keys
     if agents:  # parameter sharing: one policy for every agent, so one set of spaces
         obs, act = env.observation_space(agents[0]), env.action_space(agents[0])
@@ -71,18 +76,12 @@ def space_spec(env: Any) -> p.SpaceSpec:
                                 "sharing a policy need the same spaces (pad or wrap them)")
     else:
         obs, act = env.observation_space, env.action_space
-    if not isinstance(obs, gym.spaces.Box):
-        raise TypeError(f"observation space {obs} is not a Box; wrap the env to flatten it")
-    goal = reward_threshold(env)
-    if isinstance(act, gym.spaces.Discrete):
-        return p.SpaceSpec(list(obs.shape), obs.dtype.str, "discrete", action_n=int(act.n),
-                           reward_threshold=goal)
-    if isinstance(act, gym.spaces.Box):
-        return p.SpaceSpec(list(obs.shape), obs.dtype.str, "box", action_shape=list(act.shape),
-                           action_low=act.low.ravel().astype(float).tolist(),
-                           action_high=act.high.ravel().astype(float).tolist(),
-                           reward_threshold=goal)
-    raise TypeError(f"action space {act} is neither Discrete nor Box")
+    info_mask = False
+    if not isinstance(act, gym.spaces.Box):
+        _, info = env.reset(seed=0)
+        infos = list(info.values()) if agents else [info]
+        info_mask = any(isinstance(i, dict) and spaces.MASK in i for i in infos)
+    return spaces.describe(obs, act, info_mask=info_mask, reward_threshold=reward_threshold(env))
 
 
 def episode_seed(seed: int, worker_index: int, env_index: int, episode: int) -> int:

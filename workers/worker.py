@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from stepbus.bus import checks, node, shm, wiring
+from stepbus.bus import checks, node, rows, shm, wiring
 from stepbus.bus import protocol as p
 from stepbus.workers.envset import EnvFailure, EnvSet
 
@@ -170,7 +170,7 @@ class Worker(node.Process):
         self.envs.report, self.envs.tick = self.report, self.beat_while_busy
         self.segment = self.open_segment() if cfg.shm_frames else None
         self.use_shm = False  # the broker marked our segment (before its RESET) as mapped
-        self.no_rows = np.zeros((0, *self.envs.spec.obs_shape), self.envs.obs_dtype)
+        self.no_rows = np.zeros((0, *self.envs.spec.obs_shape), self.envs.spec.obs_dtype or "u1")
         self.hello = p.WorkerHello(
             worker=cfg.name, incarnation=self.incarnation, env_id=cfg.env,
             num_envs=cfg.envs_per_worker, seed=cfg.seed, spec=self.envs.spec,
@@ -180,11 +180,16 @@ class Worker(node.Process):
 
     def open_segment(self) -> shm.Writer | None:
         """The shared-memory segment for --shm-frames (None: observations on the socket)."""
+        if not self.envs.write.plain:
+            keys = ", ".join(leaf.key for leaf in self.envs.spec.obs_leaves)
+            self.log.warning("--shm-frames carries Box observations only; these (%s) go on "
+                             "the socket", keys)
+            return None
         try:
             if shm.remove_orphans(self.cfg.name):
                 self.log.info("removed shared-memory segments of earlier, dead incarnations")
             return shm.Writer(shm.segment_name(self.cfg.name, self.incarnation), self.envs.rows,
-                              tuple(self.envs.spec.obs_shape), self.envs.obs_dtype)
+                              tuple(self.envs.spec.obs_shape), np.dtype(self.envs.spec.obs_dtype))
         except OSError as exc:
             self.log.warning("--shm-frames: cannot create a segment in %s (%s); observations "
                              "go on the socket", shm.DIR, exc)
@@ -211,7 +216,8 @@ class Worker(node.Process):
         self.reply(p.StepResult(
             incarnation="", epoch=0, seq=0, first=True, obs=obs,
             reward=np.zeros(k, np.float32), terminated=np.zeros(k, bool),
-            truncated=np.zeros(k, bool), final_obs=obs[:0], alive=self.envs.alive_rows(),
+            truncated=np.zeros(k, bool), final_obs=rows.take(obs, slice(0, 0)),
+            alive=self.envs.alive_rows(),
             **self.envs.episodes()))
 
     def on_step(self, peer: bytes, msg: p.Step) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from stepbus import spaces
 from stepbus.bus import protocol as p
 from stepbus.policy import ActionSpace, NoWeights, Params, Policy
 
@@ -102,7 +103,8 @@ def hidden_sizes(params: Mapping[str, np.ndarray]) -> tuple[int, ...]:
 def infer_action_space(
     params: Mapping[str, np.ndarray], shape: tuple[int, ...] | None = None
 ) -> ActionSpace:
-    """Best-effort ActionSpace from params alone (box shape defaults to flat, no bounds)."""
+    """Best-effort ActionSpace from params alone (box shape defaults to flat, no bounds; a
+    categorical head is taken as one Discrete)."""
     dim = int(params[f"pi.{_n_layers(params, 'pi') - 1}.w"].shape[1])
     if "log_std" in params:
         return ActionSpace("box", shape=shape if shape is not None else (dim,))
@@ -224,17 +226,42 @@ class _HeadTerms:
     log_std: np.ndarray = field(default_factory=_none)
 
 
+MASKED_LOGIT = -1e9
+"""The logit of an action the mask rules out: its probability is exactly 0, its log-prob finite
+(so 0 * log p stays 0 in the entropy), and no gradient reaches it."""
+
+
+def _offsets(action: ActionSpace) -> np.ndarray:
+    """Where each categorical dimension's logits start in the head's output."""
+    return np.concatenate([[0], np.cumsum(action.categories)[:-1]]).astype(np.intp)
+
+
+def categorical_log_probs(out: np.ndarray, action: ActionSpace,
+                          mask: np.ndarray | None) -> np.ndarray:
+    """Each dimension's log-softmax over its own logits, masked actions at MASKED_LOGIT."""
+    logits = out if mask is None else np.where(mask, out, MASKED_LOGIT)
+    if len(action.categories) == 1:
+        return log_softmax(logits)
+    logp_all = np.empty_like(logits)
+    for start, n in zip(_offsets(action), action.categories, strict=True):
+        logp_all[:, start:start + n] = log_softmax(logits[:, start:start + n])
+    return logp_all
+
+
 def _head_terms(
-    params: Mapping[str, np.ndarray], action: ActionSpace, out: np.ndarray, actions: np.ndarray
+    params: Mapping[str, np.ndarray], action: ActionSpace, out: np.ndarray, actions: np.ndarray,
+    mask: np.ndarray | None = None,
 ) -> _HeadTerms:
-    """Log-prob and entropy of ``actions`` under the head output ``out`` (logits or means)."""
-    if action.kind == "discrete":
-        logp_all = log_softmax(out)
+    """Log-prob and entropy of ``actions`` under the head output ``out`` (logits or means):
+    for categorical heads, summed over the dimensions (they are independent)."""
+    if action.categorical:
+        b = out.shape[0]
+        logp_all = categorical_log_probs(out, action, mask)
         probs = np.exp(logp_all)
-        a = np.asarray(actions).reshape(-1).astype(np.intp, copy=False)
-        logp = np.take_along_axis(logp_all, a[:, None], axis=1)[:, 0]
+        taken = np.asarray(actions).reshape(b, -1).astype(np.intp) + _offsets(action)
+        logp = np.take_along_axis(logp_all, taken, axis=1).sum(axis=1)
         entropy = -(probs * logp_all).sum(axis=1)
-        return _HeadTerms(logp, entropy, logp_all=logp_all, probs=probs, taken=a)
+        return _HeadTerms(logp, entropy, logp_all=logp_all, probs=probs, taken=taken)
     log_std = params["log_std"]
     a_box = np.asarray(actions, dtype=np.float64).reshape(out.shape)
     z = (a_box - out) * np.exp(-log_std)
@@ -244,10 +271,11 @@ def _head_terms(
 
 
 def log_prob_entropy(
-    out: np.ndarray, params: Mapping[str, np.ndarray], action: ActionSpace, actions: np.ndarray
+    out: np.ndarray, params: Mapping[str, np.ndarray], action: ActionSpace, actions: np.ndarray,
+    mask: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Log-prob of ``actions`` and entropy under the policy head output ``out``, both (B,)."""
-    terms = _head_terms(params, action, out, actions)
+    terms = _head_terms(params, action, out, actions, mask)
     return terms.logp, terms.entropy
 
 
@@ -262,27 +290,45 @@ def act(
     obs: np.ndarray,
     action: ActionSpace,
     rng: np.random.Generator,
+    mask: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Sample a batch: (actions, logp float32 (B,), value float32 (B,)).
 
-    Discrete actions are int64 (B,), drawn by inverse CDF (one uniform per row). Box actions are
-    float32 (B, *shape), unclipped; logp is computed on the float32 values actually returned so
-    the learner's recomputed log-prob matches at ratio 1.
+    Categorical actions are `action.dtype` (B, *batch_shape), each dimension drawn by inverse
+    CDF (one uniform per row and dimension), never one that `mask` (B, action.dim) rules out.
+    Box actions are float32 (B, *shape), unclipped; logp is computed on the float32 values
+    actually returned so the learner's recomputed log-prob matches at ratio 1.
     """
     obs = np.asarray(obs)
     b = obs.shape[0]
     widest = max(w.shape[1] for k, w in params.items() if k.endswith(".w"))
     block = max(1, _ACT_BLOCK_ELEMS // widest)
     if b <= block:
-        return _act_block(params, obs, action, rng)
-    a_dtype, a_shape = (np.int64, ()) if action.kind == "discrete" else (np.float32, action.shape)
-    actions = np.empty((b, *a_shape), dtype=a_dtype)
+        return _act_block(params, obs, action, rng, mask)
+    actions: np.ndarray = np.empty((b, *action.batch_shape), dtype=action.dtype)
     logp = np.empty(b, dtype=np.float32)
     v = np.empty(b, dtype=np.float32)
     for start in range(0, b, block):
         rows = slice(start, start + block)
-        actions[rows], logp[rows], v[rows] = _act_block(params, obs[rows], action, rng)
+        actions[rows], logp[rows], v[rows] = _act_block(
+            params, obs[rows], action, rng, None if mask is None else mask[rows])
     return actions, logp, v
+
+
+def _sample_categorical(logp_all: np.ndarray, action: ActionSpace, rng: np.random.Generator
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """(actions (B, dims) int64, their summed log-prob (B,)) by inverse CDF per dimension."""
+    b = logp_all.shape[0]
+    taken = np.empty((b, len(action.categories)), np.int64)
+    logp = np.zeros(b)
+    for j, (start, n) in enumerate(zip(_offsets(action), action.categories, strict=True)):
+        part = logp_all[:, start:start + n]
+        cdf = np.cumsum(np.exp(part), axis=1)
+        u = rng.random((b, 1)) * cdf[:, -1:]  # scaled by the total: rounding can't overflow n
+        # A masked action's CDF step is zero wide: `<=` passes over it, never lands on it.
+        taken[:, j] = (cdf[:, :-1] <= u).sum(axis=1)
+        logp += np.take_along_axis(part, taken[:, j:j + 1], axis=1)[:, 0]
+    return taken, logp
 
 
 def _act_block(
@@ -290,16 +336,14 @@ def _act_block(
     obs: np.ndarray,
     action: ActionSpace,
     rng: np.random.Generator,
+    mask: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``act`` on one block of rows."""
     out, v = forward(params, obs)
     b = out.shape[0]
-    if action.kind == "discrete":
-        logp_all = log_softmax(out)
-        cdf = np.cumsum(np.exp(logp_all), axis=1)
-        u = rng.random((b, 1)) * cdf[:, -1:]  # scale by the total so rounding can't overflow n
-        actions = (cdf[:, :-1] <= u).sum(axis=1).astype(np.int64)
-        logp = np.take_along_axis(logp_all, actions[:, None], axis=1)[:, 0]
+    if action.categorical:
+        taken, logp = _sample_categorical(categorical_log_probs(out, action, mask), action, rng)
+        actions: np.ndarray = taken.reshape(b, *action.batch_shape).astype(action.dtype)
     else:
         log_std = params["log_std"]
         sample = (out + np.exp(log_std) * rng.standard_normal(out.shape)).astype(np.float32)
@@ -329,17 +373,27 @@ def _surrogate(
     return policy_loss, ratio, log_ratio, g_logp
 
 
+def _entropy_cols(terms: _HeadTerms, action: ActionSpace) -> np.ndarray:
+    """Each logit's own dimension's entropy, (B, dim) (or (B, 1) for one dimension)."""
+    if len(action.categories) == 1:
+        return terms.entropy[:, None]
+    per_logit = -(terms.probs * terms.logp_all)
+    ends = np.cumsum(action.categories)
+    per_dim = np.add.reduceat(per_logit, ends - np.asarray(action.categories), axis=1)
+    return np.repeat(per_dim, action.categories, axis=1)
+
+
 def _head_grads(
     terms: _HeadTerms, action: ActionSpace, g_logp: np.ndarray, ent_coef: float, grads: Params
 ) -> np.ndarray:
     """dLoss/d(head output) from dLoss/dlogp and the entropy bonus; a box head's ``log_std``
     gradient goes straight into ``grads``."""
     b = len(g_logp)
-    if action.kind == "discrete":
-        g_out = -terms.probs * g_logp[:, None]  # dlogp/dlogits = onehot(a) - p
-        g_out[np.arange(b), terms.taken] += g_logp
-        # dH/dlogits = -p (log p + H); loss has -ent_coef/b * H per row
-        g_out += (ent_coef / b) * terms.probs * (terms.logp_all + terms.entropy[:, None])
+    if action.categorical:
+        g_out = -terms.probs * g_logp[:, None]  # dlogp/dlogits = onehot(a) - p, per dimension
+        g_out[np.arange(b)[:, None], terms.taken] += g_logp[:, None]
+        # dH_j/dlogits_j = -p (log p + H_j) within dimension j; loss has -ent_coef/b * H per row
+        g_out += (ent_coef / b) * terms.probs * (terms.logp_all + _entropy_cols(terms, action))
         return g_out
     z = terms.z
     g_out = (g_logp[:, None] * z) * np.exp(-terms.log_std)  # dlogp/dmean = z / std
@@ -359,6 +413,7 @@ def ppo_loss_and_grads(
     clip_range: float,
     ent_coef: float,
     vf_coef: float,
+    mask: np.ndarray | None = None,
 ) -> tuple[dict[str, float], Params]:
     """SB3's clipped PPO loss and its exact gradient.
 
@@ -374,7 +429,7 @@ def ppo_loss_and_grads(
     vf_inputs: list[np.ndarray] = []
     out = _mlp(params, "pi", x, pi_inputs)
     v = _mlp(params, "vf", x, vf_inputs)[:, 0]
-    terms = _head_terms(params, action, out, actions)
+    terms = _head_terms(params, action, out, actions, mask)
     policy_loss, ratio, log_ratio, g_logp = _surrogate(terms.logp, old_logp, adv, clip_range)
     value_err = v - ret
     value_loss = float((value_err * value_err).mean())
@@ -463,11 +518,17 @@ class MLPPolicy(Policy):
     def prepare(self, params: Mapping[str, np.ndarray]) -> None:
         self.params = for_inference(params)
 
-    def act(self, obs: np.ndarray, rng: np.random.Generator
+    def act(self, obs: p.Obs, rng: np.random.Generator
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not self.params:
             raise NoWeights("the MLP policy has no weights yet")
-        return act(self.params, obs, self.action, rng)
+        return self._act(self.params, obs, rng)
+
+    def _act(self, params: Mapping[str, np.ndarray], obs: p.Obs, rng: np.random.Generator
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Categorical leaves one-hot, the rest flattened (`spaces.flatten`), then `act`."""
+        x = spaces.flatten(self.spec, obs, _input_dtype(params))
+        return act(params, x, self.action, rng, spaces.mask(self.spec, obs))
 
     def weights_problem(self, params: Mapping[str, np.ndarray]) -> str:
         """Names and shapes of an MLP for these spaces, float and finite values, and one trial
@@ -483,7 +544,7 @@ class MLPPolicy(Policy):
             return "parameters must be float arrays"
         if "pi.0.w" not in params or "vf.0.w" not in params:
             return "not MLP parameters: no pi.0.w or vf.0.w"
-        want = layout(math.prod(self.obs_shape), self.action, hidden_sizes(params))
+        want = layout(spaces.flat_dim(self.spec), self.action, hidden_sizes(params))
         missing = [name for name in want if name not in params]
         unexpected = [name for name in params if name not in want]
         if missing or unexpected:
@@ -493,9 +554,8 @@ class MLPPolicy(Policy):
                 return f"{name} of shape {params[name].shape}, the spaces need {shape}"
         if not all(np.isfinite(v).all() for v in params.values()):
             return "non-finite parameters"
-        obs = np.zeros((1, *self.obs_shape), self.obs_dtype)
-        actions, logp, value = act(params, obs, self.action, np.random.default_rng(0))
-        expected = (1,) if self.action.kind == "discrete" else (1, *self.action.shape)
+        actions, logp, value = self._act(params, self.zeros(1), np.random.default_rng(0))
+        expected = (1, *self.action.batch_shape)
         if actions.shape != expected:
             return f"actions of shape {actions.shape}, expected {expected}"
         if not (np.isfinite(logp).all() and np.isfinite(value).all()):

@@ -4,8 +4,10 @@
 image ``(H, W, C)`` gets CleanRL ``ppo_atari.py``'s Nature CNN (frames converted to channels
 first and, for uint8, scaled to [0, 1] inside the model, so they cross the bus as bytes);
 anything else gets CleanRL ``ppo.py``'s MLP on the flattened observation (64x64 tanh, separate
-actor and critic). Discrete actions get a categorical head, Box actions a Gaussian one with a
-state-independent log-std (``ppo_continuous_action.py``). Orthogonal init with CleanRL's gains.
+actor and critic; any other space flattened, categorical leaves one-hot). Categorical actions
+(Discrete, MultiDiscrete, MultiBinary) get a categorical head per dimension, Box actions a
+Gaussian one with a state-independent log-std (``ppo_continuous_action.py``). Orthogonal init
+with CleanRL's gains.
 
 Your own model is any factory with this signature whose module has these two methods; see
 docs/models.md.
@@ -18,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from gymnasium import spaces
 from torch import nn
 
 HIDDEN = 64
@@ -36,20 +39,34 @@ def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias_const: float = 
     return layer
 
 
+def categories(action_space: Any) -> tuple[int, ...]:
+    """Each categorical dimension's count: (n,) for Discrete, the flat nvec for MultiDiscrete,
+    twos for MultiBinary; () for a Box."""
+    if isinstance(action_space, spaces.Discrete):
+        return (int(action_space.n),)
+    if isinstance(action_space, spaces.MultiDiscrete):
+        return tuple(int(n) for n in np.ravel(action_space.nvec))
+    if isinstance(action_space, spaces.MultiBinary):
+        return (2,) * math.prod(action_space.shape)
+    return ()
+
+
 class Head(nn.Module):
-    """The action distribution on top of features: categorical logits for ``n`` actions, or a
-    Gaussian mean with a learned log-std for a Box of ``shape``. `action_mask` (bool, one per
-    action) rules out actions by giving them a logit of -1e8. The log-probs and entropies are
-    `torch.distributions`' Categorical and Normal ones, written out: building a distribution
-    object cost more than the rest of a small model's forward pass."""
+    """The action distribution on top of features: one categorical per dimension of a
+    Discrete, MultiDiscrete or MultiBinary space (log-probs and entropies summed over them), or
+    a Gaussian mean with a learned log-std for a Box. `action_mask` (bool, one per category,
+    the dimensions' in turn) rules out actions by giving them a logit of -1e8. The log-probs
+    and entropies are `torch.distributions`' Categorical and Normal ones, written out: building
+    a distribution object cost more than the rest of a small model's forward pass."""
 
     def __init__(self, features: int, action_space: Any) -> None:
         super().__init__()
-        self.discrete = hasattr(action_space, "n")
-        self.shape: tuple[int, ...] = () if self.discrete else tuple(action_space.shape)
-        dim = int(action_space.n) if self.discrete else math.prod(self.shape)
+        self.categories = categories(action_space)
+        self.shape: tuple[int, ...] = (() if isinstance(action_space, spaces.Discrete)
+                                       else tuple(action_space.shape))
+        dim = sum(self.categories) if self.categories else math.prod(self.shape)
         self.out = layer_init(nn.Linear(features, dim), std=0.01)
-        if not self.discrete:
+        if not self.categories:
             self.logstd = nn.Parameter(torch.zeros(1, dim))
 
     def forward(self, hidden: torch.Tensor, action: torch.Tensor | None,
@@ -57,15 +74,8 @@ class Head(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(action, log-prob, entropy): `action` sampled when None, else its log-prob."""
         b, out = hidden.shape[0], self.out(hidden)
-        if self.discrete:
-            if action_mask is not None:
-                out = torch.where(action_mask.to(torch.bool), out, torch.full_like(out, -1e8))
-            logp_all = torch.log_softmax(out, dim=-1)
-            probs = logp_all.exp()
-            taken = (torch.multinomial(probs, 1)[:, 0] if action is None
-                     else action.reshape(b).long())
-            logp = logp_all.gather(1, taken[:, None])[:, 0]
-            return taken, logp, -(probs * logp_all).sum(1)
+        if self.categories:
+            return self.categorical(out, action, action_mask)
         logstd = self.logstd.expand_as(out)
         flat = (out + logstd.exp() * torch.randn_like(out) if action is None
                 else action.reshape(b, -1).to(out.dtype))
@@ -74,13 +84,62 @@ class Head(nn.Module):
         entropy = (0.5 + 0.5 * LOG_2PI + logstd).sum(1)
         return flat.reshape(b, *self.shape), logp, entropy
 
+    def categorical(self, out: torch.Tensor, action: torch.Tensor | None,
+                    action_mask: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b = out.shape[0]
+        if action_mask is not None:
+            out = torch.where(action_mask.reshape(b, -1).to(torch.bool), out,
+                              torch.full_like(out, -1e8))
+        given = None if action is None else action.reshape(b, -1).long()
+        taken, logp, entropy = [], out.new_zeros(b), out.new_zeros(b)
+        for j, logits in enumerate(torch.split(out, list(self.categories), dim=1)):
+            logp_all = torch.log_softmax(logits, dim=-1)
+            probs = logp_all.exp()
+            pick = torch.multinomial(probs, 1)[:, 0] if given is None else given[:, j]
+            taken.append(pick)
+            logp = logp + logp_all.gather(1, pick[:, None])[:, 0]
+            entropy = entropy - (probs * logp_all).sum(1)
+        return torch.stack(taken, 1).reshape(b, *self.shape), logp, entropy
+
+
+class Flatten(nn.Module):
+    """Any observation as one float vector per row, as `stepbus.spaces.flatten` does it in
+    numpy: Box and MultiBinary leaves flattened, Discrete and MultiDiscrete ones one-hot,
+    Dict and Tuple leaves concatenated in the space's order."""
+
+    def __init__(self, observation_space: Any) -> None:
+        super().__init__()
+        self.space = observation_space
+        self.width = spaces.flatdim(observation_space)
+
+    def forward(self, x: Any) -> torch.Tensor:
+        return self.flat(self.space, x)
+
+    def flat(self, space: Any, x: Any) -> torch.Tensor:
+        if isinstance(space, spaces.Dict):
+            return torch.cat([self.flat(sub, x[key]) for key, sub in space.spaces.items()], 1)
+        if isinstance(space, spaces.Tuple):
+            return torch.cat([self.flat(sub, part) for sub, part in zip(space.spaces, x,
+                                                                        strict=True)], 1)
+        b = x.shape[0]
+        if isinstance(space, spaces.Discrete | spaces.MultiDiscrete):
+            nvec = [int(space.n)] if isinstance(space, spaces.Discrete) else \
+                [int(n) for n in np.ravel(space.nvec)]
+            start = torch.as_tensor(np.ravel(space.start), device=x.device)
+            codes = (x.reshape(b, -1).long() - start).clamp(min=0)
+            return torch.cat([nn.functional.one_hot(codes[:, j].clamp(max=n - 1), n)
+                              for j, n in enumerate(nvec)], 1).float()
+        return x.reshape(b, -1).float()
+
 
 class MLPAgent(nn.Module):
     """CleanRL ``ppo.py``'s agent: separate 64x64 tanh MLPs for the critic and the actor."""
 
     def __init__(self, observation_space: Any, action_space: Any) -> None:
         super().__init__()
-        n_in = math.prod(observation_space.shape)
+        self.flatten = Flatten(observation_space)
+        n_in = self.flatten.width
         self.critic = nn.Sequential(
             layer_init(nn.Linear(n_in, HIDDEN)), nn.Tanh(),
             layer_init(nn.Linear(HIDDEN, HIDDEN)), nn.Tanh(),
@@ -90,17 +149,13 @@ class MLPAgent(nn.Module):
             layer_init(nn.Linear(HIDDEN, HIDDEN)), nn.Tanh())
         self.head = Head(HIDDEN, action_space)
 
-    @staticmethod
-    def flat(x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(x.shape[0], -1).float()
+    def get_value(self, x: Any) -> torch.Tensor:
+        return self.critic(self.flatten(x))
 
-    def get_value(self, x: torch.Tensor) -> torch.Tensor:
-        return self.critic(self.flat(x))
-
-    def get_action_and_value(self, x: torch.Tensor, action: torch.Tensor | None = None,
+    def get_action_and_value(self, x: Any, action: torch.Tensor | None = None,
                              action_mask: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = self.flat(x)
+        x = self.flatten(x)
         taken, logp, entropy = self.head(self.actor(x), action, action_mask)
         return taken, logp, entropy, self.critic(x)
 
@@ -143,8 +198,8 @@ class NatureCNNAgent(nn.Module):
 
 
 def make_agent(observation_space: Any, action_space: Any) -> nn.Module:
-    """`--model torch`: the Nature CNN for channels-last images (three dimensions), else the
-    MLP."""
-    if len(observation_space.shape) == 3:
+    """`--model torch`: the Nature CNN for channels-last images (a Box of three dimensions),
+    else the MLP on the flattened observation (any space)."""
+    if isinstance(observation_space, spaces.Box) and len(observation_space.shape) == 3:
         return NatureCNNAgent(observation_space, action_space)
     return MLPAgent(observation_space, action_space)

@@ -5,7 +5,8 @@ The module has CleanRL's agent methods: ``get_action_and_value(obs, action=None)
 logprob, entropy, value)`` and ``get_value(obs)``. Its weights travel as they do for the numpy
 MLP, a flat map of named numpy arrays: the module's ``state_dict``, one raw frame per tensor.
 A broker judges weights against its own module's state_dict (names, shapes, dtypes, finite
-values) before loading them, so weights of another model are refused, never half-loaded.
+values) and acts once with them (the module left as it is) before loading them, so weights of
+another model, or ones whose outputs are not finite, are refused, never half-loaded.
 
 Importing this module imports torch: only a process configured with a torch model does.
 """
@@ -19,10 +20,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from stepbus import spaces
 from stepbus.bus import protocol as p
+from stepbus.bus import rows
 from stepbus.policy import ModelUnavailable, NoWeights, Params, Policy
 
-TRIAL_ROWS = 2  # a new module acts once on this many zero observations, to see it fits
+TRIAL_ROWS = 2  # a module acts once on this many zero observations (and as many of the last
+# it acted on), to see it fits and, with new weights, that they act
 
 
 class Agent(Protocol):
@@ -74,23 +78,8 @@ def torch_device(device: str) -> torch.device:
 
 def gym_spaces(spec: p.SpaceSpec) -> tuple[Any, Any]:
     """The Gymnasium (observation_space, action_space) a worker's declared spaces stand for:
-    what a model factory is given."""
-    from gymnasium import spaces
-
-    dtype = np.dtype(spec.obs_dtype)
-    if dtype.kind == "f":
-        low, high = -np.inf, np.inf
-    elif dtype.kind == "b":
-        low, high = 0, 1
-    else:
-        low, high = np.iinfo(dtype).min, np.iinfo(dtype).max
-    obs = spaces.Box(low=low, high=high, shape=tuple(spec.obs_shape), dtype=dtype)
-    if spec.action_kind == "discrete":
-        return obs, spaces.Discrete(spec.action_n)
-    shape = tuple(spec.action_shape)
-    return obs, spaces.Box(low=np.asarray(spec.action_low, np.float32).reshape(shape),
-                           high=np.asarray(spec.action_high, np.float32).reshape(shape),
-                           dtype=np.float32)
+    what a model factory is given (`stepbus.spaces`; Box bounds do not travel)."""
+    return spaces.observation_space(spec), spaces.action_space(spec)
 
 
 def as_input(obs: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -102,6 +91,26 @@ def as_input(obs: np.ndarray, device: torch.device) -> torch.Tensor:
     if not array.flags.writeable:
         array = array.copy()  # torch wants memory it may write; frames off the wire are not
     return torch.from_numpy(array).to(device)
+
+
+def module_input(spec: p.SpaceSpec, obs: Mapping[str, Any] | np.ndarray | torch.Tensor,
+                 device: torch.device) -> Any:
+    """A batch as the module takes it: one tensor for a Box observation, else the env's own
+    nesting (dicts and tuples) of tensors (`spaces.structured`), the mask from `info` left out.
+    Leaves may already be tensors (a learner's minibatch)."""
+    def tensor(value: Any) -> torch.Tensor:
+        return value if isinstance(value, torch.Tensor) else as_input(value, device)
+
+    if not isinstance(obs, Mapping):
+        return tensor(obs)
+    return spaces.structured(spec, {key: tensor(value) for key, value in obs.items()})
+
+
+def mask_input(spec: p.SpaceSpec, obs: p.Obs, device: torch.device) -> dict[str, torch.Tensor]:
+    """`action_mask=` for the module when the env gives a mask, else nothing: a module
+    without the parameter still acts on an env without masks."""
+    mask = spaces.mask(spec, obs)
+    return {} if mask is None else {"action_mask": torch.from_numpy(mask).to(device)}
 
 
 def state_arrays(module: nn.Module) -> Params:
@@ -147,6 +156,7 @@ class TorchPolicy(Policy):
         self.device = torch_device(device)
         self.module = module.to(self.device)
         self.layout = {name: t.detach() for name, t in self.module.state_dict().items()}
+        self.recent: p.Obs | None = None  # the first rows of the last batch it acted on
 
     @classmethod
     def of_factory(cls, factory: Callable[..., Any], spec: p.SpaceSpec, *, name: str,
@@ -167,23 +177,24 @@ class TorchPolicy(Policy):
     def prepare(self, params: Mapping[str, np.ndarray]) -> None:
         load_arrays(self.module, params)
 
-    def act(self, obs: np.ndarray, rng: np.random.Generator
+    def act(self, obs: p.Obs, rng: np.random.Generator
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not self.loaded:
             raise NoWeights("the torch policy has no weights yet")
+        # A copy: frames off the wire are reused.
+        self.recent = rows.copy(rows.take(obs, slice(0, TRIAL_ROWS)))
         return self._act(obs, rng)
 
-    def _act(self, obs: np.ndarray, rng: np.random.Generator
+    def _act(self, obs: p.Obs, rng: np.random.Generator
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        b = len(obs)
+        b = rows.count(obs)
         self.seed(rng)
         with torch.no_grad():
             action, logp, _, value = agent(self.module).get_action_and_value(
-                as_input(obs, self.device))
-        if self.action.kind == "discrete":
-            actions = action.reshape(b).to(torch.int64).cpu().numpy()
-        else:
-            actions = action.reshape(b, *self.action.shape).to(torch.float32).cpu().numpy()
+                module_input(self.spec, obs, self.device),
+                **mask_input(self.spec, obs, self.device))
+        actions: np.ndarray = action.reshape(b, *self.action.batch_shape).cpu().numpy().astype(
+            self.action.dtype)
         return (actions, logp.reshape(b).to(torch.float32).cpu().numpy(),
                 value.reshape(b).to(torch.float32).cpu().numpy())
 
@@ -197,33 +208,65 @@ class TorchPolicy(Policy):
             torch.default_generator.manual_seed(seed)
 
     def weights_problem(self, params: Mapping[str, np.ndarray]) -> str:
+        """The state_dict's layout and finite values, then one trial step with these weights:
+        finite weights can still make non-finite logits, which would fail sampling mid-run."""
         try:
-            return layout_problem(self.layout, params)
+            return layout_problem(self.layout, params) or self.trial(params)
         except Exception as exc:  # anything off the wire is judged, never raised
             return f"{type(exc).__name__}: {exc}"[:200]
 
-    def trial(self) -> str:
-        """Why the module cannot act on these spaces ("" if it can): one batch of zeros with
-        its initial weights, whose outputs must have one row each and the action's shape."""
-        obs = np.zeros((TRIAL_ROWS, *self.obs_shape), self.obs_dtype)
+    def trial(self, params: Mapping[str, np.ndarray] | None = None) -> str:
+        """Why the module cannot act on these spaces ("" if it can), with its own weights or
+        with `params` (the module is left as it is): one batch of zeros and of the last rows
+        it acted on, whose outputs must have one row each, the action's shape, finite values."""
+        obs = self.zeros(TRIAL_ROWS)
+        if self.recent is not None:
+            obs = rows.concat([obs, self.recent])
         try:
-            actions, logp, value = self._act(obs, np.random.default_rng(0))
-            with torch.no_grad():
-                v = agent(self.module).get_value(as_input(obs, self.device))
+            if params is None:
+                actions, logp, value, v = self.trial_outputs(obs)
+            else:  # the module's forward, with `params` in place of its state for this call
+                state = {f"module.{name}": torch.from_numpy(np.array(value)).to(self.device)
+                         for name, value in params.items()}
+                actions, logp, value, v = torch.func.functional_call(_Trial(self), state,
+                                                                     (obs,))
         except Exception as exc:  # user code: one line saying what went wrong
-            return f"{type(exc).__name__}: {exc}"[:300]
-        expected = ((TRIAL_ROWS,) if self.action.kind == "discrete"
-                    else (TRIAL_ROWS, *self.action.shape))
-        if actions.shape != expected:
-            return f"actions of shape {actions.shape}, expected {expected}"
-        if self.action.kind == "discrete" and not (
-                (actions >= 0).all() and (actions < self.action.n).all()):
-            return f"actions outside [0, {self.action.n})"
-        if v.numel() != TRIAL_ROWS:
+            said = "a trial step with them failed: " if params is not None else ""
+            return f"{said}{type(exc).__name__}: {exc}"[:300]
+        return self.outputs_problem(rows.count(obs), actions, logp, value, v)
+
+    def trial_outputs(self, obs: p.Obs
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, torch.Tensor]:
+        """What the module makes of `obs`: `_act`'s outputs, and `get_value`'s."""
+        actions, logp, value = self._act(obs, np.random.default_rng(0))
+        with torch.no_grad():
+            v = agent(self.module).get_value(module_input(self.spec, obs, self.device))
+        return actions, logp, value, v
+
+    def outputs_problem(self, n: int, actions: np.ndarray, logp: np.ndarray,
+                        value: np.ndarray, v: torch.Tensor) -> str:
+        """Why a trial step's outputs are not what acting needs ("" if they are)."""
+        problem = spaces.actions_problem(self.spec, actions, n)
+        if problem:
+            return problem
+        if v.numel() != n:
             return f"get_value gave {tuple(v.shape)}, expected one value per row"
         if not (np.isfinite(logp).all() and np.isfinite(value).all()):
             return "non-finite log-prob or value"
         return ""
+
+
+class _Trial(nn.Module):
+    """A policy's trial step as the forward of a module that holds the policy's module, so
+    `torch.func.functional_call` runs it with other weights in place of the module's own."""
+
+    def __init__(self, policy: TorchPolicy) -> None:
+        super().__init__()
+        self.module, self.policy = policy.module, policy
+
+    def forward(self, obs: p.Obs
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, torch.Tensor]:
+        return self.policy.trial_outputs(obs)
 
 
 def build(factory: Callable[..., Any], spec: p.SpaceSpec, name: str) -> nn.Module:

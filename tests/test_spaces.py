@@ -1,0 +1,198 @@
+"""Every Gymnasium space and action masks: described at the worker, carried leaf by leaf,
+checked, acted on and learned from, in-process and through real processes."""
+
+from __future__ import annotations
+
+import logging
+
+import gymnasium as gym
+import msgpack
+import numpy as np
+import pytest
+from conftest import Cluster
+
+from stepbus import policy, spaces
+from stepbus.bus import checks
+from stepbus.bus import protocol as p
+from stepbus.models.mlp import MLPPolicy, init_params
+from stepbus.workers.worker import Config, EnvSet
+
+MATCHES = ("match_discrete", "match_dict", "match_bits")
+MASKED = ("masked_info", "masked_obs")
+
+
+def envset(name: str, k: int = 3) -> EnvSet:
+    return EnvSet(Config(env=f"space_envs:{name}", envs_per_worker=k, name="w"),
+                  report=lambda error: None, log=logging.getLogger("test"))
+
+
+def same_space(a: gym.Space, b: gym.Space) -> bool:
+    """Equal but for Box bounds, which do not travel."""
+    if isinstance(a, gym.spaces.Box):
+        return isinstance(b, gym.spaces.Box) and (a.shape, a.dtype) == (b.shape, b.dtype)
+    if isinstance(a, gym.spaces.Dict):
+        return (isinstance(b, gym.spaces.Dict) and list(a) == list(b)
+                and all(same_space(a[k], b[k]) for k in a))
+    if isinstance(a, gym.spaces.Tuple):
+        return isinstance(b, gym.spaces.Tuple) and len(a) == len(b) and all(
+            same_space(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+@pytest.mark.parametrize("name", MATCHES + MASKED)
+def test_each_leaf_travels_as_its_own_frame_and_the_spaces_come_back_whole(name: str) -> None:
+    envs = envset(name)
+    spec = p.from_map(p.SpaceSpec, p.to_map(envs.spec))  # as a hello carries it
+    assert not checks.spec_problem(spec)
+    assert same_space(spaces.observation_space(spec), envs.envs[0].observation_space)
+    assert spaces.action_space(spec) == envs.envs[0].action_space
+    result = envs.step(np.zeros((3, *policy.action_space(spec).batch_shape),
+                                policy.action_space(spec).dtype) if "masked" not in name
+                       else np.flatnonzero(envs.envs[0].allowed)[:1].repeat(3), {})
+    frames = p.encode(result)
+    leaves = [leaf.key for leaf in spec.obs_leaves]
+    names = [desc[0] for desc in msgpack.unpackb(frames[0])[3]]
+    assert [n for n in names if n.startswith("obs.")] == [f"obs.{k}" for k in leaves]
+    back = p.decode(frames)
+    assert isinstance(back, p.StepResult) and not checks.result_problem(back, 3, spec)
+    for key in leaves:
+        assert np.array_equal(back.obs[key], result.obs[key])
+
+
+def test_structured_observations_nest_as_the_env_gave_them() -> None:
+    envs = envset("match_dict", k=2)
+    obs = envs.reset({})
+    nested = spaces.structured(envs.spec, obs)
+    env_obs = envs.envs[1].obs
+    assert nested["cell"][1] == env_obs["cell"]
+    assert np.array_equal(nested["inner"][1][1], env_obs["inner"][1])
+    assert np.array_equal(nested["inner"][2][1], env_obs["inner"][2])
+    flat = spaces.flatten(envs.spec, obs)
+    assert flat.shape == (2, spaces.flat_dim(envs.spec)) == (2, 5 + 3 + 6 + 4 + 2)
+    cell = flat[1, :5]  # Dict keys sort: cell first, one-hot from its start (-2)
+    assert cell.tolist() == np.eye(5)[env_obs["cell"] + 2].tolist()
+
+
+def test_bad_leaves_in_a_hello_are_refused_with_what_is_wrong() -> None:
+    good = envset("match_dict").spec
+    leaf = good.obs_leaves[0]
+    bad_leaves = {
+        "unnested": [leaf.__class__(**{**p.to_map(leaf), "containers": ["tuple"]})],
+        "twice": [leaf, leaf],
+        "categories": [leaf.__class__(**{**p.to_map(leaf), "nvec": [0]})],
+    }
+    for why, leaves in bad_leaves.items():
+        spec = p.from_map(p.SpaceSpec, {**p.to_map(good), "obs_leaves":
+                                        [p.to_map(x) for x in leaves]})
+        assert checks.spec_problem(spec), why
+    wide_mask = p.LeafSpec("action_mask", "mask", [7], np.dtype(bool).str)
+    masked = envset("masked_info").spec
+    spec = p.SpaceSpec([], "", "discrete", action_n=6,
+                       obs_leaves=[masked.obs_leaves[0], wide_mask])
+    assert "action mask" in checks.spec_problem(spec)
+
+
+def test_a_space_stepbus_cannot_carry_is_named_at_worker_start() -> None:
+    with pytest.raises(spaces.SpaceError, match="is not Discrete, Box"):
+        spaces.describe(gym.spaces.Box(0, 1, (2,)), gym.spaces.Text(5))
+    with pytest.raises(spaces.SpaceError, match="masks are for"):
+        spaces.describe(gym.spaces.Box(0, 1, (2,)), gym.spaces.Box(0, 1, (2,)),
+                        info_mask=True)
+
+
+@pytest.mark.parametrize("name", MASKED)
+def test_the_mlp_never_takes_a_masked_action(name: str) -> None:
+    envs = envset(name, k=16)
+    spec = envs.spec
+    model = MLPPolicy(spec)
+    rng = np.random.default_rng(0)
+    params = init_params(policy.obs_dim(spec), policy.action_space(spec), (64, 64), rng)
+    params["pi.2.w"] *= 300  # a confident policy, which masks must still overrule
+    model.load(params, 0)
+    obs = envs.reset({})
+    for _ in range(50):
+        mask = spaces.mask(spec, obs)
+        assert mask is not None and mask.sum(axis=1).tolist() == [2] * 16
+        actions, logp, _ = model.act(obs, rng)
+        assert mask[np.arange(16), actions].all() and np.isfinite(logp).all()
+        obs = envs.step(actions, {}).obs
+    assert envs.errors == 0, "a masked action reached the env"
+
+
+def test_multi_discrete_log_probs_sum_over_dimensions_and_masks_zero_them() -> None:
+    from stepbus.models import mlp
+
+    action = policy.ActionSpace("multi_discrete", shape=(2,), nvec=(3, 2))
+    out = np.array([[0.0, 1.0, 2.0, 0.5, -0.5]])
+    logp, entropy = mlp.log_prob_entropy(out, {}, action, np.array([[2, 0]]))
+    first, second = mlp.log_softmax(out[:, :3]), mlp.log_softmax(out[:, 3:])
+    assert np.allclose(logp, first[:, 2] + second[:, 0])
+    h = -(np.exp(first) * first).sum() - (np.exp(second) * second).sum()
+    assert np.allclose(entropy, h)
+    mask = np.array([[True, False, True, True, True]])
+    masked, _ = mlp.log_prob_entropy(out, {}, action, np.array([[1, 0]]), mask)
+    assert masked[0] < -1e8, "a masked action has no probability"
+
+
+@pytest.mark.parametrize("name", MATCHES + MASKED)
+def test_each_space_kind_learns_end_to_end_through_real_processes(cluster: Cluster,
+                                                                  name: str) -> None:
+    """Worker, broker (numpy MLP), assembler and learner on each kind: the learner reaches a
+    return that only the observation's leaves (and the masks) make possible, and stops the
+    run; no env ever raised (a masked action would have)."""
+    procs = cluster.start_all(
+        trainer="learner", worker_args=("--env", f"space_envs:{name}", "--envs-per-worker", "16"),
+        trainer_args=("--target-return", "7.5", "--max-env-steps", "300000",
+                      "--batch-steps", "1024", "--n-epochs", "10"))
+    codes = {n: proc.wait(120) for n, proc in procs.items()}
+    assert set(codes.values()) == {0}, codes
+    records = cluster.metrics()
+    assert records[-1]["mean_return"] >= 7.5, records[-1]
+    assert records[-1]["env_steps"] < 300_000
+    for proc in procs.values():
+        assert "Traceback" not in proc.output() and "Forbidden" not in proc.output()
+
+
+@pytest.mark.parametrize("name", MASKED + ("match_dict",))
+def test_the_built_in_torch_model_takes_every_space_and_never_a_masked_action(
+        name: str) -> None:
+    pytest.importorskip("torch")
+    from stepbus.models import torch_policy
+
+    envs = envset(name, k=16)
+    model = policy.make_policy("torch", envs.spec)
+    assert isinstance(model, torch_policy.TorchPolicy)
+    weights = torch_policy.state_arrays(model.module)
+    weights["head.out.weight"] *= 1000  # confident, and masks must still overrule it
+    assert not model.weights_problem(weights)
+    model.load(weights, 0)
+    obs, rng = envs.reset({}), np.random.default_rng(0)
+    for _ in range(30):
+        actions, logp, _ = model.act(obs, rng)
+        mask = spaces.mask(envs.spec, obs)
+        assert mask is None or mask[np.arange(16), actions].all()
+        assert np.isfinite(logp).all()
+        obs = envs.step(actions, {}).obs
+    assert envs.errors == 0, "a masked action reached the env"
+
+
+@pytest.mark.parametrize("name", ("match_dict", "masked_obs"))
+def test_torch_models_learn_other_spaces_and_masks_through_real_processes(
+        cluster: Cluster, name: str) -> None:
+    """STEPBUS_MODEL=torch: the built-in torch MLP on a nested Dict with MultiDiscrete actions,
+    and on PettingZoo-style masks inside the observation."""
+    pytest.importorskip("torch")
+    model = {"STEPBUS_MODEL": "torch"}
+    procs = {"controller": cluster.start("controller"),
+             "broker": cluster.start("broker", env=model),
+             "assembler": cluster.start("assembler"),
+             "worker": cluster.start("worker", "--name", "w0", "--env", f"space_envs:{name}",
+                                     "--envs-per-worker", "16"),
+             "learner": cluster.start("learner", "--target-return", "7.5", "--max-env-steps",
+                                      "300000", "--batch-steps", "1024", "--n-epochs", "10",
+                                      env=model)}
+    codes = {n: proc.wait(150) for n, proc in procs.items()}
+    assert set(codes.values()) == {0}, codes
+    assert cluster.metrics()[-1]["mean_return"] >= 7.5
+    for proc in procs.values():
+        assert "Traceback" not in proc.output() and "Forbidden" not in proc.output()
