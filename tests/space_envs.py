@@ -115,3 +115,46 @@ def masked_info() -> Masked:
 
 def masked_obs() -> Masked:
     return Masked(in_obs=True)
+
+
+class MaskedPair:
+    """A PettingZoo parallel env of two `Masked` agents: Dict observations with an
+    "action_mask" key (PettingZoo's convention), or masks in each agent's info."""
+
+    metadata: dict = {}
+
+    def __init__(self, in_obs: bool) -> None:
+        self.possible_agents = ["left", "right"]
+        self.agents: list[str] = []
+        self.games = {a: Masked(in_obs) for a in self.possible_agents}
+
+    def observation_space(self, agent: str) -> gym.Space:
+        return self.games[agent].observation_space
+
+    def action_space(self, agent: str) -> gym.Space:
+        return self.games[agent].action_space
+
+    def reset(self, seed: int | None = None, options: dict | None = None
+              ) -> tuple[dict, dict]:
+        self.agents = list(self.possible_agents)
+        firsts = {a: g.reset(seed=None if seed is None else seed + i)
+                  for i, (a, g) in enumerate(self.games.items())}
+        return {a: f[0] for a, f in firsts.items()}, {a: f[1] for a, f in firsts.items()}
+
+    def step(self, actions: dict) -> tuple[dict, dict, dict, dict, dict]:
+        out = {a: self.games[a].step(actions[a]) for a in self.agents}
+        obs, rew, term, trunc, info = ({a: o[i] for a, o in out.items()} for i in range(5))
+        if all(trunc.values()):
+            self.agents = []
+        return obs, rew, term, trunc, info
+
+    def close(self) -> None:
+        pass
+
+
+def masked_pair_obs() -> MaskedPair:
+    return MaskedPair(in_obs=True)
+
+
+def masked_pair_info() -> MaskedPair:
+    return MaskedPair(in_obs=False)

@@ -9,6 +9,7 @@ import gymnasium as gym
 import msgpack
 import numpy as np
 import pytest
+import space_envs
 from conftest import Cluster
 
 from stepbus import policy, spaces
@@ -153,7 +154,7 @@ def test_each_space_kind_learns_end_to_end_through_real_processes(cluster: Clust
         assert "Traceback" not in proc.output() and "Forbidden" not in proc.output()
 
 
-@pytest.mark.parametrize("name", MASKED + ("match_dict",))
+@pytest.mark.parametrize("name", (*MASKED, "match_dict"))
 def test_the_built_in_torch_model_takes_every_space_and_never_a_masked_action(
         name: str) -> None:
     pytest.importorskip("torch")
@@ -196,3 +197,43 @@ def test_torch_models_learn_other_spaces_and_masks_through_real_processes(
     assert cluster.metrics()[-1]["mean_return"] >= 7.5
     for proc in procs.values():
         assert "Traceback" not in proc.output() and "Forbidden" not in proc.output()
+
+
+@pytest.mark.parametrize("name", ("masked_pair_obs", "masked_pair_info"))
+def test_pettingzoo_agents_with_dict_observations_and_masks(name: str) -> None:
+    envs = envset(name, k=2)
+    assert envs.agents == ["left", "right"] and envs.rows == 4
+    model = MLPPolicy(envs.spec)
+    rng = np.random.default_rng(1)
+    params = init_params(policy.obs_dim(envs.spec), policy.action_space(envs.spec), (64, 64),
+                         rng)
+    params["pi.2.w"] *= 300
+    model.load(params, 0)
+    obs = envs.reset({})
+    for _ in range(3 * space_envs.LENGTH):
+        mask = spaces.mask(envs.spec, obs)
+        assert mask is not None and mask.sum(axis=1).tolist() == [2] * 4
+        actions, _, _ = model.act(obs, rng)
+        result = envs.step(actions, {})
+        assert not checks.result_problem(result, 4, envs.spec)
+        obs = result.obs
+    assert envs.errors == 0, "a masked action reached the env"
+
+
+def test_the_run_digest_sees_every_leaf() -> None:
+    from stepbus.trainer.intake import RunDigest
+
+    envs = envset("match_dict", k=1)
+    obs = envs.reset({})
+    base = dict(agent="a", epoch=0, terminated=False, truncated=True, episode_return=None,
+                episode_length=None, actions=np.zeros((1, 2), np.int64),
+                logp=np.zeros(1, np.float32), values=np.zeros(1, np.float32),
+                rewards=np.zeros(1, np.float32), policy_versions=np.zeros(1, np.int64),
+                bootstrap_obs={k: v[0] for k, v in obs.items()}, assembler="x", seq=0)
+    digests = []
+    for pos in (0.0, 0.5):
+        changed = {**obs, "pos": np.full_like(obs["pos"], pos)}
+        digest = RunDigest()
+        digest.add(p.Trajectory(obs=changed, **base))  # type: ignore[arg-type]
+        digests.append(digest.hexdigest())
+    assert digests[0] != digests[1]

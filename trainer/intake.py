@@ -45,11 +45,17 @@ class RunDigest:
             if f.name in ("assembler", "seq"):
                 continue
             value = getattr(t, f.name)
-            if isinstance(value, np.ndarray):
-                crc = zlib.crc32(np.ascontiguousarray(value).data)
-                self.hash.update(f"{f.name} {value.dtype.str} {value.shape} {crc}".encode())
+            if isinstance(value, dict):  # observations as a map of leaves, each a frame
+                for key, leaf in value.items():
+                    self.add_array(f"{f.name}.{key}", leaf)
+            elif isinstance(value, np.ndarray):
+                self.add_array(f.name, value)
             else:
                 self.hash.update(f"{f.name} {value!r}".encode())
+
+    def add_array(self, name: str, value: np.ndarray) -> None:
+        crc = zlib.crc32(np.ascontiguousarray(value).data)
+        self.hash.update(f"{name} {value.dtype.str} {value.shape} {crc}".encode())
 
     def hexdigest(self) -> str:
         return self.hash.hexdigest()
