@@ -24,7 +24,8 @@ class CannotStart(Exception):
 
 
 class Algorithm(Protocol):
-    """What `--algo` names: a class built as `(obs_dim, action, config, rng)` whose instances
+    """What `--algo` names: a class built as `(obs_dim, action, config, rng)` (`obs_dim`: the
+    width of `spaces.flatten`'s rows, which its trajectories' observations are) whose instances
     have this. `params` keep `stepbus.models.mlp`'s layout (the broker acts with them) and are
     updated in place. An optional `curriculum(stats) -> options | None` asks, after an update,
     for a reset barrier with env options (as `stepbus reset --option` does)."""
