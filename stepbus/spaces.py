@@ -8,8 +8,8 @@ wire, so a model gets exactly what the env gave. An action mask from ``info["act
 (Gymnasium's convention) rides along as one more leaf, "action_mask"; a Dict observation may
 hold one itself under that key (PettingZoo's convention). Either way, `mask` finds it.
 
-Actions are Discrete, Box, MultiDiscrete or MultiBinary. Masks are for the categorical kinds:
-one bool per category, each dimension's categories in turn (Gymnasium gives a MultiDiscrete
+Actions are Discrete, Box, MultiDiscrete or MultiBinary. Masks are for Discrete and
+MultiDiscrete: one bool per category, each dimension's categories in turn (Gymnasium gives a MultiDiscrete
 mask as a tuple of per-dimension arrays; it is concatenated here).
 """
 
@@ -114,9 +114,9 @@ def describe(obs: gym.Space, act: gym.Space, *, info_mask: bool = False,
     fields = _action_fields(act)
     found = leaves(obs)
     in_obs = any(leaf.key == MASK for leaf in found)
-    if (info_mask or in_obs) and fields["action_kind"] not in CATEGORICAL:
+    if (info_mask or in_obs) and fields["action_kind"] not in ("discrete", "multi_discrete"):
         raise SpaceError(f"an action mask with {type(act).__name__} actions: masks are for "
-                         "Discrete, MultiDiscrete and MultiBinary actions")
+                         "Discrete and MultiDiscrete actions")
     if info_mask and not in_obs:
         width = fields.get("action_n") or sum(fields["action_nvec"])
         found.append(p.LeafSpec(MASK, "mask", [width], np.dtype(bool).str))
