@@ -9,8 +9,8 @@ wire, so a model gets exactly what the env gave. An action mask from ``info["act
 hold one itself under that key (PettingZoo's convention). Either way, `mask` finds it.
 
 Actions are Discrete, Box, MultiDiscrete or MultiBinary. Masks are for Discrete and
-MultiDiscrete: one bool per category, each dimension's categories in turn (Gymnasium gives a MultiDiscrete
-mask as a tuple of per-dimension arrays; it is concatenated here).
+MultiDiscrete: one bool per category, each dimension's categories in turn (Gymnasium gives a
+MultiDiscrete mask as a tuple of per-dimension arrays; it is concatenated here).
 """
 
 from __future__ import annotations
