@@ -47,8 +47,9 @@ from stepbus.bus import checks, node, policies, rows, wiring
 from stepbus.bus import protocol as p
 from stepbus.bus.barrier import ResetBarrier
 from stepbus.bus.credit import Credit, DueVersions, Weights
+from stepbus.bus.memory import Memory
 from stepbus.bus.worker_table import Worker, WorkerTable
-from stepbus.policy import ModelConfig, Policy
+from stepbus.policy import ModelConfig, Policy, State
 
 # How long a new broker defers new workers' hellos until the controller has told it the run's
 # epoch and reset options: a broker restarted mid-run must not reset envs without the last
@@ -166,10 +167,14 @@ class PolicySlot:
         else:
             self.policy.load(params, version)
 
-    def act(self, obs: p.Obs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Actions, their log-probabilities and the values for a batch of observations."""
+    def act(self, obs: p.Obs, state: State | None = None
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, State | None]:
+        """Actions, their log-probabilities and the values for a batch of observations, and
+        (a recurrent model, acting from `state`) each row's next state."""
         assert self.policy is not None
-        return self.policy.act(obs, self.rng)
+        if state is not None:
+            return self.policy.act_recurrent(obs, state, self.rng)
+        return (*self.policy.act(obs, self.rng), None)
 
 
 class Broker(node.Process):
@@ -193,6 +198,7 @@ class Broker(node.Process):
         self.counts = BrokerCounts()
         self.env_id = ""
         self.spec: p.SpaceSpec | None = None  # the spaces every worker must share
+        self.memory: Memory | None = None  # each agent's state, for a recurrent model
         self.assembler_blocked = False  # only true while it is what holds ready work back
         self.held_by = ""  # with several policies: the one whose weights or window holds us
         self.rate_steps, self.rate_since, self.steps_per_s = 0, self.now, 0.0
@@ -249,6 +255,9 @@ class Broker(node.Process):
                 self.refuse("bad spec", str(exc)[:300], claims=msg.worker)
                 return False
             self.env_id, self.spec = msg.env_id, msg.spec
+            built = self.slots[0].policy
+            if built is not None and built.recurrent:
+                self.memory = Memory(built.initial_state)
         elif msg.spec != self.spec:
             self.counts.spec_refused += 1
             self.refuse("spec mismatch",
@@ -347,6 +356,8 @@ class Broker(node.Process):
         self.count_rows()
         self.counts.workers_lost += 1
         self.barrier.worker_lost(w.name)
+        if self.memory is not None:
+            self.memory.drop(w.name)
         self.log.warning("worker %s %s; serving the others", w.name, why)
         self.send("experience", p.WorkerLost(worker=w.name, incarnation=w.incarnation,
                                              reason=why))
@@ -357,9 +368,11 @@ class Broker(node.Process):
             slot.credit.rows = n
 
     # -- experience
-    def forward(self, w: Worker, r: p.StepResult, outputs: Outputs | None) -> None:
+    def forward(self, w: Worker, r: p.StepResult, outputs: Outputs | None,
+                state: State | None = None) -> None:
         """A worker's step to the assembler, with the policy's outputs for it (None: no
-        action was chosen for its observation, which ends its trajectories as a bootstrap)."""
+        action was chosen for its observation, which ends its trajectories as a bootstrap),
+        and the recurrent state they were chosen from."""
         action, logp, value, versions = outputs if outputs is not None else (None,) * 4
         version = -1 if versions is None else self.slots[0].version if len(self.slots) == 1 \
             else int(versions.min())
@@ -374,7 +387,8 @@ class Broker(node.Process):
                            agent_policies=w.agent_policies,
                            policy_versions=versions if len(self.slots) > 1 else None,
                            obs_slot=slot, shm=segment.name if segment is not None else "",
-                           shm_nonce=w.shm_nonce if segment is not None else "")
+                           shm_nonce=w.shm_nonce if segment is not None else "",
+                           state=state or {})
         if not self.send("experience", msg):
             self.counts.experience_dropped += 1
             # Not the worker's fault: counted against the socket it could not go out on.
@@ -547,10 +561,17 @@ class Broker(node.Process):
         # One worker's observations are the batch as they came: no copy of its frames.
         results = [w.result for w in ready if w.result is not None]
         obs = rows.concat([r.obs for r in results])
-        actions, logp, value, versions = self.act(obs, ready)
+        before = None if self.memory is None else [
+            self.memory.before_step(w.name, w.incarnation, r, w.num_envs)
+            for w, r in zip(ready, results, strict=True)]
+        state = None if before is None else {
+            key: np.concatenate([held[key] for held in before]) for key in before[0]}
+        actions, logp, value, versions, after = self.act(obs, ready, state)
         start = 0
-        for w, r in zip(ready, results, strict=True):
+        for i, (w, r) in enumerate(zip(ready, results, strict=True)):
             end = start + w.num_envs
+            if before is not None and after is not None and self.memory is not None:
+                self.memory.after_step(w.name, {k: v[start:end] for k, v in after.items()})
             self.count_steps(w, r)
             w.seq, w.in_flight, w.result = r.seq + 1, True, None
             w.ready_since = w.sent_at = now
@@ -558,29 +579,37 @@ class Broker(node.Process):
                                        policy_version=int(versions[start]),
                                        actions=actions[start:end]))
             self.forward(w, r, (actions[start:end], logp[start:end], value[start:end],
-                                versions[start:end]))
+                                versions[start:end]), None if before is None else before[i])
             start = end
 
-    def act(self, obs: p.Obs, ready: list[Worker]) -> Outputs:
-        """Every policy's outputs on its own rows of one batch, and each row's version."""
+    def act(self, obs: p.Obs, ready: list[Worker], state: State | None = None
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, State | None]:
+        """Every policy's outputs on its own rows of one batch, each row's version, and (a
+        recurrent model) each row's next state."""
         b = rows.count(obs)
         if len(self.slots) == 1:
             slot = self.slots[0]
-            return (*slot.act(obs), np.full(b, slot.version, np.int64))
+            a, lp, v, after = slot.act(obs, state)
+            return a, lp, v, np.full(b, slot.version, np.int64), after
         row_policy = np.concatenate([w.row_policy for w in ready])
         versions = np.empty(b, np.int64)
         parts = []
         for k, slot in enumerate(self.slots):
             mine = np.flatnonzero(row_policy == k)
             if len(mine):
-                parts.append((mine, *slot.act(rows.take(obs, mine))))
+                mine_state = None if state is None else {n: v[mine] for n, v in state.items()}
+                parts.append((mine, *slot.act(rows.take(obs, mine), mine_state)))
                 versions[mine] = slot.version
-        _, a, lp, v = parts[0]
+        _, a, lp, v, after = parts[0]
         actions = np.empty((b, *a.shape[1:]), a.dtype)
         logp, value = np.empty(b, lp.dtype), np.empty(b, v.dtype)
-        for mine, a, lp, v in parts:
+        next_state = None if after is None else {
+            n: np.empty((b, *x.shape[1:]), x.dtype) for n, x in after.items()}
+        for mine, a, lp, v, after in parts:
             actions[mine], logp[mine], value[mine] = a, lp, v
-        return actions, logp, value, versions
+            for n, x in (after or {}).items():
+                next_state[n][mine] = x  # type: ignore[index]
+        return actions, logp, value, versions, next_state
 
     def count_steps(self, w: Worker, r: p.StepResult) -> None:
         """Agent steps, as the learners count them: absent agents' rows are not steps."""
@@ -600,14 +629,17 @@ class Broker(node.Process):
 
     def figures(self) -> dict[str, Any]:
         default = self.slots[0]
-        figures = {"workers": len(self.table), "policy_version": default.version,
-                   "epoch": self.barrier.epoch, "steps_per_s": round(self.steps_per_s),
-                   "outstanding_steps": default.credit.outstanding(),
-                   "credit_window": default.credit.window(),
-                   "credit_topups": default.credit.topups,
-                   "credit_rebases": default.credit.rebases,
-                   "assembler_blocked": self.assembler_blocked, **self.rejects.figures(),
-                   **self.counts.figures(), "held_by": self.held_by}
+        figures: dict[str, Any] = {
+            "workers": len(self.table), "policy_version": default.version,
+            "epoch": self.barrier.epoch, "steps_per_s": round(self.steps_per_s),
+            "outstanding_steps": default.credit.outstanding(),
+            "credit_window": default.credit.window(), "credit_topups": default.credit.topups,
+            "credit_rebases": default.credit.rebases,
+            "assembler_blocked": self.assembler_blocked, **self.rejects.figures(),
+            **self.counts.figures(), "held_by": self.held_by}
+        if self.memory is not None:
+            figures |= {**self.memory.figures(),
+                        "memory_resets": dict(self.memory.resets)}
         if len(self.slots) > 1:  # the figures above are the default policy's; these, each one's
             for slot in self.slots:
                 figures[f"policy_version_{slot.name}"] = slot.version

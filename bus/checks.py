@@ -130,6 +130,8 @@ def experience_problem(m: p.Experience) -> str:
             m.policy_versions.shape != (k,) or m.policy_versions.dtype.kind not in "iu"
             or m.policy_versions.min() < -1 or m.policy_versions.max() >= 2**53):
         return "policy_versions need one integer in [-1, 2**53) per row"
+    if state_problem(m.state, (k,)):
+        return state_problem(m.state, (k,))
     if m.agent_policies and (len(m.agent_policies) != max(1, len(m.agents))
                              or k % len(m.agent_policies)
                              or not all(policies.NAME.fullmatch(n) for n in m.agent_policies)):
@@ -167,7 +169,24 @@ def trajectories_problem(b: p.Trajectories, spec: p.SpaceSpec, action: ActionSpa
             return problem
     if len(set(b.seqs)) != count:
         return "a trajectory number twice in one message"
+    if any(v.ndim < 1 or v.shape[0] != count for v in b.states.values()):
+        return f"states need one row per trajectory, got {rows_of(b.states)}"
     return _steps_problem(b, rows, (count,), spec, action)
+
+
+def rows_of(state: dict[str, np.ndarray]) -> str:
+    return str({k: v.shape for k, v in list(state.items())[:4]})[:160]
+
+
+def state_problem(state: dict[str, np.ndarray], lead: tuple[int, ...]) -> str:
+    """Why a recurrent state cannot be used ("" if it can): each array leads with `lead`,
+    and floats are finite (a NaN memory would poison every later step of the agent)."""
+    for key, value in state.items():
+        if value.shape[:len(lead)] != lead:
+            return f"state {key!r} of shape {value.shape}, expected it to lead with {lead}"
+        if value.dtype.kind == "f" and not np.isfinite(value).all():
+            return f"non-finite state {key!r}"
+    return ""
 
 
 def _episode_problem(ret: float | None, length: int | None) -> str:

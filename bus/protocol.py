@@ -551,6 +551,9 @@ class Experience(Message):
     obs_slot: int = -1
     shm: str = ""
     shm_nonce: str = ""
+    # A recurrent model's memory each row's action was chosen with (`Policy.initial_state`'s
+    # layout, one row per row of obs); empty for a feed-forward model.
+    state: ArrayMap = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -586,6 +589,9 @@ class Trajectory(Message):
     episode_seed: int = -1
     episode_step: int = -1
     policy: str = "default"  # the policy that acted (and so the learner it is for)
+    # A recurrent model's memory before the first step (one agent's row of each array); the
+    # learner replays the trajectory from it. Empty for a feed-forward model.
+    state: ArrayMap = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -616,6 +622,7 @@ class Trajectories(Message):
     rewards: np.ndarray
     policy_versions: np.ndarray
     bootstrap_obs: Obs  # one row per trajectory
+    states: ArrayMap = field(default_factory=dict)  # one row per trajectory (`state`)
 
     @classmethod
     def of(cls, trajs: Sequence[Trajectory]) -> Trajectories:
@@ -638,7 +645,8 @@ class Trajectories(Message):
             episode_steps=[t.episode_step for t in trajs], obs=steps("obs"),
             actions=steps("actions"), logp=steps("logp"), values=steps("values"),
             rewards=steps("rewards"), policy_versions=steps("policy_versions"),
-            bootstrap_obs=bootstrap)
+            bootstrap_obs=bootstrap,
+            states={k: np.stack([t.state[k] for t in trajs]) for k in first.state})
 
     def split(self) -> list[Trajectory]:
         """The trajectories, as views of this message's arrays. Only on a message that
@@ -656,7 +664,8 @@ class Trajectories(Message):
                 policy_versions=self.policy_versions[start:end],
                 bootstrap_obs=rows.take(self.bootstrap_obs, i), assembler=self.assembler,
                 seq=self.seqs[i], episode=self.episodes[i], episode_seed=self.episode_seeds[i],
-                episode_step=self.episode_steps[i], policy=self.policy))
+                episode_step=self.episode_steps[i], policy=self.policy,
+                state={k: v[i] for k, v in self.states.items()}))
         return out
 
 

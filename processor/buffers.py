@@ -11,6 +11,8 @@ out.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,11 +35,16 @@ class AgentBuffer:
         self.episode_return, self.episode_length = 0.0, 0
         self.stats_valid = True  # False when we joined mid-episode (assembler restart)
         self.origin = (-1, -1, -1)  # the trajectory's episode, episode seed, first episode step
+        self.state: dict[str, np.ndarray] = {}  # a recurrent model's state before the first step
 
     def choose(self, obs: Obs, action: np.ndarray, logp: float, value: float,
-               version: int, episode: int = -1, seed: int = -1) -> None:
+               version: int, episode: int = -1, seed: int = -1,
+               state: Callable[[], dict[str, np.ndarray]] | None = None) -> None:
+        """`state`: the recurrent state the action was chosen from (called only at the
+        trajectory's first step, the one state a trajectory keeps)."""
         if self.n == 0:
             self.origin = (episode, seed, self.episode_length if self.stats_valid else -1)
+            self.state = state() if state is not None else {}
         if not self.arrays:
             h = self.horizon
             self.obs = rows.empty(obs, h)
@@ -82,12 +89,17 @@ class AgentBuffer:
                 bootstrap_obs=rows.copy(bootstrap),
                 assembler="", seq=-1,  # numbered when sent
                 episode=self.origin[0], episode_seed=self.origin[1], episode_step=self.origin[2],
-                policy=self.policy)
+                policy=self.policy, state=self.state)
             self.arrays, self.obs = {}, {}
         self.n, self.pending = 0, False
         if episode_end or truncated:
             self.episode_return, self.episode_length, self.stats_valid = 0.0, 0, True
         return traj
+
+
+def state_row(state: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
+    """Row i of each state array, copied: a view would pin the whole received message."""
+    return {key: value[i].copy() for key, value in state.items()}
 
 
 def agent_ids(worker: str, agents: list[str], rows: int) -> list[str]:
@@ -186,7 +198,8 @@ class WorkerTrack:
         for i, agent in enumerate(self.agents):
             if m.alive is None or m.alive[i]:  # an agent that appears starts here
                 agent.choose(rows.take(m.obs, i), m.action[i], m.logp[i], m.value[i],
-                             versions[i], episodes[i], seeds[i])
+                             versions[i], episodes[i], seeds[i],
+                             functools.partial(state_row, m.state, i) if m.state else None)
             else:
                 agent.pending = False  # finished, vanished or not there yet
         return ""

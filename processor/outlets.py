@@ -90,6 +90,10 @@ class Outlet:
         return self.last_resend + RESEND_INTERVAL_S
 
 
+def state_layout(traj: p.Trajectory) -> list[tuple[str, str, tuple[int, ...]]]:
+    return [(key, value.dtype.str, value.shape) for key, value in traj.state.items()]
+
+
 def next_batch(held: collections.deque[p.Trajectory]) -> list[p.Trajectory]:
     """The held trajectories that go out in the next message, oldest first: small ones
     together, within the bounds above; a large one alone."""
@@ -98,6 +102,7 @@ def next_batch(held: collections.deque[p.Trajectory]) -> list[p.Trajectory]:
     for traj in itertools.islice(held, 1, p.MAX_TRAJECTORIES_PER_MESSAGE):
         obs_bytes += rows.nbytes(traj.obs)
         if (obs_bytes > MAX_BATCHED_OBS_BYTES or rows.layout(traj.obs) != layout
+                or state_layout(traj) != state_layout(first)
                 or traj.actions.dtype != first.actions.dtype
                 or traj.actions.shape[1:] != first.actions.shape[1:]):
             break

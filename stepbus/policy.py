@@ -32,6 +32,8 @@ from stepbus.imports import load_object
 
 Params = dict[str, np.ndarray]
 """Flat parameter (or gradient) map: a name per array, as WEIGHTS carries them."""
+State = dict[str, np.ndarray]
+"""A recurrent model's memory for a batch of agents: arrays by name, one row per agent."""
 
 DEFAULT = "mlp"
 TORCH = "torch"
@@ -273,6 +275,27 @@ class Policy(abc.ABC):
         Raises:
             NoWeights: before the first `load`.
         """
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether the model carries a memory from step to step (`act_recurrent`, and the
+        broker keeps each agent's state); a feed-forward model does not."""
+        return False
+
+    def initial_state(self, n: int) -> State:
+        """The memory `n` agents start an episode with: arrays by name, one row per agent
+        (the batch dimension first, whatever the model's own layout)."""
+        raise NotImplementedError(f"{type(self).__name__} is not recurrent")
+
+    def act_recurrent(self, obs: p.Obs, state: State, rng: np.random.Generator
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, State]:
+        """`act` from each row's memory `state` (as `initial_state` lays it out): the outputs
+        and each row's next state.
+
+        Raises:
+            NoWeights: before the first `load`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} is not recurrent")
 
     @abc.abstractmethod
     def weights_problem(self, params: Mapping[str, np.ndarray]) -> str:
