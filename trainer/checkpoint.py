@@ -1,18 +1,37 @@
 """Atomic checkpoints: params, optimiser state and run progress in one .npz (the numpy MLP) or
 one .safetensors (a torch model: its state_dict and Adam's moments as tensors, the progress as
-JSON in the header), never a pickle; and what waits for the next one."""
+JSON in the header), never a pickle; and what waits for the next one.
+
+A checkpoint is read as hostile input: one a learner cannot use (truncated, not the format, a
+pickle, dtypes or sizes stepbus never writes, non-finite values) is refused with one line
+naming the file and what is wrong, `CannotStart`, so the learner exits 2 instead of dumping a
+traceback, hanging or loading something it should not."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
+
+# What the first bytes of a file that is no checkpoint say it is, for the refusal's line.
+MAGIC = ((b"PK\x03\x04", "a zip archive (torch.save writes those; stepbus never unpickles)"),
+         (b"\x80", "a pickle (stepbus never unpickles)"),
+         (b"\x93NUMPY", "a bare .npy array"))
+# A torch checkpoint's tensors as numpy holds them (weights cross the bus as numpy arrays):
+# safetensors' dtype names. bfloat16 and float8 are not among them.
+SAFETENSORS_DTYPES = frozenset({"BOOL", "U8", "I8", "I16", "I32", "I64", "F16", "F32", "F64"})
+# Of a torch checkpoint: the model's tensors must fit in a WEIGHTS message (bus/protocol.py's
+# MAX_ARRAYS, MAX_ARRAY_BYTES), and the optimiser keeps a few per parameter.
+MAX_TENSOR_BYTES = 1 << 30
+MAX_MODEL_TENSORS = 256
+MAX_TENSORS = 8 * MAX_MODEL_TENSORS
 
 
 def save(path: Path, params: dict[str, np.ndarray], optimizer: dict[str, np.ndarray],
@@ -29,14 +48,70 @@ def save(path: Path, params: dict[str, np.ndarray], optimizer: dict[str, np.ndar
     os.replace(tmp, path)
 
 
+def refuse(path: Path, problem: str) -> NoReturn:
+    """The learner's one line for a checkpoint it cannot use."""
+    # algorithm.py imports this module: its error is imported when needed.
+    from stepbus.trainer.algorithm import CannotStart
+
+    raise CannotStart(f"checkpoint {path} {problem}: start a new run (another --run-dir) or "
+                      "restore a good copy of it")
+
+
+def check_file(path: Path, what: str, own: bytes = b"") -> None:
+    """A regular file (a FIFO would block the reader) whose first bytes are not those of
+    something else (`own`: those of its own format). Raises CannotStart."""
+    if not path.is_file():
+        refuse(path, "is not a regular file")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as exc:
+        refuse(path, f"cannot be read ({exc.strerror or exc})")
+    for magic, kind in MAGIC:
+        if head.startswith(magic) and not (own and head.startswith(own)):
+            refuse(path, f"is {kind}, not {what}")
+
+
+def progress_of(path: Path, text: str) -> dict[str, Any]:
+    """The run's progress a checkpoint carries: a JSON object. Raises CannotStart."""
+    try:
+        progress = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        refuse(path, f"has a progress record that is not JSON ({exc})")
+    if not isinstance(progress, dict):
+        refuse(path, f"has a progress record that is a {type(progress).__name__}, not a JSON "
+                     "object")
+    return progress
+
+
 def load(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Any]]:
-    """Params, optimiser state and progress."""
-    with np.load(path, allow_pickle=False) as data:
-        meta = json.loads(bytes(data["meta"]).decode())
-        params = {k.split("/", 1)[1]: data[k].copy() for k in data.files if k.startswith("param/")}
-        optimizer = {k.split("/", 1)[1]: data[k].copy() for k in data.files
-                     if k.startswith("optimizer/")}
-    return params, optimizer, meta["progress"]
+    """Params, optimiser state and progress. Raises CannotStart for a file that is not such a
+    checkpoint."""
+    check_file(path, "an .npz", own=b"PK\x03\x04")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            if "meta" not in data.files:
+                refuse(path, "is not a stepbus checkpoint (no meta record)")
+            meta = data["meta"].tobytes().decode()
+            arrays = {k: data[k].copy() for k in data.files if k != "meta"}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, UnicodeDecodeError) as exc:
+        refuse(path, f"is not a readable .npz ({type(exc).__name__}: {exc})"[:300])
+    record = progress_of(path, meta)
+    if not isinstance(record.get("progress"), dict):
+        refuse(path, "has no progress record")
+    check_values(path, arrays)
+    params = {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("param/")}
+    optimizer = {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("optimizer/")}
+    return params, optimizer, record["progress"]
+
+
+def check_values(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Numbers, and finite floats: a checkpoint stepbus wrote never holds anything else."""
+    for name, value in arrays.items():
+        if value.dtype.kind not in "biuf":
+            refuse(path, f"holds {name} of dtype {value.dtype}, not numbers")
+        if value.dtype.kind == "f" and not np.isfinite(value).all():
+            refuse(path, f"holds non-finite values in {name}")
 
 
 def _replace_synced(tmp: Path, path: Path) -> None:
@@ -65,17 +140,53 @@ def save_torch(path: Path, model: Mapping[str, Any], optimizer: Mapping[str, Any
 
 def load_torch(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """A torch model's state_dict, optimiser tensors and progress, as `save_torch` wrote them
-    (`safetensors.torch.load_file`: tensors and a JSON header, nothing that runs code)."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
+    (safetensors: tensors and a JSON header, nothing that runs code). Its header is judged
+    before a tensor is read: dtypes numpy holds, sizes a WEIGHTS message carries. Raises
+    CannotStart for a file that is not such a checkpoint."""
+    from safetensors import SafetensorError, safe_open
 
-    tensors = load_file(str(path))
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
+    check_file(path, "a safetensors file")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta, names = f.metadata() or {}, f.keys()
+            check_layout(path, {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape())
+                                for k in names})
+            tensors = {k: f.get_tensor(k) for k in names}
+    except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+        refuse(path, f"is not a readable safetensors file ({exc})"[:300])
+    check_values(path, {k: v.numpy() for k, v in tensors.items()})
     model = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("model/")}
     optimizer = {k.split("/", 1)[1]: v for k, v in tensors.items()
                  if k.startswith("optimizer/")}
-    return model, optimizer, json.loads(meta.get("progress", "{}"))
+    check_optimizer(path, model, optimizer)
+    return model, optimizer, progress_of(path, meta.get("progress", "{}"))
+
+
+def check_layout(path: Path, layout: dict[str, tuple[str, list[int]]]) -> None:
+    """Names, dtypes and sizes from a safetensors header, before any tensor is read."""
+    if len(layout) > MAX_TENSORS:
+        refuse(path, f"holds {len(layout)} tensors, more than {MAX_TENSORS}")
+    if sum(name.startswith("model/") for name in layout) > MAX_MODEL_TENSORS:
+        refuse(path, f"holds a model of more than {MAX_MODEL_TENSORS} tensors")
+    for name, (dtype, shape) in layout.items():
+        if not name.startswith(("model/", "optimizer/")):
+            refuse(path, f"holds {name!r}, neither a model/ nor an optimizer/ tensor")
+        if dtype not in SAFETENSORS_DTYPES:
+            refuse(path, f"holds {name} of dtype {dtype}, which stepbus never writes")
+        itemsize = 1 if dtype in ("BOOL", "U8", "I8") else int(dtype[1:]) // 8
+        if math.prod(shape) * itemsize > MAX_TENSOR_BYTES:
+            refuse(path, f"holds {name} of shape {shape}, over {MAX_TENSOR_BYTES >> 30} GiB")
+
+
+def check_optimizer(path: Path, model: dict[str, Any], optimizer: dict[str, Any]) -> None:
+    """An optimiser tensor of a parameter (`name/field`, as TorchPPO names Adam's moments) is
+    one number (a step count) or of the parameter's shape: else it would load, and the first
+    update would fail long after the learner said it resumed."""
+    for key, value in optimizer.items():
+        param = model.get(key.rpartition("/")[0])
+        if param is not None and value.numel() != 1 and value.shape != param.shape:
+            refuse(path, f"holds optimizer/{key} of shape {list(value.shape)}, its parameter's "
+                         f"is {list(param.shape)}")
 
 
 @dataclass
