@@ -37,8 +37,10 @@ State = dict[str, np.ndarray]
 
 DEFAULT = "mlp"
 TORCH = "torch"
+TORCH_LSTM = "torch-lstm"
 BUILT_IN = {DEFAULT: "stepbus.models.mlp:MLPPolicy",
-            TORCH: "stepbus.models.torch_agents:make_agent"}
+            TORCH: "stepbus.models.torch_agents:make_agent",
+            TORCH_LSTM: "stepbus.models.torch_agents:make_lstm_agent"}
 """Models known by a short name, each the import path of its `Policy` class or model factory."""
 MODEL_ENV = "STEPBUS_MODEL"
 INSTALL_TORCH = 'pip install -e ".[torch]"'
@@ -50,10 +52,11 @@ class ModelConfig:
 
     model: str = field(default_factory=lambda: os.environ.get(MODEL_ENV) or DEFAULT, metadata={
         "help": "the policy's model: mlp (numpy), torch (PyTorch: an MLP, or a Nature CNN for "
-                "image observations), or module:factory, where factory(observation_space, "
-                "action_space) returns a torch.nn.Module with CleanRL's get_action_and_value "
-                "and get_value (docs/models.md); broker and learner need the same one "
-                f"(env {MODEL_ENV})"})
+                "image observations), torch-lstm (the same encoders with an LSTM core), or "
+                "module:factory, where factory(observation_space, action_space) returns a "
+                "torch.nn.Module with CleanRL's get_action_and_value and get_value, and "
+                "initial_state for a recurrent one (docs/models.md); broker and learner need "
+                f"the same one (env {MODEL_ENV})"})
     device: str = field(default="cpu", metadata={
         "help": "torch models: where they run, cpu or cuda[:N] (refused at start if CUDA is "
                 "not available)"})
@@ -82,7 +85,7 @@ def resolve(name: str) -> Any:
     if ":" not in path:
         raise ModelUnavailable(f"unknown model {name!r}: use one of {sorted(BUILT_IN)} or "
                                "module:factory")
-    if name == TORCH:
+    if name in (TORCH, TORCH_LSTM):
         require_torch(name)
     try:
         return load_object(path)

@@ -89,7 +89,8 @@ class Model:
                               rewards=t.rewards, terminated=t.terminated,
                               truncated=t.truncated, bootstrap_obs=bootstrap,
                               assembler=t.assembler, seq=t.seq,
-                              action_mask=spaces.mask(self.spec, t.obs))
+                              action_mask=spaces.mask(self.spec, t.obs),
+                              state=t.state or None)
 
     def update(self, batch: Sequence[ppo.Trajectory],
                tick: Callable[[], object]) -> dict[str, float]:

@@ -87,6 +87,8 @@ class Trajectory:
     """Its number: with ``assembler``, which trajectory an update learned from."""
     action_mask: np.ndarray | None = None
     """(T, action dim) bool: the actions the env allowed at each step (None: all)."""
+    state: dict[str, np.ndarray] | None = None
+    """A recurrent model's state before the first step (None: a feed-forward model)."""
 
     def __len__(self) -> int:
         return len(self.rewards)

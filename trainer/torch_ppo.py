@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from stepbus import policy
+from stepbus.bus import checks, rows
 from stepbus.bus import protocol as p
-from stepbus.bus import rows
 from stepbus.models import torch_policy
 from stepbus.policy import ActionSpace
 from stepbus.trainer import algorithm, checkpoint, ppo
@@ -110,9 +110,6 @@ def gradient_step(module: nn.Module, optimizer: torch.optim.Optimizer, batch: _B
                   ) -> dict[str, float]:
     """One clipped-surrogate Adam step on the minibatch `mb_inds`; its loss stats, named as
     trainer/ppo.py names them."""
-    mb_adv = batch.b_adv[mb_inds]
-    if len(mb_adv) > 1:  # unbiased std, as SB3 and ppo.py
-        mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
     obs = batch.b_obs
     inputs = (torch_policy.module_input(spec, {k: v[mb_inds] for k, v in obs.items()},
                                         mb_inds.device)
@@ -121,20 +118,58 @@ def gradient_step(module: nn.Module, optimizer: torch.optim.Optimizer, batch: _B
     masks = {} if batch.b_mask is None else {"action_mask": batch.b_mask[mb_inds]}
     _, newlogp, entropy, newvalue = torch_policy.agent(module).get_action_and_value(
         inputs, batch.b_actions[mb_inds], **masks)
-    logratio = newlogp.reshape(-1) - batch.b_logp[mb_inds]
+    return loss_step(module, optimizer, cfg, Taken(newlogp, entropy, newvalue),
+                     Targets(batch.b_logp[mb_inds], batch.b_adv[mb_inds],
+                             batch.b_returns[mb_inds]))
+
+
+@dataclass
+class Taken:
+    """What the module makes of a minibatch's actions now: log-probs, entropies, values."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    value: torch.Tensor
+
+
+@dataclass
+class Targets:
+    """A minibatch's behaviour log-probs, advantages and returns; `valid` (1 or 0 per row)
+    leaves padding out of every mean (sequences of a recurrent model)."""
+
+    logp: torch.Tensor
+    adv: torch.Tensor
+    returns: torch.Tensor
+    valid: torch.Tensor | None = None
+
+
+def loss_step(module: nn.Module, optimizer: torch.optim.Optimizer, cfg: PPOConfig,
+              taken: Taken, targets: Targets) -> dict[str, float]:
+    """PPO's loss on one minibatch, one Adam step with the gradient norm clipped, the stats."""
+    valid = targets.valid if targets.valid is not None else torch.ones_like(targets.adv)
+    count = valid.sum().clamp(min=1.0)
+
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        return (x.reshape(-1) * valid).sum() / count
+
+    adv = targets.adv
+    if count > 1:  # unbiased std, as SB3 and ppo.py
+        centred = (adv - mean(adv)) * valid
+        adv = centred / (torch.sqrt((centred ** 2).sum() / (count - 1)) + 1e-8)
+    logratio = taken.logp.reshape(-1) - targets.logp
     ratio = logratio.exp()
     clipped = torch.clamp(ratio, 1.0 - cfg.clip_range, 1.0 + cfg.clip_range)
-    policy_loss = torch.max(-mb_adv * ratio, -mb_adv * clipped).mean()
-    value_loss = ((newvalue.reshape(-1) - batch.b_returns[mb_inds]) ** 2).mean()
-    entropy_mean = entropy.mean()
+    policy_loss = mean(torch.max(-adv * ratio, -adv * clipped))
+    value_loss = mean((taken.value.reshape(-1) - targets.returns) ** 2)
+    entropy_mean = mean(taken.entropy)
     loss = policy_loss + cfg.vf_coef * value_loss - cfg.ent_coef * entropy_mean
     optimizer.zero_grad()
     loss.backward()
     grad_norm = nn.utils.clip_grad_norm_(module.parameters(), cfg.max_grad_norm)
     optimizer.step()
     with torch.no_grad():
-        approx_kl = ((ratio - 1.0) - logratio).mean()
-        clip_fraction = ((ratio - 1.0).abs() > cfg.clip_range).float().mean()
+        approx_kl = mean((ratio - 1.0) - logratio)
+        clip_fraction = mean(((ratio - 1.0).abs() > cfg.clip_range).float())
         figures = torch.stack([policy_loss, value_loss, entropy_mean, approx_kl, clip_fraction,
                                loss, grad_norm.to(loss.dtype)]).double().cpu().tolist()
     return dict(zip(STATS, figures, strict=True))
@@ -215,14 +250,30 @@ class TorchModel(Model):
             raise CannotStart(f"{exc}") from exc
         assert isinstance(acting, torch_policy.TorchPolicy)
         self.module = acting.module
-        algo_class = TorchPPO if algo in DEFAULT_ALGOS else algorithm.load(algo)
-        given = {"spec": self.spec} if algo_class is TorchPPO else {}
+        from stepbus.trainer import torch_recurrent  # which imports this module
+
+        self.memory = acting.memory
+        default = TorchPPO if self.memory is None else torch_recurrent.RecurrentPPO
+        algo_class = default if algo in DEFAULT_ALGOS else algorithm.load(algo)
+        given = {"spec": self.spec} if algo_class is default else {}
+        self.initial = acting.initial_state(1) if self.memory is not None else {}
         try:
             self.torch_algo = algo_class(self.module, self.action, config,
                                          np.random.default_rng(seed), **given)
         except Exception as exc:  # user code: one line
             raise CannotStart(f"--algo {algo} failed to start with --model {models.model}: "
                               f"{type(exc).__name__}: {exc}") from exc
+
+    def problem(self, msg: p.Trajectory | p.Trajectories) -> str:
+        """As the numpy model's, and a recurrent model's trajectories carry first states
+        shaped as its own."""
+        states = msg.state if isinstance(msg, p.Trajectory) else msg.states
+        lead = () if isinstance(msg, p.Trajectory) else (len(msg.seqs),)
+        want = {k: (*lead, *v.shape[1:]) for k, v in self.initial.items()}
+        got = {k: v.shape for k, v in states.items()}
+        if got != want:
+            return f"recurrent states {got}, this model's are {want}"[:200]
+        return super().problem(msg) or checks.state_problem(states, lead)
 
     def record(self, t: p.Trajectory) -> Trajectory:
         """Observations as they travel (the module nests them itself), and the action mask."""

@@ -160,26 +160,31 @@ class MLPAgent(nn.Module):
         return taken, logp, entropy, self.critic(x)
 
 
+def nature_torso(observation_space: Any) -> tuple[nn.Sequential, float]:
+    """The Nature DQN torso for channels-last frames of this space (three convolutions and
+    CNN_FEATURES units), and the scale of its input (1/255 for uint8 frames)."""
+    height, width, channels = observation_space.shape
+    if min(height, width) < MIN_IMAGE_SIDE:
+        raise ValueError(f"images of {height}x{width} are too small for the Nature CNN "
+                         f"(at least {MIN_IMAGE_SIDE}x{MIN_IMAGE_SIDE}); name your own "
+                         "model with --model module:factory")
+    scale = 1.0 / 255.0 if np.dtype(observation_space.dtype) == np.uint8 else 1.0
+    conv = nn.Sequential(
+        layer_init(nn.Conv2d(channels, 32, 8, stride=4)), nn.ReLU(),
+        layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
+        layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(), nn.Flatten())
+    with torch.no_grad():
+        flat = conv(torch.zeros(1, channels, height, width)).shape[1]
+    return nn.Sequential(*conv, layer_init(nn.Linear(flat, CNN_FEATURES)), nn.ReLU()), scale
+
+
 class NatureCNNAgent(nn.Module):
     """CleanRL ``ppo_atari.py``'s agent: the Nature DQN torso shared by the actor and the critic,
     on channels-last frames (uint8 scaled by 1/255 here, in the model)."""
 
     def __init__(self, observation_space: Any, action_space: Any) -> None:
         super().__init__()
-        height, width, channels = observation_space.shape
-        if min(height, width) < MIN_IMAGE_SIDE:
-            raise ValueError(f"images of {height}x{width} are too small for the Nature CNN "
-                             f"(at least {MIN_IMAGE_SIDE}x{MIN_IMAGE_SIDE}); name your own "
-                             "model with --model module:factory")
-        self.scale = 1.0 / 255.0 if np.dtype(observation_space.dtype) == np.uint8 else 1.0
-        conv = nn.Sequential(
-            layer_init(nn.Conv2d(channels, 32, 8, stride=4)), nn.ReLU(),
-            layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
-            layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(), nn.Flatten())
-        with torch.no_grad():
-            flat = conv(torch.zeros(1, channels, height, width)).shape[1]
-        self.network = nn.Sequential(*conv, layer_init(nn.Linear(flat, CNN_FEATURES)),
-                                     nn.ReLU())
+        self.network, self.scale = nature_torso(observation_space)
         self.head = Head(CNN_FEATURES, action_space)
         self.critic = layer_init(nn.Linear(CNN_FEATURES, 1), std=1.0)
 
@@ -203,3 +208,89 @@ def make_agent(observation_space: Any, action_space: Any) -> nn.Module:
     if isinstance(observation_space, spaces.Box) and len(observation_space.shape) == 3:
         return NatureCNNAgent(observation_space, action_space)
     return MLPAgent(observation_space, action_space)
+
+
+LSTM_HIDDEN = 128
+
+
+class Frames(nn.Module):
+    """Channels-last frames through the Nature torso (`nature_torso`)."""
+
+    def __init__(self, observation_space: Any) -> None:
+        super().__init__()
+        self.network, self.scale = nature_torso(observation_space)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.network(x.permute(0, 3, 1, 2).float() * self.scale)
+
+
+class LSTMAgent(nn.Module):
+    """`--model torch-lstm`, CleanRL ``ppo_atari_lstm.py``'s agent: an encoder (the Nature
+    torso for channels-last images, else one 64-unit tanh layer on the flattened observation),
+    an LSTM of LSTM_HIDDEN units, and actor and critic heads on its output.
+
+    The recurrent interface stepbus drives: `initial_state(batch_size)` is the memory an
+    episode starts with, ``(h, c)`` of shape ``(1, B, LSTM_HIDDEN)``; the other methods take
+    the observations of T steps of B sequences, time-major and flattened to ``T * B`` rows,
+    the state each sequence starts from, and `done` (``T * B``, True where a new episode
+    starts: the state is zeroed there, as in CleanRL; stepbus passes all False and restarts
+    states itself, from `initial_state`)."""
+
+    def __init__(self, observation_space: Any, action_space: Any) -> None:
+        super().__init__()
+        if isinstance(observation_space, spaces.Box) and len(observation_space.shape) == 3:
+            self.encoder: nn.Module = Frames(observation_space)
+            width = CNN_FEATURES
+        else:
+            flat = Flatten(observation_space)
+            self.encoder = nn.Sequential(flat, layer_init(nn.Linear(flat.width, HIDDEN)),
+                                         nn.Tanh())
+            width = HIDDEN
+        self.lstm = nn.LSTM(width, LSTM_HIDDEN)
+        for name, param in self.lstm.named_parameters():
+            if "bias" in name:
+                nn.init.constant_(param, 0)
+            elif "weight" in name:
+                nn.init.orthogonal_(param, 1.0)
+        self.head = Head(LSTM_HIDDEN, action_space)
+        self.critic = layer_init(nn.Linear(LSTM_HIDDEN, 1), std=1.0)
+
+    def initial_state(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        device = next(self.parameters()).device
+        zeros = torch.zeros(1, batch_size, LSTM_HIDDEN, device=device)
+        return zeros, zeros.clone()
+
+    def get_states(self, x: Any, state: tuple[torch.Tensor, torch.Tensor],
+                   done: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The LSTM's output for every row (``T * B``) and the state after the last step."""
+        hidden = self.encoder(x)
+        batch = state[0].shape[1]
+        hidden = hidden.reshape(-1, batch, hidden.shape[-1])
+        done = done.reshape(-1, batch).to(hidden.dtype)
+        if not done.any():  # one call over the whole sequence: what stepbus always asks
+            out, state = self.lstm(hidden, state)
+            return out.reshape(-1, LSTM_HIDDEN), state
+        outs = []
+        for h, d in zip(hidden, done, strict=True):
+            keep = (1.0 - d).view(1, -1, 1)
+            step, state = self.lstm(h.unsqueeze(0), (keep * state[0], keep * state[1]))
+            outs.append(step)
+        return torch.cat(outs).reshape(-1, LSTM_HIDDEN), state
+
+    def get_value(self, x: Any, state: tuple[torch.Tensor, torch.Tensor],
+                  done: torch.Tensor) -> torch.Tensor:
+        return self.critic(self.get_states(x, state, done)[0])
+
+    def get_action_and_value(self, x: Any, state: tuple[torch.Tensor, torch.Tensor],
+                             done: torch.Tensor, action: torch.Tensor | None = None,
+                             action_mask: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                        tuple[torch.Tensor, torch.Tensor]]:
+        hidden, state = self.get_states(x, state, done)
+        taken, logp, entropy = self.head(hidden, action, action_mask)
+        return taken, logp, entropy, self.critic(hidden), state
+
+
+def make_lstm_agent(observation_space: Any, action_space: Any) -> nn.Module:
+    """`--model torch-lstm`: `LSTMAgent`."""
+    return LSTMAgent(observation_space, action_space)

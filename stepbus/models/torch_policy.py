@@ -23,7 +23,7 @@ from torch import nn
 from stepbus import spaces
 from stepbus.bus import protocol as p
 from stepbus.bus import rows
-from stepbus.policy import ModelUnavailable, NoWeights, Params, Policy
+from stepbus.policy import ModelUnavailable, NoWeights, Params, Policy, State
 
 TRIAL_ROWS = 2  # a module acts once on this many zero observations (and as many of the last
 # it acted on), to see it fits and, with new weights, that they act
@@ -40,9 +40,69 @@ class Agent(Protocol):
     def get_value(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
+class RecurrentAgent(Protocol):
+    """A recurrent model's module (CleanRL ``ppo_atari_lstm.py``'s methods): `state` as
+    `initial_state` makes it, `done` one bool per row."""
+
+    def initial_state(self, batch_size: int) -> Any: ...
+
+    def get_action_and_value(self, x: Any, state: Any, done: torch.Tensor,
+                             action: torch.Tensor | None = None, **mask: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                        Any]:
+        ...
+
+    def get_value(self, x: Any, state: Any, done: torch.Tensor) -> torch.Tensor: ...
+
+
 def agent(module: nn.Module) -> Agent:
     """The module as the agent `build` checked it is."""
     return cast(Agent, module)
+
+
+def recurrent_agent(module: nn.Module) -> RecurrentAgent:
+    """The module as a recurrent agent (it has `initial_state`)."""
+    return cast(RecurrentAgent, module)
+
+
+class StateLayout:
+    """How a recurrent module lays out its state (a tensor, or a tuple or list of them, each
+    with its batch on an axis of its own, as an LSTM's ``(layers, B, hidden)``), and the same
+    state as stepbus holds it: arrays named "0", "1", ..., the batch first.
+
+    Raises:
+        ValueError: `initial_state` fails, or its batch axis cannot be told from its shapes.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        make = recurrent_agent(module).initial_state
+        try:
+            with torch.no_grad():
+                one, two = make(1), make(2)
+        except Exception as exc:  # user code: one line
+            raise ValueError(f"initial_state failed: {type(exc).__name__}: {exc}") from exc
+        self.nested = isinstance(one, tuple | list)
+        ones, twos = (list(one), list(two)) if self.nested else ([one], [two])
+        self.axes = []
+        for a, b in zip(ones, twos, strict=True):
+            axes = [i for i, (x, y) in enumerate(zip(a.shape, b.shape, strict=True)) if x != y]
+            if len(a.shape) != len(b.shape) or len(axes) != 1 or (a.shape[axes[0]],
+                                                                   b.shape[axes[0]]) != (1, 2):
+                raise ValueError(f"initial_state(1) and (2) give shapes {tuple(a.shape)} and "
+                                 f"{tuple(b.shape)}: one axis must be the batch")
+            self.axes.append(axes[0])
+
+    def rows(self, state: Any) -> State:
+        """The module's state as stepbus holds it (numpy, batch first)."""
+        parts = list(state) if self.nested else [state]
+        return {str(i): np.moveaxis(t.detach().cpu().numpy(), axis, 0).copy()
+                for i, (t, axis) in enumerate(zip(parts, self.axes, strict=True))}
+
+    def module(self, state: State, device: torch.device) -> Any:
+        """Rows of states as the module takes them."""
+        parts = [torch.from_numpy(np.ascontiguousarray(np.moveaxis(state[str(i)], 0, axis)))
+                 .to(device) for i, axis in enumerate(self.axes)]
+        return tuple(parts) if self.nested else parts[0]
 
 
 def configure(device: str, threads: int) -> None:
@@ -157,6 +217,8 @@ class TorchPolicy(Policy):
         self.module = module.to(self.device)
         self.layout = {name: t.detach() for name, t in self.module.state_dict().items()}
         self.recent: p.Obs | None = None  # the first rows of the last batch it acted on
+        self.memory = (StateLayout(self.module) if callable(getattr(self.module, "initial_state",
+                                                                     None)) else None)
 
     @classmethod
     def of_factory(cls, factory: Callable[..., Any], spec: p.SpaceSpec, *, name: str,
@@ -177,6 +239,15 @@ class TorchPolicy(Policy):
     def prepare(self, params: Mapping[str, np.ndarray]) -> None:
         load_arrays(self.module, params)
 
+    @property
+    def recurrent(self) -> bool:
+        return self.memory is not None
+
+    def initial_state(self, n: int) -> State:
+        assert self.memory is not None
+        with torch.no_grad():
+            return self.memory.rows(recurrent_agent(self.module).initial_state(n))
+
     def act(self, obs: p.Obs, rng: np.random.Generator
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not self.loaded:
@@ -185,14 +256,41 @@ class TorchPolicy(Policy):
         self.recent = rows.copy(rows.take(obs, slice(0, TRIAL_ROWS)))
         return self._act(obs, rng)
 
+    def act_recurrent(self, obs: p.Obs, state: State, rng: np.random.Generator
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, State]:
+        if not self.loaded:
+            raise NoWeights("the torch policy has no weights yet")
+        self.recent = rows.copy(rows.take(obs, slice(0, TRIAL_ROWS)))
+        return self._act_recurrent(obs, state, rng)
+
     def _act(self, obs: p.Obs, rng: np.random.Generator
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        b = rows.count(obs)
+        """A feed-forward module's outputs; a recurrent one's from the initial state."""
+        if self.memory is not None:
+            return self._act_recurrent(obs, self.initial_state(rows.count(obs)), rng)[:3]
         self.seed(rng)
         with torch.no_grad():
             action, logp, _, value = agent(self.module).get_action_and_value(
                 module_input(self.spec, obs, self.device),
                 **mask_input(self.spec, obs, self.device))
+        return self.outputs(rows.count(obs), action, logp, value)
+
+    def _act_recurrent(self, obs: p.Obs, state: State, rng: np.random.Generator
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, State]:
+        assert self.memory is not None
+        b = rows.count(obs)
+        self.seed(rng)
+        with torch.no_grad():
+            action, logp, _, value, after = recurrent_agent(self.module).get_action_and_value(
+                module_input(self.spec, obs, self.device),
+                self.memory.module(state, self.device),
+                torch.zeros(b, dtype=torch.bool, device=self.device),
+                **mask_input(self.spec, obs, self.device))
+        return (*self.outputs(b, action, logp, value), self.memory.rows(after))
+
+    def outputs(self, b: int, action: torch.Tensor, logp: torch.Tensor, value: torch.Tensor
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The module's outputs as the broker sends them."""
         actions: np.ndarray = action.reshape(b, *self.action.batch_shape).cpu().numpy().astype(
             self.action.dtype)
         return (actions, logp.reshape(b).to(torch.float32).cpu().numpy(),
@@ -239,8 +337,15 @@ class TorchPolicy(Policy):
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, torch.Tensor]:
         """What the module makes of `obs`: `_act`'s outputs, and `get_value`'s."""
         actions, logp, value = self._act(obs, np.random.default_rng(0))
+        x = module_input(self.spec, obs, self.device)
         with torch.no_grad():
-            v = agent(self.module).get_value(module_input(self.spec, obs, self.device))
+            if self.memory is None:
+                v = agent(self.module).get_value(x)
+            else:
+                n = rows.count(obs)
+                v = recurrent_agent(self.module).get_value(
+                    x, self.memory.module(self.initial_state(n), self.device),
+                    torch.zeros(n, dtype=torch.bool, device=self.device))
         return actions, logp, value, v
 
     def outputs_problem(self, n: int, actions: np.ndarray, logp: np.ndarray,
