@@ -1,0 +1,207 @@
+"""Recurrent models end to end: the state's layout, replaying trajectories from their first
+state, first states across horizon cuts and resends through real processes, masks and agents
+with an LSTM, and reproducible runs."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import zmq
+from conftest import EVERY_UPDATE, Cluster, TrajectoryInbox, send_message, wait_for
+from test_deterministic import cluster_of_its_own
+from test_memory import START
+
+from stepbus import policy
+from stepbus.bus import protocol as p
+from stepbus.bus.memory import Memory
+from stepbus.processor.buffers import WorkerTrack
+from stepbus.workers.worker import Config, EnvSet
+
+torch = pytest.importorskip("torch")
+from stepbus.models import torch_policy  # noqa: E402
+from stepbus.trainer import ppo, torch_ppo, torch_recurrent  # noqa: E402
+
+TASK = "stepbus.workers.tasks:cartpole_no_velocity"
+
+
+class BatchFirst(torch.nn.Module):
+    """A recurrent module whose one state tensor has its batch first and starts at 0.5."""
+
+    def __init__(self, *_: object) -> None:
+        super().__init__()
+        self.w = torch.nn.Linear(2, 2)
+
+    def initial_state(self, batch_size: int) -> torch.Tensor:
+        return torch.full((batch_size, 3), 0.5)
+
+
+class NoBatch(BatchFirst):
+    def initial_state(self, batch_size: int) -> torch.Tensor:
+        return torch.zeros(3)
+
+
+def test_the_state_layout_is_told_from_initial_state_whatever_the_batch_axis() -> None:
+    lstm = torch_policy.StateLayout(policy.make_policy("torch-lstm", envset(TASK).spec).module)
+    assert lstm.nested and lstm.axes == [1, 1], "an LSTM's (layers, B, hidden), twice"
+    first = torch_policy.StateLayout(BatchFirst())
+    rows = first.rows(BatchFirst().initial_state(4))
+    assert not first.nested and rows["0"].shape == (4, 3) and (rows["0"] == 0.5).all()
+    assert torch.equal(first.module(rows, torch.device("cpu")), torch.full((4, 3), 0.5))
+    with pytest.raises(ValueError, match="one axis must be the batch"):
+        torch_policy.StateLayout(NoBatch())
+
+
+def envset(env: str, k: int = 4) -> EnvSet:
+    return EnvSet(Config(env=env, envs_per_worker=k, name="w"), report=lambda e: None,
+                  log=logging.getLogger("test"))
+
+
+def rollout(acting: policy.Policy, envs: EnvSet, steps: int, horizon: int
+            ) -> list[p.Trajectory]:
+    """What the broker and the assembler make of `steps` steps: each row acting from its
+    held state, trajectories cut at `horizon` keeping their first step's state."""
+    memory = Memory(acting.initial_state)
+    obs = envs.reset({})
+    result = p.StepResult(incarnation="i", epoch=0, seq=0, first=True, obs=obs,
+                          reward=np.zeros(envs.rows, np.float32),
+                          terminated=np.zeros(envs.rows, bool),
+                          truncated=np.zeros(envs.rows, bool), final_obs=obs[:0])
+    rng, track, trajs = np.random.default_rng(0), None, []
+    for seq in range(steps):
+        state = memory.before_step("w", "i", result, envs.rows)
+        actions, logp, value, after = acting.act_recurrent(result.obs, state, rng)
+        memory.after_step("w", after)
+        m = p.Experience(worker="w", incarnation="i", epoch=0, seq=seq, first=result.first,
+                         policy_version=0, obs=result.obs, reward=result.reward,
+                         terminated=result.terminated, truncated=result.truncated,
+                         final_obs=result.final_obs, action=actions, logp=logp, value=value,
+                         state=state)
+        track = track or WorkerTrack.start(m, horizon)
+        trajs += track.complete(m, horizon).trajectories
+        track.last_obs, track.seq = m.obs, m.seq
+        track.choose(m)
+        result = envs.step(actions, {})
+    return trajs
+
+
+def test_replaying_trajectories_from_their_first_states_gives_the_log_probs_acted_with(
+        ) -> None:
+    """Cut at a horizon of 5 and at episode ends, each trajectory replayed through time from
+    the state the assembler kept gives back the behaviour log-probs: the state is the right
+    one, in the right layout, at every cut."""
+    envs = envset(TASK, k=4)
+    env_spec = p.EnvSpec(env_id=TASK, spec=envs.spec, policy_version=0)
+    model = torch_ppo.TorchModel(policy.ModelConfig(model="torch-lstm"),
+                                 "stepbus.trainer.ppo:PPO", env_spec, ppo.PPOConfig(), seed=1)
+    acting = policy.make_policy("torch-lstm", envs.spec)
+    acting.load(model.weights(), 0)
+    trajs = rollout(acting, envs, steps=60, horizon=5)
+    assert len({float(t.state["0"].sum()) for t in trajs}) > 10, "states differ by trajectory"
+    assert any(t.episode_step > 0 for t in trajs), "some start mid-episode"
+    records = [model.record(t) for t in trajs]
+    assert not any(model.problem(t) for t in trajs)
+    algo = model.torch_algo
+    assert isinstance(algo, torch_recurrent.RecurrentPPO)
+    seq = torch_recurrent.Sequences.of(records, [r.obs for r in records], algo.replay)
+    actions = torch.from_numpy(torch_recurrent.padded([r.actions for r in records],
+                                                      seq.length))
+    with torch.no_grad():
+        _, logp, _, _, _ = model.module.get_action_and_value(seq.obs, seq.state, seq.done,
+                                                             actions)
+    logp = logp.reshape(seq.length, -1).numpy()
+    for j, r in enumerate(records):
+        assert np.allclose(logp[:len(r), j], r.logp, atol=1e-5), j
+
+
+def test_a_recurrent_learner_trains_and_changes_its_weights() -> None:
+    envs = envset(TASK, k=4)
+    env_spec = p.EnvSpec(env_id=TASK, spec=envs.spec, policy_version=0)
+    model = torch_ppo.TorchModel(policy.ModelConfig(model="torch-lstm"),
+                                 "stepbus.trainer.ppo:PPO", env_spec,
+                                 ppo.PPOConfig(n_epochs=2, minibatch_size=32), seed=1)
+    acting = policy.make_policy("torch-lstm", envs.spec)
+    before = model.weights()
+    acting.load(before, 0)
+    stats = model.update([model.record(t) for t in rollout(acting, envs, 40, 8)], lambda: None)
+    assert stats["n_samples"] >= 120 and stats["n_grad_steps"] >= 2
+    assert np.isfinite(list(stats.values())).all()
+    after = model.weights()
+    assert any(not np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_first_states_survive_horizon_cuts_and_resends_through_real_processes(
+        cluster: Cluster) -> None:
+    """The broker acts with a counting recurrent policy (state 100 at an episode's start, one
+    more each step): every trajectory's first state must be 100 plus its first step's index
+    in the episode, also for the trajectories the assembler sends again to a new learner."""
+    model = {"STEPBUS_MODEL": "test_memory:Counter"}
+    for role in ("controller", "assembler"):
+        cluster.start(role, *(("--horizon", "7") if role == "assembler" else ()))
+    cluster.start("broker", env=model)
+    cluster.start("worker", "--name", "w0", "--envs-per-worker", "3")
+    trainer = cluster.socket(zmq.DEALER, cluster.endpoints["policy"])
+    send_message(trainer, p.Weights(trainer="t", incarnation="t1", policy="default", version=1,
+                                    consumed_steps=0, batch_steps=256, starving=False,
+                                    params={"w": np.zeros(1)}))
+    inbox = TrajectoryInbox(cluster.socket(zmq.PULL, cluster.endpoints["trajectories"]))
+    first = [inbox.recv(timeout=30) for _ in range(12)]
+    for t in first:
+        assert t.state["count"].tolist() == [START + t.episode_step], t.seq
+    assert any(t.episode_step > 0 for t in first), "horizon cuts within episodes"
+    inbox.close()  # the learner goes away without a receipt: the assembler sends them again
+    again = TrajectoryInbox(cluster.socket(zmq.PULL, cluster.endpoints["trajectories"]))
+    seen = {t.seq: t.state["count"].tolist() for t in first}
+    resent: dict[int, list[float]] = {}
+
+    def all_resent() -> bool:
+        while again.poll(100):
+            t = again.recv()
+            resent[t.seq] = t.state["count"].tolist()
+        return set(seen) <= set(resent)
+
+    wait_for(all_resent, 30, "the first trajectories sent again")
+    assert {s: resent[s] for s in seen} == seen
+    trainer.close()
+    again.close()
+
+
+@pytest.mark.parametrize("env", ("space_envs:masked_pair_obs",))
+def test_an_lstm_learns_with_agents_and_masks_through_real_processes(cluster: Cluster,
+                                                                     env: str) -> None:
+    """torch-lstm on a PettingZoo env whose agents' Dict observations carry action masks."""
+    model = {"STEPBUS_MODEL": "torch-lstm"}
+    procs = {"controller": cluster.start("controller"),
+             "broker": cluster.start("broker", env=model),
+             "assembler": cluster.start("assembler"),
+             "worker": cluster.start("worker", "--name", "w0", "--env", env,
+                                     "--envs-per-worker", "8"),
+             "learner": cluster.start("learner", "--target-return", "7.5", "--max-env-steps",
+                                      "300000", "--batch-steps", "1024", "--n-epochs", "10",
+                                      env=model)}
+    codes = {n: proc.wait(150) for n, proc in procs.items()}
+    assert set(codes.values()) == {0}, codes
+    assert cluster.metrics()[-1]["mean_return"] >= 7.5
+    for proc in procs.values():
+        assert "Traceback" not in proc.output() and "Forbidden" not in proc.output()
+
+
+def deterministic_digests(seed: int) -> list[str]:
+    """A --deterministic run of torch-lstm on the memory task, 6 updates; each one's digest."""
+    with cluster_of_its_own() as c:
+        model, s = {"STEPBUS_MODEL": "torch-lstm"}, str(seed)
+        procs = [c.start("controller"), c.start("broker", "--seed", s, "--deterministic",
+                                                env=model),
+                 c.start("assembler"),
+                 c.start("worker", "--name", "w0", "--seed", s, "--env", TASK),
+                 c.start("learner", "--seed", s, "--target-return", "0", "--max-updates", "6",
+                         *EVERY_UPDATE, env=model)]
+        assert [proc.wait(90) for proc in procs] == [0] * 5
+        return [record["digest"] for record in c.metrics()]
+
+
+def test_deterministic_runs_of_an_lstm_are_identical() -> None:
+    first, second, other = (deterministic_digests(seed) for seed in (5, 5, 6))
+    assert len(first) == 6 and first == second
+    assert all(a != b for a, b in zip(first, other, strict=True))
