@@ -41,6 +41,8 @@ def _queues(row: dict) -> str:
         parts.append(f"ahead {row['outstanding_steps']}"
                      + (f"/{window}" if _number(window) else ""))
     parts += [f"{label} {row[key]}" for key, label in QUEUE_FIGURES if _number(row.get(key))]
+    if _number(row.get("memory_agents")) and _number(row.get("memory_bytes")):
+        parts.append(f"memory {row['memory_agents']} ({row['memory_bytes'] / 1024:.0f} KiB)")
     return " ".join(parts) or "-"
 
 

@@ -156,3 +156,11 @@ def test_the_table_shows_a_dash_where_a_process_has_no_such_figure():
                       "DATA LAG": "-"}
     assert worker["UP"] == "1h02m"
     assert [worker[c] for c in COLUMNS[6:]] == ["-"] * 7
+
+
+def test_a_broker_holding_recurrent_states_shows_how_many_and_their_size():
+    text = status.table({"run_id": "r", "epoch": 0, "processes": [
+        {"role": "broker", "name": "b", "outstanding_steps": 4, "credit_window": 8,
+         "memory_agents": 16, "memory_bytes": 16 * 2 * 128 * 4}]})
+    _, (broker,) = parse_table(text)
+    assert broker["QUEUES"] == "ahead 4/8 memory 16 (16 KiB)"
