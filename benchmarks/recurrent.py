@@ -1,0 +1,98 @@
+"""A task that needs memory, from `honcho start`: CartPole-v1 without its two velocities
+(`stepbus.workers.tasks:cartpole_no_velocity`), learned with `--model torch-lstm`, then with the
+feed-forward `--model torch` for the same wall time.
+
+    python benchmarks/recurrent.py [--runs 1] [--target 400] [--budget-s 600] [--wait-load 1.5]
+
+Each run is the repository's Procfile in a fresh temp dir, with `STEPBUS_MODEL` and
+`STEPBUS_ENV` in the environment (as a `.env` next to the Procfile would set them) and
+`--target-return` on the trainer's line; endpoints on free TCP ports, seed i for every process.
+The LSTM run ends when the last 20 episodes' mean return reaches the target (or at the
+budget); the feed-forward run is given the same wall time and stopped there. Prints one JSON
+line per run (wall time, env steps, the last mean return) and the LSTM's time to the target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from solve_time import REPO, before_run, run_tagged, wait_for_quiet  # noqa: E402
+
+TASK = "stepbus.workers.tasks:cartpole_no_velocity"
+
+
+def one_run(model: str, seed: int, target: float, budget_s: float) -> dict[str, Any]:
+    """`honcho start` with this model on the memory task, to its exit or `budget_s`."""
+    from stepbus.bus import wiring
+
+    work = Path(tempfile.mkdtemp(prefix="sb-recurrent-"))
+    try:
+        procfile = (REPO / "Procfile").read_text()
+        for role in ("worker", "broker", "trainer"):
+            procfile = procfile.replace(f"exec stepbus {role}",
+                                        f"exec stepbus {role} --seed {seed}")
+        procfile = procfile.replace("exec stepbus trainer",
+                                    f"exec stepbus trainer --target-return {target:g}")
+        (work / "Procfile").write_text(procfile)
+        env = dict(os.environ, STEPBUS_MODEL=model, STEPBUS_ENV=TASK)
+        ports = wiring.free_tcp_ports(len(wiring.ENDPOINTS))
+        env.update({spec.env_var: f"tcp://127.0.0.1:{port}"
+                    for spec, port in zip(wiring.ENDPOINTS.values(), ports, strict=True)})
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        honcho = shutil.which("honcho", path=env["PATH"]) or "honcho"
+        result: dict[str, Any] = {"model": model, "seed": seed, **before_run()}
+        rc, wall, _, _ = run_tagged([honcho, "start"], env, work, budget_s)
+        result.update({"rc": rc, "wall_s": round(wall, 1)})
+        metrics = list(work.glob("runs/*/metrics.jsonl"))
+        lines = metrics[0].read_text().splitlines() if metrics else []
+        records = [json.loads(line) for line in lines if line.strip()]
+        if records:
+            last = records[-1]
+            result.update({"env_steps": last["env_steps"], "mean_return": last["mean_return"],
+                           "best_mean_return": max(r["mean_return"] or 0 for r in records),
+                           "trainer_wall_s": last["wall_s"]})
+        result["reached_target"] = rc == 0 and (result.get("mean_return") or 0) >= target
+        return result
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     allow_abbrev=False)
+    parser.add_argument("--runs", type=int, default=1, help="seeds 0..runs-1 [default: 1]")
+    parser.add_argument("--target", type=float, default=400.0,
+                        help="last-20 mean return the LSTM run stops at [default: 400]")
+    parser.add_argument("--budget-s", type=float, default=600.0,
+                        help="the longest an LSTM run may take [default: 600]")
+    parser.add_argument("--wait-load", type=float, default=0.0,
+                        help="before each run, wait for the 1-min load average to fall below "
+                             "this (0: do not wait) [default: 0]")
+    args = parser.parse_args()
+    for seed in range(args.runs):
+        if args.wait_load:
+            wait_for_quiet(args.wait_load, 600)
+        lstm = one_run("torch-lstm", seed, args.target, args.budget_s)
+        print(json.dumps(lstm), flush=True)
+        if args.wait_load:
+            wait_for_quiet(args.wait_load, 600)
+        same_time = float(lstm["wall_s"])
+        mlp = one_run("torch", seed, args.target, same_time)
+        print(json.dumps(mlp), flush=True)
+        print(f"# seed {seed}: torch-lstm {'reached' if lstm['reached_target'] else 'missed'} "
+              f"{args.target:g} in {lstm['wall_s']} s ({lstm.get('env_steps')} env steps); "
+              f"torch (feed-forward) in the same time: mean return "
+              f"{mlp.get('mean_return')}, best {mlp.get('best_mean_return')}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
