@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from solve_time import REPO, before_run, run_tagged, wait_for_quiet  # noqa: E402
+from solve_time import REPO, before_run, run_tagged, wait_for_quiet
 
 TASK = "stepbus.workers.tasks:cartpole_no_velocity"
 
