@@ -99,6 +99,7 @@ class BrokerCounts:
     workers_lost: int = 0
     stale_hellos: int = 0  # a known worker's, from the connection it replaced: dropped
     spec_refused: int = 0  # hellos whose spaces are unusable or differ from the run's
+    act_failures: int = 0  # batches the model raised on (its weights put aside)
     weights_refused: int = 0  # weights the model cannot load (another model's, or broken)
     determinism_lost: int = 0  # deterministic mode gave up waiting for a trainer's intake
     shm_refused: int = 0  # segments we would not or could not map
@@ -108,6 +109,10 @@ class BrokerCounts:
 
     def figures(self) -> dict[str, int]:
         return dataclasses.asdict(self)
+
+
+class ActFailed(RuntimeError):
+    """A policy's model raised while acting: its weights are put aside."""
 
 
 class PolicySlot:
@@ -126,6 +131,10 @@ class PolicySlot:
         self.newest = -1  # the newest version received (deterministic mode: maybe not yet due)
         self.credit = Credit(max_steps_ahead)
         self.due = DueVersions()
+        # The weights acted with, and those before them: what to go back to should the
+        # current ones fail on observations their trial step did not cover.
+        self.current: tuple[Weights, int] | None = None
+        self.previous: tuple[Weights, int] | None = None
 
     @property
     def version(self) -> int:
@@ -165,16 +174,39 @@ class PolicySlot:
         if self.policy is None:
             self.early = (params, version)
         else:
+            if self.policy.loaded and self.current is not None:
+                self.previous = self.current
             self.policy.load(params, version)
+            self.current = (params, version)
 
     def act(self, obs: p.Obs, state: State | None = None
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, State | None]:
         """Actions, their log-probabilities and the values for a batch of observations, and
-        (a recurrent model, acting from `state`) each row's next state."""
+        (a recurrent model, acting from `state`) each row's next state.
+
+        Raises:
+            ActFailed: the model raised on these observations with these weights; they are
+                put aside (the slot acts with the weights before them, or waits for new ones).
+        """
         assert self.policy is not None
-        if state is not None:
-            return self.policy.act_recurrent(obs, state, self.rng)
-        return (*self.policy.act(obs, self.rng), None)
+        try:
+            if state is not None:
+                return self.policy.act_recurrent(obs, state, self.rng)
+            return (*self.policy.act(obs, self.rng), None)
+        except Exception as exc:  # weights passed their checks yet fail here: never crash
+            failed = self.policy.version
+            self.fall_back()
+            self.refused = f"version {failed} failed to act: {type(exc).__name__}: {exc}"[:200]
+            raise ActFailed(self.refused) from exc
+
+    def fall_back(self) -> None:
+        """Back to the weights before the current ones, or to none (wait for the trainer)."""
+        assert self.policy is not None
+        previous, self.previous, self.current = self.previous, None, None
+        if previous is not None:
+            self.load(*previous)
+        else:
+            self.policy.version = -1
 
 
 class Broker(node.Process):
@@ -566,7 +598,14 @@ class Broker(node.Process):
             for w, r in zip(ready, results, strict=True)]
         state = None if before is None else {
             key: np.concatenate([held[key] for held in before]) for key in before[0]}
-        actions, logp, value, versions, after = self.act(obs, ready, state)
+        try:
+            actions, logp, value, versions, after = self.act(obs, ready, state)
+        except ActFailed as exc:  # the results stay ready: acted on with the weights to come
+            self.counts.act_failures += 1
+            self.log.error("the model failed to act (%s); %s", exc,
+                           "acting with the weights before them" if any(
+                               s.loaded for s in self.slots) else "waiting for new weights")
+            return
         start = 0
         for i, (w, r) in enumerate(zip(ready, results, strict=True)):
             end = start + w.num_envs

@@ -441,3 +441,67 @@ def test_a_torch_broker_refuses_hostile_weights_counts_them_and_keeps_acting_wit
     acting.send(acting.own, 2)  # a version below the refused one is still taken
     assert acting.step().policy_version == 2
     assert acting.b.figures()["weights_refused"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights that pass every check yet fail to act, and progress records a learner cannot use
+
+
+class Fragile(policy.Policy):
+    """Acts 0 everywhere, unless its weights say `explode`: then it raises, as a model whose
+    forged weights passed the trial step may on other observations."""
+
+    def __init__(self, spec: p.SpaceSpec) -> None:
+        super().__init__(spec)
+        self.explode = False
+
+    def prepare(self, params: dict[str, np.ndarray]) -> None:  # type: ignore[override]
+        self.explode = bool(params["explode"][0])
+
+    def act(self, obs: p.Obs, rng: np.random.Generator
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self.explode:
+            raise FloatingPointError("probability tensor contains inf")
+        n = len(obs)
+        return np.zeros(n, np.int64), np.zeros(n, np.float32), np.zeros(n, np.float32)
+
+    def weights_problem(self, params: dict[str, np.ndarray]) -> str:  # type: ignore[override]
+        return ""
+
+
+def test_weights_that_fail_to_act_are_put_aside_and_the_broker_goes_on() -> None:
+    from test_broker_state import Bench
+
+    bench = Bench(models=policy.ModelConfig(model="test_hostile_checkpoints:Fragile"))
+    w = bench.join("w0")
+
+    def weights(version: int, explode: bool) -> p.Weights:
+        return p.Weights(trainer="t", incarnation="t1", policy="default", version=version,
+                         consumed_steps=0, batch_steps=256, starving=False,
+                         params={"explode": np.array([explode])})
+
+    bench.deliver(b"t", weights(1, explode=False))
+    bench.answer(w)
+    bench.tick()
+    assert [s.policy_version for s in bench.steps_to(w)] == [1]
+    bench.deliver(b"t", weights(2, explode=True))
+    bench.answer(w)
+    bench.tick()  # version 2 raises: put aside, back to version 1, the batch tried again
+    bench.tick()
+    assert [s.policy_version for s in bench.steps_to(w)] == [1]
+    figures = bench.broker.figures()
+    assert figures["act_failures"] == 1 and figures["policy_version"] == 1
+    bench.deliver(b"t", weights(3, explode=True))
+    bench.answer(w)
+    bench.tick()  # and again: nothing before it now but version 1, which it falls back to
+    bench.tick()
+    assert [s.policy_version for s in bench.steps_to(w)] == [1]
+
+
+def test_a_progress_record_of_unknown_or_mistyped_fields_is_refused_in_one_line(
+        tmp_path: Path) -> None:
+    ckpt = tmp_path / "checkpoint.npz"
+    assert learner.progress_of({"version": 3, "recent_returns": [1, 2.5]}, ckpt).version == 3
+    for bad in ({"bogus": 1}, {"version": "3"}, {"version": True}, {"learned": 5}):
+        with pytest.raises(CannotStart, match="progress record this learner cannot use"):
+            learner.progress_of(bad, ckpt)

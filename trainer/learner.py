@@ -142,6 +142,19 @@ class Progress:
     learned: list[int] = field(default_factory=list)  # the newest numbers settled (Receipts.kept)
 
 
+def progress_of(saved: dict[str, Any], ckpt: Path) -> Progress:
+    """A checkpoint's progress record, each field of its own type (a JSON number may be an
+    int where a float is meant). Raises CannotStart naming the fields that are not."""
+    kinds = {f.name: type(getattr(Progress(), f.name)) for f in dataclasses.fields(Progress)}
+    ok = {int: (int,), float: (int, float), str: (str,), list: (list,)}
+    wrong = sorted(k for k, v in saved.items() if k not in kinds or isinstance(v, bool)
+                   or not isinstance(v, ok[kinds[k]]))
+    if wrong:
+        raise CannotStart(f"checkpoint {ckpt} has a progress record this learner cannot use "
+                          f"(fields {wrong[:4]}): start a new run or restore a good copy of it")
+    return Progress(**saved)
+
+
 def goal(cfg: Config, env: p.EnvSpec | None) -> tuple[float | None, str]:
     """The mean return that ends the run (None: none does), and the log line saying what ends
     it: --target-return when given (0: none), else the env's own reward_threshold, so an env
@@ -905,7 +918,7 @@ def _start(cfg: Config, io: Links) -> Learner | None:
     ckpt = policy_dir / checkpoint_name(cfg.models)
     progress = Progress()
     if ckpt.exists():
-        progress = Progress(**model.resume(ckpt))
+        progress = progress_of(model.resume(ckpt), ckpt)
         io.log.info("resumed from %s (version %d, generation %d, %d env steps)",
                     ckpt, progress.version, progress.generation, progress.env_steps)
     return Learner(cfg, model, progress, policy_dir, io.sending(), io.log, name=io.name,
