@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -24,29 +23,17 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from solve_time import REPO, before_run, run_tagged, wait_for_quiet
+from solve_time import before_run, in_work_dir, run_tagged, wait_for_quiet
 
 TASK = "stepbus.workers.tasks:cartpole_no_velocity"
 
 
 def one_run(model: str, seed: int, target: float, budget_s: float) -> dict[str, Any]:
     """`honcho start` with this model on the memory task, to its exit or `budget_s`."""
-    from stepbus.bus import wiring
-
     work = Path(tempfile.mkdtemp(prefix="sb-recurrent-"))
     try:
-        procfile = (REPO / "Procfile").read_text()
-        for role in ("worker", "broker", "trainer"):
-            procfile = procfile.replace(f"exec stepbus {role}",
-                                        f"exec stepbus {role} --seed {seed}")
-        procfile = procfile.replace("exec stepbus trainer",
-                                    f"exec stepbus trainer --target-return {target:g}")
-        (work / "Procfile").write_text(procfile)
-        env = dict(os.environ, STEPBUS_MODEL=model, STEPBUS_ENV=TASK)
-        ports = wiring.free_tcp_ports(len(wiring.ENDPOINTS))
-        env.update({spec.env_var: f"tcp://127.0.0.1:{port}"
-                    for spec, port in zip(wiring.ENDPOINTS.values(), ports, strict=True)})
-        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        env = in_work_dir(work, seed, {"trainer": f"--target-return {target:g}"})
+        env.update(STEPBUS_MODEL=model, STEPBUS_ENV=TASK)
         honcho = shutil.which("honcho", path=env["PATH"]) or "honcho"
         result: dict[str, Any] = {"model": model, "seed": seed, **before_run()}
         rc, wall, _, _ = run_tagged([honcho, "start"], env, work, budget_s)

@@ -129,25 +129,30 @@ def before_run() -> dict[str, float]:
 
 # ----------------------------------------------------------------------------- stepbus
 
-def one_run(seed: int, workers: int, timeout_s: float, deterministic: bool = False) -> dict:
-    """`honcho start` of the repository's Procfile with this seed, timed to its exit."""
+def in_work_dir(work: Path, seed: int, flags: dict[str, str]) -> dict[str, str]:
+    """The repository's Procfile in `work`, `--seed seed` (and `flags` by role) on the worker,
+    broker and trainer lines; the environment to start it in: endpoints on free TCP ports,
+    this Python's scripts first on PATH."""
     from stepbus.bus import wiring
 
+    procfile = (REPO / "Procfile").read_text()
+    for role in ("worker", "broker", "trainer"):
+        procfile = procfile.replace(f"exec stepbus {role}",
+                                    f"exec stepbus {role} --seed {seed} {flags.get(role, '')}")
+    (work / "Procfile").write_text(procfile)
+    env = dict(os.environ)
+    ports = wiring.free_tcp_ports(len(wiring.ENDPOINTS))
+    env.update({spec.env_var: f"tcp://127.0.0.1:{port}"
+                for spec, port in zip(wiring.ENDPOINTS.values(), ports, strict=True)})
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+def one_run(seed: int, workers: int, timeout_s: float, deterministic: bool = False) -> dict:
+    """`honcho start` of the repository's Procfile with this seed, timed to its exit."""
     work = Path(tempfile.mkdtemp(prefix="sb-bench-"))
     try:
-        procfile = (REPO / "Procfile").read_text()
-        for role in ("worker", "broker", "trainer"):
-            procfile = procfile.replace(f"exec stepbus {role}",
-                                        f"exec stepbus {role} --seed {seed}")
-        if deterministic:
-            procfile = procfile.replace("exec stepbus broker",
-                                        "exec stepbus broker --deterministic")
-        (work / "Procfile").write_text(procfile)
-        env = dict(os.environ)
-        ports = wiring.free_tcp_ports(len(wiring.ENDPOINTS))
-        env.update({spec.env_var: f"tcp://127.0.0.1:{port}"
-                    for spec, port in zip(wiring.ENDPOINTS.values(), ports, strict=True)})
-        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        env = in_work_dir(work, seed, {"broker": "--deterministic"} if deterministic else {})
         honcho = shutil.which("honcho", path=env["PATH"]) or "honcho"
         rc, wall, _, err = run_tagged([honcho, "start", "-c", f"worker={workers}"], env, work,
                                       timeout_s)

@@ -157,6 +157,19 @@ class Cluster:
                          for p in self.procs)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """As stepbus processes run torch (--torch-threads 1): on a busy machine, torch's default
+    of a thread per core made torch tests ten times slower, its threads waiting on each other.
+    A module of torch tests says `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     c = Cluster()

@@ -5,7 +5,6 @@ for the suite: find the bright block in a 36x36 image (the CNN's smallest, docs/
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import gymnasium as gym
@@ -31,13 +30,7 @@ TARGET = 7.5  # mean return of the last 20 episodes: about 30 updates, a few sec
 MAX_UPDATES = 150
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """As stepbus processes run torch (--torch-threads 1), and as test_torch_models does."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class FindTheBlock(gym.Env):

@@ -14,7 +14,7 @@ import signal
 import struct
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import gymnasium as gym
@@ -38,13 +38,7 @@ ENV_SPEC = p.EnvSpec(env_id="CartPole-v1", spec=CARTPOLE, policy_version=0)
 TORCH = policy.ModelConfig(model="torch")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """As stepbus processes run torch (--torch-threads 1), and as test_torch_models does."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class Touch:

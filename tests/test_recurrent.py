@@ -12,6 +12,7 @@ import zmq
 from conftest import EVERY_UPDATE, Cluster, TrajectoryInbox, send_message, wait_for
 from test_deterministic import cluster_of_its_own
 from test_memory import START
+from test_spaces import learns_through_processes
 
 from stepbus import policy
 from stepbus.bus import protocol as p
@@ -24,6 +25,7 @@ from stepbus.models import torch_policy  # noqa: E402
 from stepbus.trainer import ppo, torch_ppo, torch_recurrent  # noqa: E402
 
 TASK = "stepbus.workers.tasks:cartpole_no_velocity"
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class BatchFirst(torch.nn.Module):
@@ -171,20 +173,7 @@ def test_first_states_survive_horizon_cuts_and_resends_through_real_processes(
 def test_an_lstm_learns_with_agents_and_masks_through_real_processes(cluster: Cluster,
                                                                      env: str) -> None:
     """torch-lstm on a PettingZoo env whose agents' Dict observations carry action masks."""
-    model = {"STEPBUS_MODEL": "torch-lstm"}
-    procs = {"controller": cluster.start("controller"),
-             "broker": cluster.start("broker", env=model),
-             "assembler": cluster.start("assembler"),
-             "worker": cluster.start("worker", "--name", "w0", "--env", env,
-                                     "--envs-per-worker", "8"),
-             "learner": cluster.start("learner", "--target-return", "7.5", "--max-env-steps",
-                                      "300000", "--batch-steps", "1024", "--n-epochs", "10",
-                                      env=model)}
-    codes = {n: proc.wait(150) for n, proc in procs.items()}
-    assert set(codes.values()) == {0}, codes
-    assert cluster.metrics()[-1]["mean_return"] >= 7.5
-    for proc in procs.values():
-        assert "Traceback" not in proc.output() and "Forbidden" not in proc.output()
+    learns_through_processes(cluster, env, "torch-lstm", envs_per_worker=8)
 
 
 def deterministic_digests(seed: int) -> list[str]:

@@ -183,15 +183,23 @@ def test_torch_models_learn_other_spaces_and_masks_through_real_processes(
     """STEPBUS_MODEL=torch: the built-in torch MLP on a nested Dict with MultiDiscrete actions,
     and on PettingZoo-style masks inside the observation."""
     pytest.importorskip("torch")
-    model = {"STEPBUS_MODEL": "torch"}
+    learns_through_processes(cluster, f"space_envs:{name}", "torch", envs_per_worker=16)
+
+
+def learns_through_processes(cluster: Cluster, env: str, model: str, *,
+                             envs_per_worker: int) -> None:
+    """Controller, broker and learner with `model`, an assembler and one worker on `env` (a
+    matching game of space_envs): the learner reaches 7.5 of 8 and ends the run, every process
+    exits 0, and no env raised (a masked action would have)."""
+    given = {"STEPBUS_MODEL": model}
     procs = {"controller": cluster.start("controller"),
-             "broker": cluster.start("broker", env=model),
+             "broker": cluster.start("broker", env=given),
              "assembler": cluster.start("assembler"),
-             "worker": cluster.start("worker", "--name", "w0", "--env", f"space_envs:{name}",
-                                     "--envs-per-worker", "16"),
+             "worker": cluster.start("worker", "--name", "w0", "--env", env,
+                                     "--envs-per-worker", str(envs_per_worker)),
              "learner": cluster.start("learner", "--target-return", "7.5", "--max-env-steps",
                                       "300000", "--batch-steps", "1024", "--n-epochs", "10",
-                                      env=model)}
+                                      env=given)}
     codes = {n: proc.wait(150) for n, proc in procs.items()}
     assert set(codes.values()) == {0}, codes
     assert cluster.metrics()[-1]["mean_return"] >= 7.5

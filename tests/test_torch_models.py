@@ -11,7 +11,6 @@ import logging
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +37,7 @@ ATARI = p.SpaceSpec([84, 84, 4], "|u1", "discrete", action_n=6)
 TORCH = policy.ModelConfig(model="torch")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """As stepbus processes run torch (--torch-threads 1): on a busy machine, torch's default
-    of a thread per core made these tests ten times slower, its threads waiting on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class TinyAgent(nn.Module):
