@@ -38,6 +38,9 @@ class Held:
     incarnation: str
     state: State
     alive: np.ndarray  # rows that acted at the last step
+    # The result (its seq) whose states are made ready and not acted on yet: a model that
+    # failed on it leaves them so, and the broker acts on the same result again.
+    prepared: int | None = None
 
 
 @dataclass
@@ -50,16 +53,22 @@ class Memory:
 
     def before_step(self, worker: str, incarnation: str, r: p.StepResult, rows: int) -> State:
         """The state each row acts from on `r`'s observations: what it held after the last
-        step, or the initial state where something new starts (the module docstring)."""
+        step, or the initial state where something new starts (the module docstring). The
+        same result again (the model failed on it, and it is acted on anew) finds its states
+        as they were made ready for it: restarted once, counted once."""
         held = self.held.get(worker)
+        if held is not None and held.incarnation == incarnation and held.prepared == r.seq:
+            return held.state
         if held is None or held.incarnation != incarnation or r.first:
             why = ("first appearance" if held is None else "reset" if r.first
                    and held.incarnation == incarnation else "new incarnation")
             self.count(why, rows)
-            held = self.held[worker] = Held(incarnation, self.initial(rows), np.ones(rows, bool))
+            held = self.held[worker] = Held(incarnation, self.initial(rows), np.ones(rows, bool),
+                                            r.seq)
             if r.alive is not None:
                 held.alive = r.alive.copy()
             return held.state
+        held.prepared = r.seq
         fresh = r.terminated | r.truncated
         self.count("episode end", int(fresh.sum()))
         if r.alive is not None:
@@ -83,7 +92,8 @@ class Memory:
         """The states the model returned for this worker's rows: what it acts from next.
         Replaced, not written into: the state before this step may still be on its way to the
         assembler, zero-copy."""
-        self.held[worker].state = state
+        held = self.held[worker]
+        held.state, held.prepared = state, None
 
     def drop(self, worker: str) -> None:
         """A lost worker: its states go (a new incarnation starts from the initial state)."""

@@ -169,3 +169,38 @@ def dataclasses_replace(batch: p.Trajectories) -> p.Trajectories:
     import dataclasses
 
     return dataclasses.replace(batch, assembler="a", seqs=list(range(len(batch.seqs))))
+
+
+class FlakyCounter(Counter):
+    """A Counter whose weights {"w": [1]} make it raise while acting."""
+
+    explode = False
+
+    def prepare(self, params: Mapping[str, np.ndarray]) -> None:
+        self.explode = bool(params["w"][0])
+
+    def act_recurrent(self, obs: p.Obs, state: State, rng: np.random.Generator
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, State]:
+        if self.explode:
+            raise FloatingPointError("probability tensor contains inf")
+        return super().act_recurrent(obs, state, rng)
+
+
+def test_a_batch_acted_on_again_after_the_model_failed_restarts_states_once() -> None:
+    """Weights that fail to act are put aside and the same results acted on again: the
+    states they act from are the ones the first try prepared, and each restart counts once."""
+    b = Bench(models=ModelConfig(model="test_memory:FlakyCounter"))
+    w = start(b)
+    answer(b, w)
+    answer(b, w)
+    b.deliver(b"t", p.Weights(trainer="t", incarnation="t1", policy="default", version=2,
+                              consumed_steps=0, batch_steps=256, starving=False,
+                              params={"w": np.ones(1)}))
+    r = b.result(w)
+    answer(b, w, p.StepResult(**{**r.__dict__, "terminated": np.array([True, False]),
+                                 "final_obs": np.zeros((1, OBS_DIM), np.float32)}))
+    b.tick()  # version 2 raised; acted on again with version 1
+    figures = b.broker.figures()
+    assert figures["act_failures"] == 1
+    assert acted_from(b)[-1] == [START, START + 2]
+    assert figures["memory_resets"] == {"first appearance": 2, "episode end": 1}
