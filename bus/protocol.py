@@ -15,9 +15,18 @@ Who sends what (sender -> receiver, socket pair):
     WORKER_HELLO      worker -> broker          DEALER -> ROUTER   env spec; repeated while idle
     HEARTBEAT         worker -> broker          DEALER -> ROUTER   alive, busy in a long step
     REMOTE_ERROR      worker -> broker          DEALER -> ROUTER   an env raised (reset barriers)
-    RESET             broker -> worker          ROUTER -> DEALER   reset every env with options
+    RESET             broker -> worker          ROUTER -> DEALER   reset every env (or `rows`) with
+                                                                   options (and per-env `seeds`)
     STEP              broker -> worker          ROUTER -> DEALER   one action batch
     STEP_RESULT       worker -> broker          DEALER -> ROUTER   one reply per action batch
+    VECTOR_HELLO      vector -> broker          DEALER -> ROUTER   a vector env client attaches
+    VECTOR_SPEC       broker -> vector          ROUTER -> DEALER   spaces and workers (each change)
+    RESET, STEP       vector -> broker -> worker                   `worker` names the one meant
+    STEP_RESULT       worker -> broker -> vector                   relayed, `worker` set
+    WORKER_LOST       broker -> vector          ROUTER -> DEALER   a worker died or restarted
+    HEARTBEAT         broker -> vector          ROUTER -> DEALER   the relay is alive
+    ENV_CALL          vector -> broker -> worker                   call/get/set an env attribute
+    ENV_CALL_RESULT   worker -> broker -> vector                   each env's value, as data
     EXPERIENCE        broker -> assembler       PUSH   -> PULL     a step result + policy outputs
     TRAJECTORY        assembler -> trainer      PUSH   -> PULL     one agent's contiguous steps
     TRAJECTORIES      assembler -> trainer      PUSH   -> PULL     several of one policy, batched
@@ -62,7 +71,8 @@ import numpy as np
 from stepbus.bus import rows
 from stepbus.bus.rows import Obs
 
-PROTOCOL_VERSION = 4  # 2: RUN_STATE's horizon; 3: SpaceSpec's goal; 4: every Gymnasium space
+PROTOCOL_VERSION = 5  # 2: RUN_STATE's horizon; 3: SpaceSpec's goal; 4: every Gymnasium space;
+# 5: vector envs (RESET's seeds, rows and modes, the relay's kinds)
 
 # Decoding cost grows with the header's bytes and its lists and maps (each one allocated,
 # checked, freed), so both are bounded: any header, valid or not, decodes in about 2 ms.
@@ -137,6 +147,10 @@ class Kind(enum.IntEnum):
     RECEIPT = 23
     TRAINER_SWAP = 24
     TRAJECTORIES = 25
+    VECTOR_HELLO = 26
+    VECTOR_SPEC = 27
+    ENV_CALL = 28
+    ENV_CALL_RESULT = 29
 
 
 # A JSON-like value (str keys, scalars, lists, maps) of bounded depth: options, figures, status.
@@ -470,6 +484,16 @@ class Reset(Message):
     epoch: int
     seq: int
     options: dict[str, Json]
+    # A vector env's reset (`stepbus.vector`). `rows`: the envs to reset (empty: all); `seeds`:
+    # one per reset env (-1: reset(seed=None), continuing its generator; empty: per-episode
+    # derived seeds, `envs.episode_seed`). `seeding`: how later autoresets are seeded,
+    # SEEDING_EPISODE (derived seeds) or SEEDING_GYMNASIUM (seed=None, as Gymnasium's vector
+    # envs do, with `options` for this reset only). `autoreset`: an AUTORESET_* mode.
+    rows: list[int] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)
+    seeding: str = "episode"
+    autoreset: str = "same_step"
+    worker: str = ""  # from a vector client: the worker meant (the relay sends it on as "")
 
 
 @dataclass(frozen=True)
@@ -479,6 +503,7 @@ class Step(Message):
     seq: int
     policy_version: int
     actions: np.ndarray
+    worker: str = ""  # from a vector client: the worker meant (the relay sends it on as "")
 
 
 @dataclass(frozen=True)
@@ -491,7 +516,10 @@ class StepResult(Message):
     it has one) and the observation the episode ended on is the matching row of `final_obs`
     (rows in order of the ended rows). `alive` (multi-agent only; None means all) says which
     rows act next: an agent that finished while others go on, or has not appeared yet, is not
-    alive; one alive before that is neither alive nor done now has vanished.
+    alive; one alive before that is neither alive nor done now has vanished. After a RESET of
+    AUTORESET_NEXT_STEP or AUTORESET_DISABLED an ended env is not reset within the step: obs[i]
+    is the observation its episode ended on (as is its row of `final_obs`); under NEXT_STEP its
+    next STEP resets it instead of stepping it (reward 0, neither flag), as Gymnasium does.
     """
 
     KIND: ClassVar[Kind] = Kind.STEP_RESULT
@@ -512,6 +540,72 @@ class StepResult(Message):
     # >= 0: obs are in this slot of the worker's shared-memory segment and `obs` holds no rows
     # (its shape after the first dimension and its dtype say how to read them).
     obs_slot: int = -1
+    worker: str = ""  # relayed to a vector client: the worker that sent it
+
+
+# RESET's `seeding` and `autoreset` values.
+SEEDING_EPISODE, SEEDING_GYMNASIUM = "episode", "gymnasium"
+AUTORESET_SAME_STEP, AUTORESET_NEXT_STEP, AUTORESET_DISABLED = "same_step", "next_step", "disabled"
+SEEDINGS = (SEEDING_EPISODE, SEEDING_GYMNASIUM)
+AUTORESETS = (AUTORESET_SAME_STEP, AUTORESET_NEXT_STEP, AUTORESET_DISABLED)
+
+
+@dataclass(frozen=True)
+class VectorHello(Message):
+    """A vector env client (`stepbus.vector`) attaches to a relaying broker; it is answered
+    with a VECTOR_SPEC, and one more whenever a worker joins, restarts or is lost."""
+
+    KIND: ClassVar[Kind] = Kind.VECTOR_HELLO
+    client: str
+
+
+@dataclass(frozen=True)
+class Member:
+    """One worker as a vector client sees it: its rows are env ids offset to offset + rows,
+    the offset given by the workers before it in name order."""
+
+    name: str
+    incarnation: str
+    rows: int
+    agents: int  # possible agents per env (0: a Gymnasium env; the client refuses others)
+
+
+@dataclass(frozen=True)
+class VectorSpec(Message):
+    KIND: ClassVar[Kind] = Kind.VECTOR_SPEC
+    env_id: str
+    spec: SpaceSpec  # sent once a worker has told them
+    workers: list[Member]
+
+
+@dataclass(frozen=True)
+class EnvCall(Message):
+    """`op` ("call", "get_attr" or "set_attr") on attribute `name` of each of a worker's envs.
+    Values are data only (no pickle): JSON, with numpy arrays in `arrays` and in their place a
+    map {"__ndarray__": key}. `values` (set_attr) holds one value per env."""
+
+    KIND: ClassVar[Kind] = Kind.ENV_CALL
+    worker: str
+    call_id: int
+    op: str
+    name: str
+    args: list[Json]
+    kwargs: dict[str, Json]
+    values: list[Json]
+    arrays: ArrayMap = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EnvCallResult(Message):
+    """Each env's result of an ENV_CALL, encoded as its arguments are; `error` set: the call
+    raised, or a result is not data (named in it), and `values` is empty."""
+
+    KIND: ClassVar[Kind] = Kind.ENV_CALL_RESULT
+    worker: str
+    call_id: int
+    values: list[Json]
+    error: str
+    arrays: ArrayMap = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -838,7 +932,7 @@ MESSAGE_TYPES: dict[Kind, type[Message]] = {
         WorkerHello, Reset, Step, StepResult, Experience, Trajectory, TrainerHello, EnvSpec,
         Weights, Heartbeat, RunState, StatusRequest, StatusReply, ResetRequest,
         ShutdownRequest, Reply, Barrier, BarrierDone, Shutdown, RemoteError, WorkerLost,
-        Receipt, TrainerSwap, Trajectories,
+        Receipt, TrainerSwap, Trajectories, VectorHello, VectorSpec, EnvCall, EnvCallResult,
     )
 }
 assert set(MESSAGE_TYPES) == set(Kind), "every kind needs exactly one message class"

@@ -476,7 +476,9 @@ def frames_of(kind: Any, fields: Any, descs: Any = None, arrays: Any = (),
 V = p.PROTOCOL_VERSION
 I8 = np.dtype(np.int64).str
 ACTIONS = np.arange(2, dtype=np.int64).tobytes()
-STEP_FIELDS = {"epoch": 1, "seq": 2, "policy_version": 3}
+STEP_FIELDS = {"epoch": 1, "seq": 2, "policy_version": 3, "worker": ""}
+RESET_VECTOR_FIELDS = {"rows": [], "seeds": [], "seeding": "episode", "autoreset": "same_step",
+                       "worker": ""}
 WEIGHT_FIELDS = {"trainer": "t", "incarnation": "i", "policy": "p", "version": 1,
                  "consumed_steps": 0, "batch_steps": 1, "starving": False}
 TRAJ_FIELDS = {"agent": "a", "epoch": 0, "terminated": False, "truncated": False,
@@ -500,7 +502,8 @@ def step_array(name: Any = "actions", dtype: Any = I8, shape: Any = (2,),
 
 
 def reset(options: Any = None, epoch: Any = 1) -> list[bytes]:
-    fields = {"epoch": epoch, "seq": 0, "options": {} if options is None else options}
+    fields = {"epoch": epoch, "seq": 0, "options": {} if options is None else options,
+              **RESET_VECTOR_FIELDS}
     return frames_of(p.Kind.RESET, fields)
 
 
@@ -868,7 +871,8 @@ ATTACKS: dict[str, Callable[[Payload], list[Any]]] = {
     "as the whole header via msgpack_numpy": lambda e: [e.mn_array],
     "as a whole msgpack_numpy header":
         lambda e: [msgpack_numpy.packb(
-            [V, 2, {"epoch": 1, "seq": 0, "options": {"x": e.evil_array}}, []])],
+            [V, 2, {"epoch": 1, "seq": 0, "options": {"x": e.evil_array},
+                    **RESET_VECTOR_FIELDS}, []])],
     "as a msgpack_numpy header with an array descriptor":
         lambda e: [msgpack_numpy.packb([V, 3, STEP_FIELDS, [["actions", e.evil_array, [2]]]]),
                    ACTIONS],

@@ -94,16 +94,26 @@ class EnvSet:
         self.without_options: set[int] = set()  # envs that rejected the current reset options
         low, high = self.spec.action_low, self.spec.action_high
         self.action_bounds = (np.asarray(low), np.asarray(high)) if low else None
+        # How episodes after a reset start (a RESET's `seeding` and `autoreset`), and which envs
+        # owe the reset of NEXT_STEP autoreset (done on their next step).
+        self.seeding, self.autoreset = p.SEEDING_EPISODE, p.AUTORESET_SAME_STEP
+        self.owed = np.zeros(len(self.envs), bool)
 
-    def reset(self, options: dict) -> Obs:
+    def reset(self, options: dict, rows: list[int] | None = None,
+              seeds: list[int | None] | None = None) -> Obs:
+        """Reset every env, or only `rows` (the others keep their observations); `seeds`: one
+        per reset env (None: continue its generator), else per-episode derived seeds."""
         if self.agents:
             return self._reset_parallel(options)
-        obs = obs_rows.empty_like(self.last_obs)
+        indices = rows if rows else range(len(self.envs))
+        obs = obs_rows.copy(self.last_obs) if rows else obs_rows.empty_like(self.last_obs)
         self.without_options.clear()
-        for i, env in enumerate(self.envs):
+        for j, i in enumerate(indices):
+            env = self.envs[i]
+            self.owed[i] = False
+            seed = self._new_episode(i) if seeds is None else self._given_seed(i, seeds[j])
             try:
-                first = self._env_call(env.reset, seed=self._new_episode(i),
-                                       options=options or None)
+                first = self._env_call(env.reset, seed=seed, options=options or None)
             except Exception as exc:  # e.g. options this env rejects: report, go on without
                 # Rejected options are the operator's doing, bounded by barriers: not counted.
                 first = self._recreate(i, exc, {}, counted=not options)
@@ -120,7 +130,8 @@ class EnvSet:
             return self._step_parallel(actions, options, out)
         k = len(self.envs)
         obs = obs_rows.empty_like(self.last_obs) if out is None else out
-        reward = np.zeros(k, np.float32)
+        # Gymnasium's vector envs hand rewards on as float64: so do we, for them, bit for bit.
+        reward = np.zeros(k, np.float64 if self.seeding == p.SEEDING_GYMNASIUM else np.float32)
         terminated = np.zeros(k, bool)
         truncated = np.zeros(k, bool)
         finals: list[Obs] = []
@@ -131,9 +142,13 @@ class EnvSet:
         # The hot loop: no ZeroMQ call in it but _recreate's report, so `in_env` holds for the
         # whole batch and the busy-beat alarm (armed around every batch) keeps the heartbeats
         # going; a wrapper call and a tick per env cost 10% of a CartPole worker's time.
+        same_step, owed = self.autoreset == p.AUTORESET_SAME_STEP, self.owed.any()
         self.in_env = True
         try:
             for i, env in enumerate(self.envs):
+                if owed and self.owed[i]:  # NEXT_STEP: this step is the reset it owes
+                    self._reset_owed(i, obs, options)
+                    continue
                 try:
                     if write is None:
                         box[i], reward[i], terminated[i], truncated[i], _ = env.step(actions[i])
@@ -147,8 +162,11 @@ class EnvSet:
                     continue
                 if terminated[i] or truncated[i]:
                     finals.append(obs_rows.copy(obs_rows.take(obs, i)))
+                    if not same_step:  # NEXT_STEP: reset on its next step; DISABLED: never
+                        self.owed[i] = self.autoreset == p.AUTORESET_NEXT_STEP
+                        continue
                     try:
-                        first = env.reset(seed=self._new_episode(i),
+                        first = env.reset(seed=self._autoreset_seed(i),
                                           options=self._options_for(i, options))
                     except Exception as exc:
                         first = self._recreate(i, exc, {})
@@ -169,6 +187,31 @@ class EnvSet:
             return actions
         shape = (len(actions), *self.spec.action_shape)
         return np.clip(actions.reshape(len(actions), -1), *self.action_bounds).reshape(shape)
+
+    def _reset_owed(self, i: int, obs: Obs, options: dict) -> None:
+        """NEXT_STEP autoreset: env i ended on its last step and is reset now, not stepped
+        (reward 0, neither flag), as Gymnasium's NEXT_STEP mode does."""
+        self.owed[i] = False
+        try:
+            first = self.envs[i].reset(seed=self._autoreset_seed(i),
+                                       options=self._options_for(i, options))
+        except Exception as exc:
+            first = self._recreate(i, exc, {})
+        self.write(obs, i, *first)
+
+    def _autoreset_seed(self, i: int) -> int | None:
+        """The seed an env's next episode starts with when it ends by itself: derived from its
+        episode number, or (Gymnasium's seeding) none, continuing its generator."""
+        if self.seeding == p.SEEDING_GYMNASIUM:
+            return self._given_seed(i, None)
+        return self._new_episode(i)
+
+    def _given_seed(self, i: int, seed: int | None) -> int | None:
+        """Env i starts its next episode with a seed a vector client chose (None: none); its
+        spaces are left alone, as Gymnasium's vector envs leave them."""
+        self.episode[i] += 1
+        self.episode_seed[i] = -1 if seed is None else seed
+        return seed
 
     def _new_episode(self, i: int) -> int:
         """Env i starts its next episode: the seed to reset it (and its spaces) with."""

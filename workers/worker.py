@@ -163,6 +163,7 @@ class Worker(node.Process):
         self.phase = Phase.WAITING
         self.epoch, self.seq = -1, 0  # of the broker's latest word
         self.options: dict[str, Any] = {}  # the reset options of `epoch`
+        self.step_options: dict[str, Any] = {}  # ... as autoresets get them (Gymnasium: none)
         self.counts, self.shm_counts = WorkerCounts(), ShmCounts()
         self.busy_beat_at = 0.0  # the last heartbeat sent to (or message heard from) the broker
         self.busy_beats: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
@@ -207,11 +208,18 @@ class Worker(node.Process):
 
     def on_reset(self, peer: bytes, msg: p.Reset) -> None:
         self.heard(self.now)
+        problem = self.reset_problem(msg)
+        if problem:
+            self.refuse("bad reset", problem)
+            return
         self.epoch, self.options, self.seq = msg.epoch, msg.options, msg.seq
+        self.step_options = {} if msg.seeding == p.SEEDING_GYMNASIUM else msg.options
+        self.envs.seeding, self.envs.autoreset = msg.seeding, msg.autoreset
         self.phase = Phase.STEPPING
         self.use_shm = self.segment is not None and self.segment.take_broker_mark()
+        seeds = [None if s < 0 else s for s in msg.seeds] if msg.seeds else None
         with self.busy_beats:
-            obs = self.envs.reset(self.options)
+            obs = self.envs.reset(self.options, msg.rows or None, seeds)
         k = self.envs.rows
         self.reply(p.StepResult(
             incarnation="", epoch=0, seq=0, first=True, obs=obs,
@@ -219,6 +227,21 @@ class Worker(node.Process):
             truncated=np.zeros(k, bool), final_obs=rows.take(obs, slice(0, 0)),
             alive=self.envs.alive_rows(),
             **self.envs.episodes()))
+
+    def reset_problem(self, msg: p.Reset) -> str:
+        """Why a RESET cannot be done ("": it can): its modes, rows and seeds."""
+        n = len(self.envs.envs)
+        if msg.seeding not in p.SEEDINGS or msg.autoreset not in p.AUTORESETS:
+            return f"seeding {msg.seeding[:20]!r}, autoreset {msg.autoreset[:20]!r}"
+        if len(set(msg.rows)) != len(msg.rows) or not all(0 <= r < n for r in msg.rows):
+            return f"rows must be distinct envs 0 to {n - 1}"
+        if msg.seeds and (len(msg.seeds) != (len(msg.rows) or n)
+                          or not all(-1 <= s < 2**63 for s in msg.seeds)):
+            return "seeds: one per env reset, each -1 (none) or 0 to 2**63 - 1"
+        vector = bool(msg.rows or msg.seeds) or msg.autoreset != p.AUTORESET_SAME_STEP
+        if vector and self.envs.agents:
+            return "rows, seeds and autoreset modes are for Gymnasium envs, not agents"
+        return ""
 
     def on_step(self, peer: bytes, msg: p.Step) -> None:
         """Step every env once; a step of another epoch than our last reset's is not ours."""
@@ -234,7 +257,7 @@ class Worker(node.Process):
         segment = self.segment if self.use_shm else None
         slot = segment.acquire() if segment is not None else -1
         with self.busy_beats:
-            result = self.envs.step(msg.actions, self.options,
+            result = self.envs.step(msg.actions, self.step_options,
                                     None if segment is None or slot < 0 else segment.views[slot])
         if segment is not None and slot >= 0:
             segment.publish(slot, self.seq)
