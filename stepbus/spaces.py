@@ -29,6 +29,8 @@ MASK = "action_mask"
 ROOT = "obs"  # the key of an observation that is one leaf, when it travels in a map
 CATEGORICAL = ("discrete", "multi_discrete", "multi_binary")
 ACTION_KINDS = ("discrete", "box", *CATEGORICAL[1:])
+MAX_NESTING = 32  # Dict and Tuple levels around a leaf: rebuilding the space recurses this deep
+MAX_START = 1 << 62  # |start| of a category: start + count and value - start stay in int64
 
 
 class SpaceError(TypeError):
@@ -331,7 +333,8 @@ def spec_problem(spec: p.SpaceSpec) -> str:
             return f"observation leaf {leaf.key!r}: {problem}"[:200]
     try:
         observation_space(spec)
-    except (KeyError, IndexError, ValueError, TypeError, AssertionError) as exc:
+    except (KeyError, IndexError, ValueError, TypeError, AssertionError, ArithmeticError,
+            RecursionError) as exc:
         return f"observation leaves do not nest: {type(exc).__name__}: {exc}"[:200]
     if MASK in keys:
         width = spec.action_n if spec.action_kind == "discrete" else sum(spec.action_nvec)
@@ -342,22 +345,41 @@ def spec_problem(spec: p.SpaceSpec) -> str:
 
 
 def _leaf_problem(leaf: p.LeafSpec) -> str:
+    """What a worker's own `describe` could not have made of a leaf ("" if it could)."""
     if leaf.dtype not in p.ALLOWED_DTYPES or len(leaf.shape) >= p.MAX_NDIM:
         return f"{leaf.dtype} {leaf.shape}"
     if not all(d > 0 for d in leaf.shape) or len(leaf.path) != len(leaf.containers):
         return f"shape {leaf.shape}, path {leaf.path}"
+    if len(leaf.path) > MAX_NESTING:
+        return f"nested {len(leaf.path)} deep, over {MAX_NESTING}"
+    if leaf.kind == "mask" and (leaf.key != MASK or leaf.path or leaf.dtype != "|b1"):
+        return f"a mask leaf {leaf.key!r} at {leaf.path[:4]} of {leaf.dtype}"
     if leaf.key != ("/".join(leaf.path) or ROOT) and leaf.kind != "mask":
         return f"key {leaf.key!r} for path {leaf.path}"
     if not set(leaf.containers) <= {"dict", "tuple"}:
         return f"containers {leaf.containers}"
-    categories = 1 if leaf.kind == "discrete" else math.prod(leaf.shape)
     if leaf.kind in ("discrete", "multi_discrete"):
-        if len(leaf.nvec) != categories or len(leaf.start) != categories:
-            return f"{len(leaf.nvec)} category counts for {categories} values"
-        if not all(1 <= n <= 1 << 20 for n in leaf.nvec) or sum(leaf.nvec) > 1 << 20:
-            return f"category counts {leaf.nvec[:4]}"
-    elif leaf.kind not in ("box", "multi_binary", "mask"):
+        return _categories_problem(leaf)
+    if leaf.kind not in ("box", "multi_binary", "mask"):
         return f"kind {leaf.kind!r}"
+    if leaf.nvec or leaf.start:
+        return f"category counts or starts for a {leaf.kind} leaf"
+    return ""
+
+
+def _categories_problem(leaf: p.LeafSpec) -> str:
+    """A Discrete (shape []) or MultiDiscrete leaf: integers, one count and start per value."""
+    if leaf.kind == "discrete" and leaf.shape:
+        return f"a discrete leaf of shape {leaf.shape}"
+    categories = math.prod(leaf.shape)
+    if len(leaf.nvec) != categories or len(leaf.start) != categories:
+        return f"{len(leaf.nvec)} category counts for {categories} values"
+    if not all(1 <= n <= 1 << 20 for n in leaf.nvec) or sum(leaf.nvec) > 1 << 20:
+        return f"category counts {leaf.nvec[:4]}"
+    if not all(-MAX_START <= s <= MAX_START for s in leaf.start):
+        return f"category starts {leaf.start[:4]}"
+    if np.dtype(leaf.dtype).kind not in "iu":
+        return f"categories of dtype {leaf.dtype}"
     return ""
 
 

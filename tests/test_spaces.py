@@ -245,3 +245,47 @@ def test_the_run_digest_sees_every_leaf() -> None:
         digest.add(p.Trajectory(obs=changed, **base))  # type: ignore[arg-type]
         digests.append(digest.hexdigest())
     assert digests[0] != digests[1]
+
+
+def hostile_leaves() -> dict[str, list[p.LeafSpec]]:
+    """Leaves no worker's `describe` makes, each of which raised in, or got past, the checks."""
+    def leaf(key: str, kind: str, shape: list[int], dtype: str, path: list[str] | None = None,
+             **fields: list[int]) -> p.LeafSpec:
+        path = [key] if path is None else path
+        return p.LeafSpec(key, kind, shape, np.dtype(dtype).str, path, ["dict"] * len(path),
+                          **fields)
+
+    deep = ["a"] * 1500  # fits a hello's header; rebuilding the space recursed past the limit
+    return {
+        "deep": [leaf("/".join(deep), "box", [1], "f4", deep)],
+        "uint64 start": [leaf("a", "discrete", [], "i8", nvec=[3], start=[2**64 - 1])],
+        "start at int64's end": [leaf("a", "discrete", [], "i8", nvec=[3], start=[2**63 - 2])],
+        "box with starts": [leaf("a", "box", [2], "f4", start=[1, 2, 3])],
+        "discrete of a shape": [leaf("a", "discrete", [4], "i8", nvec=[3], start=[0])],
+        "float categories": [leaf("a", "discrete", [], "f4", nvec=[3], start=[0])],
+        "mask in a dict": [leaf("a", "box", [1], "f4"),
+                           p.LeafSpec(spaces.MASK, "mask", [2], "|b1", ["q"], ["dict"])],
+        "float mask": [leaf("a", "box", [1], "f4"),
+                       p.LeafSpec(spaces.MASK, "mask", [2], "<f8")],
+    }
+
+
+@pytest.mark.parametrize("name", list(hostile_leaves()))
+def test_hostile_leaves_in_a_hello_are_refused_and_the_broker_goes_on(name: str) -> None:
+    """A hello whose leaves crashed the broker (a RecursionError or OverflowError while
+    checking them) or got past the checks, to fail later wherever zeros or one-hots of them
+    were made, is refused in one line, and the broker takes the next worker's good hello."""
+    from test_broker_state import SPEC, Bench
+
+    spec = p.SpaceSpec([], "", "discrete", action_n=2, obs_leaves=hostile_leaves()[name])
+    hello = p.WorkerHello(worker="evil", incarnation="i1", env_id="x", num_envs=1, seed=0,
+                          spec=spec, seq=0)
+    again = p.decode([bytes(f) for f in p.encode(hello)])
+    assert isinstance(again, p.WorkerHello)
+    assert checks.spec_problem(again.spec)
+    bench = Bench()
+    bench.deliver(b"evil", again)
+    bench.tick()
+    assert bench.broker.figures()["spec_refused"] == 1 and bench.broker.spec is None
+    bench.join("w0")
+    assert bench.broker.spec == SPEC
