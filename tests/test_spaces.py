@@ -289,3 +289,20 @@ def test_hostile_leaves_in_a_hello_are_refused_and_the_broker_goes_on(name: str)
     assert bench.broker.figures()["spec_refused"] == 1 and bench.broker.spec is None
     bench.join("w0")
     assert bench.broker.spec == SPEC
+
+
+def test_the_torch_models_flatten_one_hots_as_the_numpy_mlp_does_out_of_range_too() -> None:
+    """A categorical value outside its space (an env's bug) is all zeros to both models, as
+    `spaces.flatten` documents, not the nearest category."""
+    torch = pytest.importorskip("torch")
+    from stepbus.models.torch_agents import Flatten
+
+    envs = envset("match_dict", k=3)
+    obs = envs.reset({})
+    cell = next(leaf for leaf in envs.spec.obs_leaves if leaf.kind == "discrete")
+    obs[cell.key][:] = [cell.start[0] - 1, cell.start[0] + cell.nvec[0], cell.start[0]]
+    want = spaces.flatten(envs.spec, obs, np.float32)
+    flat = Flatten(spaces.observation_space(envs.spec))
+    got = flat(spaces.structured(envs.spec, {k: torch.from_numpy(v) for k, v in obs.items()}))
+    assert np.array_equal(got.numpy(), want)
+    assert want[:2, :cell.nvec[0]].sum() == 0 and want[2, 0] == 1

@@ -127,10 +127,15 @@ class Flatten(nn.Module):
             nvec = [int(space.n)] if isinstance(space, spaces.Discrete) else \
                 [int(n) for n in np.ravel(space.nvec)]
             start = torch.as_tensor(np.ravel(space.start), device=x.device)
-            codes = (x.reshape(b, -1).long() - start).clamp(min=0)
-            return torch.cat([nn.functional.one_hot(codes[:, j].clamp(max=n - 1), n)
-                              for j, n in enumerate(nvec)], 1).float()
+            codes = x.reshape(b, -1).long() - start
+            return torch.cat([self.one_hot(codes[:, j], n) for j, n in enumerate(nvec)], 1)
         return x.reshape(b, -1).float()
+
+    @staticmethod
+    def one_hot(codes: torch.Tensor, n: int) -> torch.Tensor:
+        """`codes` (from 0) one-hot in n columns; a value outside [0, n) all zeros."""
+        inside = ((codes >= 0) & (codes < n)).unsqueeze(1)
+        return nn.functional.one_hot(codes.clamp(0, n - 1), n).float() * inside
 
 
 class MLPAgent(nn.Module):
