@@ -433,14 +433,18 @@ def run(role: str, flags: list[str], *, controller: str, security: wiring.Securi
     return serve(security, log, lambda ports: Supervisor(
         ports, log, name=name, command=[sys.executable, "-m", "stepbus", role], args=flags,
         give_up=give_up, quick_deaths_limit=quick_deaths_limit, noun=role),
-        role="supervisor", name=name, controller=controller, broadcast="")
+        role="supervisor", name=name, controller=controller, broadcast="",
+        linger_ms=0 if role == "controller" else wiring.LINGER_MS)
 
 
 def serve(security: wiring.Security, log: logging.Logger,
           build: Callable[[node.Ports], Supervisor], *, role: str, name: str, controller: str,
-          broadcast: str) -> int:
+          broadcast: str, linger_ms: int = wiring.LINGER_MS) -> int:
     """Run a supervisor, built by `build` on its link to the controller (as `role` `name`), to
-    the end: 1 if it gave up and stopped, else the loop's code; its child never outlives it."""
+    the end: 1 if it gave up and stopped, else the loop's code; its child never outlives it.
+    `linger_ms`: how long its last messages may wait for the controller. The controller's own
+    supervisor passes 0: its controller has exited, so its leaving heartbeat would wait the
+    whole linger for nobody, and it is the last process of every honcho run (0.5 s more)."""
     stop = node.StopFlag()
     ctx = wiring.context(security)
     sup: Supervisor | None = None
@@ -453,4 +457,4 @@ def serve(security: wiring.Security, log: logging.Logger,
     finally:
         if sup is not None:
             sup.kill_child()
-        wiring.destroy(ctx, wiring.LINGER_MS)
+        wiring.destroy(ctx, linger_ms)
