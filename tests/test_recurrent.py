@@ -246,3 +246,33 @@ def test_a_recurrent_update_on_fresh_masked_trajectories_starts_at_ratio_one(env
     stats = model.update([model.record(t) for t in trajs], lambda: None)
     assert stats["n_grad_steps"] >= 4
     assert abs(stats["approx_kl"]) < 1e-6 and stats["clip_fraction"] == 0.0
+
+
+def test_gae_values_replayed_through_time_are_the_ones_acted_with() -> None:
+    """The critic's values of every step, replayed from each trajectory's first state, are
+    the broker's; a horizon cut's bootstrap value is the next trajectory's first one (the
+    replay goes one step further, through the bootstrap observation, from the right state)."""
+    import itertools
+
+    env = "space_envs:masked_obs"
+    envs = envset(env, k=3)
+    model = torch_ppo.TorchModel(policy.ModelConfig(model="torch-lstm"),
+                                 "stepbus.trainer.ppo:PPO",
+                                 p.EnvSpec(env_id=env, spec=envs.spec, policy_version=0),
+                                 ppo.PPOConfig(), seed=2)
+    acting = policy.make_policy("torch-lstm", envs.spec)
+    acting.load(model.weights(), 0)
+    trajs = rollout_of_leaves(acting, envs, steps=24, horizon=5)
+    algo = model.torch_algo
+    assert isinstance(algo, torch_recurrent.RecurrentPPO)
+    values = algo.values([model.record(t) for t in trajs])
+    n = sum(len(t.rewards) for t in trajs)
+    assert np.allclose(values[:n], np.concatenate([t.values for t in trajs]), atol=1e-5)
+    by_agent: dict[str, list[int]] = {}
+    for i, t in enumerate(trajs):
+        by_agent.setdefault(t.agent, []).append(i)
+    cuts = [(i, j) for seq in by_agent.values() for i, j in itertools.pairwise(seq)
+            if not (trajs[i].terminated or trajs[i].truncated)]  # j goes on from i
+    assert len(cuts) >= 3
+    for i, j in cuts:
+        assert values[n + i] == pytest.approx(trajs[j].values[0], abs=1e-5)
