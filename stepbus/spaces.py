@@ -421,10 +421,10 @@ class RowWriter:
 
 
 def _flat_mask(value: Any) -> np.ndarray:
-    """A mask as Gymnasium gives it (an array, or a tuple of arrays for MultiDiscrete) as one
-    flat array."""
+    """A mask as Gymnasium gives it (an array; for MultiDiscrete a tuple of each dimension's
+    arrays, nested as the space's nvec for more than one axis) as one flat array."""
     if isinstance(value, tuple | list):
-        return np.concatenate([np.ravel(v) for v in value])
+        return np.concatenate([_flat_mask(v) for v in value])
     return np.ravel(value)
 
 

@@ -306,3 +306,19 @@ def test_the_torch_models_flatten_one_hots_as_the_numpy_mlp_does_out_of_range_to
     got = flat(spaces.structured(envs.spec, {k: torch.from_numpy(v) for k, v in obs.items()}))
     assert np.array_equal(got.numpy(), want)
     assert want[:2, :cell.nvec[0]].sum() == 0 and want[2, 0] == 1
+
+
+def test_a_multi_discrete_mask_nested_as_its_nvec_is_written_flat() -> None:
+    """Gymnasium nests a MultiDiscrete mask as the space's nvec: a tuple of tuples of arrays
+    for a 2x2 nvec, which the worker's row writer could not flatten (ValueError)."""
+    nvec = np.array([[3, 2], [4, 1]])
+    spec = spaces.describe(gym.spaces.Box(0, 1, (2,)), gym.spaces.MultiDiscrete(nvec),
+                           info_mask=True)
+    mask = ((np.array([1, 0, 1], np.int8), np.array([1, 1], np.int8)),
+            (np.array([0, 1, 1, 1], np.int8), np.array([1], np.int8)))
+    assert gym.spaces.MultiDiscrete(nvec).sample(mask=mask).shape == (2, 2)
+    batch = spaces.zeros(spec, 2)
+    spaces.RowWriter(spec)(batch, 1, np.zeros(2, np.float32), {spaces.MASK: mask})
+    assert batch[spaces.MASK][1].tolist() == [True, False, True, True, True,
+                                              False, True, True, True, True]
+    assert batch[spaces.MASK][0].all(), "row 0 untouched"
