@@ -345,8 +345,8 @@ class Broker(node.Process):
     def segment_rows(self, w: Worker, msg: p.StepResult) -> np.ndarray | None:
         """The observations of a result that names a slot of w's segment, read in place (None:
         not a batch we can read)."""
-        if (w.segment is None or self.spec is None or isinstance(msg.obs, dict)
-                or msg.obs.shape[0] != 0):
+        if (w.segment is None or self.spec is None or self.spec.obs_leaves
+                or isinstance(msg.obs, dict) or msg.obs.shape[0] != 0):
             return None
         view = w.segment.view(msg.obs_slot, np.dtype(self.spec.obs_dtype),
                               policy.obs_shape(self.spec))

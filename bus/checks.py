@@ -91,7 +91,9 @@ def spec_problem(spec: p.SpaceSpec) -> str:
         return (f"box actions of shape {action.shape} with {len(action.low)} lows and "
                 f"{len(action.high)} highs")[:200]
     if action.kind in ("multi_discrete", "multi_binary") and (
-            len(action.shape) >= p.MAX_NDIM or sum(action.nvec) > MAX_CATEGORIES):
+            len(action.shape) >= p.MAX_NDIM or not all(d > 0 for d in action.shape)
+            or sum(action.nvec) > MAX_CATEGORIES
+            or (action.kind == "multi_binary" and set(action.nvec) != {2})):
         return f"{action.kind} actions of shape {action.shape}, {sum(action.nvec)} categories"
     if spec.reward_threshold is not None and not math.isfinite(spec.reward_threshold):
         return f"reward_threshold {spec.reward_threshold}"  # NaN would mismatch every later hello

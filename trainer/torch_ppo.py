@@ -157,6 +157,8 @@ def loss_step(module: nn.Module, optimizer: torch.optim.Optimizer, cfg: PPOConfi
         centred = (adv - mean(adv)) * valid
         adv = centred / (torch.sqrt((centred ** 2).sum() / (count - 1)) + 1e-8)
     logratio = taken.logp.reshape(-1) - targets.logp
+    if targets.valid is not None:  # a padded row's ratio may overflow: inf * 0 would be NaN
+        logratio = torch.where(targets.valid > 0, logratio, torch.zeros_like(logratio))
     ratio = logratio.exp()
     clipped = torch.clamp(ratio, 1.0 - cfg.clip_range, 1.0 + cfg.clip_range)
     policy_loss = mean(torch.max(-adv * ratio, -adv * clipped))
@@ -269,8 +271,8 @@ class TorchModel(Model):
         shaped as its own."""
         states = msg.state if isinstance(msg, p.Trajectory) else msg.states
         lead = () if isinstance(msg, p.Trajectory) else (len(msg.seqs),)
-        want = {k: (*lead, *v.shape[1:]) for k, v in self.initial.items()}
-        got = {k: v.shape for k, v in states.items()}
+        want = {k: ((*lead, *v.shape[1:]), v.dtype.str) for k, v in self.initial.items()}
+        got = {k: (v.shape, v.dtype.str) for k, v in states.items()}
         if got != want:
             return f"recurrent states {got}, this model's are {want}"[:200]
         return super().problem(msg) or checks.state_problem(states, lead)

@@ -83,6 +83,9 @@ class StateLayout:
             raise ValueError(f"initial_state failed: {type(exc).__name__}: {exc}") from exc
         self.nested = isinstance(one, tuple | list)
         ones, twos = (list(one), list(two)) if self.nested else ([one], [two])
+        if not all(isinstance(t, torch.Tensor) for t in (*ones, *twos)) or len(ones) != len(twos):
+            raise ValueError(f"initial_state gave a {type(one).__name__}: it must give a tensor, "
+                             "or a tuple or list of tensors, the same number for any batch")
         self.axes = []
         for a, b in zip(ones, twos, strict=True):
             axes = [i for i, (x, y) in enumerate(zip(a.shape, b.shape, strict=True)) if x != y]
