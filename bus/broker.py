@@ -43,7 +43,7 @@ import numpy as np
 import zmq
 
 from stepbus import policy
-from stepbus.bus import checks, node, policies, rows, wiring
+from stepbus.bus import checks, node, policies, relay, rows, wiring
 from stepbus.bus import protocol as p
 from stepbus.bus.barrier import ResetBarrier
 from stepbus.bus.credit import Credit, DueVersions, Weights
@@ -86,6 +86,12 @@ class Config:
                 "'adversary_*=red,*=default' (fnmatch; unmatched agents and a Gymnasium env's "
                 "unnamed agent: 'default'); each policy is served by its own trainer"})
     models: ModelConfig = field(default_factory=ModelConfig)
+    external: bool = field(default=False, metadata={
+        "help": "relay for a vector env client (stepbus.vector): the policy lives in the "
+                "client, so no model, trainer or assembler; workers' results go to the client "
+                "on --vector and its actions back (bus/relay.py)"})
+    vector: str = wiring.endpoint("vector", "ROUTER endpoint to bind for a vector env client "
+                                  "(with --external)")
     security: wiring.Security = field(default_factory=wiring.Security)
 
 
@@ -694,6 +700,8 @@ class Broker(node.Process):
 
 
 def run(cfg: Config) -> int:
+    if cfg.external:
+        return relay.run(cfg.steps, cfg.vector, cfg.controller, cfg.broadcast, cfg.security)
     log = node.setup_logging("broker")
     try:
         rules = policies.parse_map(cfg.policy_map)

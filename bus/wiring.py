@@ -56,6 +56,8 @@ ENDPOINTS: dict[str, EndpointSpec] = {
                      "assembler PUSH sending trajectories to the trainer"),
         EndpointSpec("receipts", "STEPBUS_RECEIPTS", "tcp://127.0.0.1:7346",
                      "assembler PULL receiving the trainer's receipts for trajectories"),
+        EndpointSpec("vector", "STEPBUS_VECTOR", "tcp://127.0.0.1:7347",
+                     "broker ROUTER (--external) facing a vector env client's DEALER"),
     )
 }
 

@@ -33,6 +33,7 @@ import zmq
 
 from stepbus.bus import checks, node, rows, shm, wiring
 from stepbus.bus import protocol as p
+from stepbus.workers import calls
 from stepbus.workers.envset import EnvFailure, EnvSet
 
 __all__ = ["BUSY_BEATS", "Config", "EnvFailure", "EnvSet", "Worker", "run"]
@@ -269,6 +270,11 @@ class Worker(node.Process):
         self.counts.env_steps += acting
         self.timers["hello"].due = self.clock() + HELLO_INTERVAL_S
 
+    def on_env_call(self, peer: bytes, msg: p.EnvCall) -> None:
+        """A vector client's call/get_attr/set_attr on every env, answered as data."""
+        self.heard(self.now)
+        self.send("steps", calls.answer(self.envs.envs, msg, self.cfg.name))
+
     def reply(self, result: p.StepResult) -> None:
         self.send("steps", dataclasses.replace(result, incarnation=self.incarnation,
                                                epoch=self.epoch, seq=self.seq))
@@ -355,7 +361,7 @@ def run(cfg: Config) -> int:
              f" ({len(worker.envs.agents)} agents each)" if worker.envs.agents else "", steps)
     worker.take_alarm()
     try:
-        return node.Loop(worker, {"steps": node.Port(dealer, (p.Reset, p.Step))}, link,
+        return node.Loop(worker, {"steps": node.Port(dealer, (p.Reset, p.Step, p.EnvCall))}, link,
                          stop).run()
     except EnvFailure as exc:
         log.error("%s; worker exiting", exc)

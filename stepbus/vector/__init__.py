@@ -1,0 +1,95 @@
+"""stepbus as a Gymnasium vector env: keep your training loop, put the envs on the bus.
+
+`make(env, num_envs, workers=1)` starts its own controller, relaying broker and workers (as
+AsyncVectorEnv starts its processes) and `connect(controller, num_envs)` attaches to a running
+`stepbus broker --external` whose workers were started anywhere. Both return a
+`gymnasium.vector.VectorEnv` (`BusVectorEnv`) with Gymnasium's seeding and autoreset modes,
+and EnvPool's `send`/`recv` besides. `stepbus.vector.sb3.VecEnv` wraps one for
+Stable-Baselines3. See docs/vector.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+from gymnasium.vector import AutoresetMode
+
+from stepbus.bus import protocol as p
+from stepbus.bus import wiring
+from stepbus.vector.env import ATTACH_TIMEOUT_S, BusVectorEnv
+from stepbus.vector.launch import Launched, worker_sizes
+from stepbus.vector.link import BrokerLost, BusError, Link, WorkerLost, discover
+from stepbus.workers.envs import make_env
+
+__all__ = ["AutoresetMode", "BrokerLost", "BusError", "BusVectorEnv", "RemoteFailure",
+           "WorkerLost", "connect", "make"]
+
+RemoteFailure = p.RemoteFailure  # an env raised in `call`: its type and message kept
+
+
+def make(env: str, num_envs: int, workers: int = 1, *,
+         autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
+         batch_size: int | None = None, attach_timeout_s: float = ATTACH_TIMEOUT_S,
+         **worker_options: Any) -> BusVectorEnv:
+    """A vector env of `num_envs` copies of `env` (a Gymnasium id or `module:callable`, as
+    `stepbus worker --env` takes) in `workers` worker processes, with its own controller and
+    relaying broker; `close()` stops them all.
+
+    Args:
+        worker_options: more `stepbus worker` flags, e.g. `max_env_restarts_per_minute=3`.
+
+    Raises:
+        BusError: the processes did not come up within `attach_timeout_s` (their output is
+            in the message); none is left running.
+    """
+    sizes = worker_sizes(num_envs, workers)
+    probe = make_env(env)  # the exact spaces to report (bounds do not travel)
+    try:
+        single = (probe.observation_space, probe.action_space)
+    finally:
+        probe.close()
+    launched = Launched(env, sizes, worker_options)
+    link = None
+    try:
+        link = Link(launched.endpoints["vector"])
+        envs = BusVectorEnv(link, num_envs, autoreset_mode=autoreset_mode,
+                            batch_size=batch_size, single_spaces=single,
+                            on_close=launched.stop, attach_timeout_s=attach_timeout_s)
+        envs.launched = launched
+        return envs
+    except BusError as exc:
+        logs = launched.logs()
+        _close_all(link, launched)
+        raise BusError(f"{exc}\n{logs}") from exc
+    except BaseException:
+        _close_all(link, launched)
+        raise
+
+
+def connect(controller: str, num_envs: int, *,
+            autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
+            batch_size: int | None = None, attach_timeout_s: float = ATTACH_TIMEOUT_S,
+            single_spaces: tuple[gym.Space, gym.Space] | None = None,
+            security: wiring.Security | None = None) -> BusVectorEnv:
+    """A vector env over a running bus: the controller at `controller` names the relaying
+    broker (`stepbus broker --external`), whose workers' envs must add up to `num_envs`.
+    `close()` leaves those processes running.
+
+    Raises:
+        BusError: no such broker, or not enough workers, within `attach_timeout_s`.
+    """
+    link = Link(discover(controller, attach_timeout_s, security), security)
+    try:
+        return BusVectorEnv(link, num_envs, autoreset_mode=autoreset_mode,
+                            batch_size=batch_size, single_spaces=single_spaces,
+                            attach_timeout_s=attach_timeout_s)
+    except BaseException:
+        link.close()
+        raise
+
+
+def _close_all(link: Link | None, launched: Launched) -> None:
+    if link is not None:
+        link.close()
+    launched.stop()

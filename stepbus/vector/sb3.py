@@ -1,0 +1,91 @@
+"""Stable-Baselines3's `VecEnv` over a stepbus vector env (`pip install -e ".[sb3]"`).
+
+SB3 resets an ended env within the step and reads the episode's last observation from
+`infos[i]["terminal_observation"]`, so the vector env must use Gymnasium's SAME_STEP autoreset;
+`infos[i]["TimeLimit.truncated"]` says a time limit (not a terminal state) ended it, as SB3's
+own vector envs say. This module imports stable_baselines3, so it imports only where that is
+installed; nothing else in stepbus needs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+from gymnasium.vector import AutoresetMode
+from stable_baselines3.common.vec_env.base_vec_env import VecEnv as _VecEnv
+from stable_baselines3.common.vec_env.base_vec_env import VecEnvIndices
+
+from stepbus.vector.env import BusVectorEnv
+
+
+class VecEnv(_VecEnv):
+    """SB3's vector env API (reset, step_async/step_wait, attributes) on `envs`.
+
+    Raises:
+        ValueError: `envs` does not autoreset in the same step (make it with
+            `autoreset_mode="SameStep"`).
+    """
+
+    def __init__(self, envs: BusVectorEnv) -> None:
+        if envs.metadata.get("autoreset_mode") is not AutoresetMode.SAME_STEP:
+            raise ValueError("SB3 resets within the step: make the vector env with "
+                             "autoreset_mode='SameStep'")
+        self.envs = envs
+        self.actions: np.ndarray | None = None
+        super().__init__(envs.num_envs, envs.single_observation_space,
+                         envs.single_action_space)
+
+    def reset(self) -> Any:
+        seeds = self._seeds if any(s is not None for s in self._seeds) else None
+        options = next((o for o in self._options if o), None)
+        obs, _ = self.envs.reset(seed=seeds, options=options)
+        self.reset_infos = [{} for _ in range(self.num_envs)]
+        self._reset_seeds()
+        self._reset_options()
+        return obs
+
+    def step_async(self, actions: np.ndarray) -> None:
+        self.actions = actions
+
+    def step_wait(self) -> Any:
+        assert self.actions is not None, "step_async first"
+        obs, reward, terminated, truncated, info = self.envs.step(self.actions)
+        dones = terminated | truncated
+        infos: list[dict[str, Any]] = [
+            {"TimeLimit.truncated": bool(truncated[i] and not terminated[i])}
+            for i in range(self.num_envs)]
+        for i in np.flatnonzero(dones):
+            infos[i]["terminal_observation"] = info["final_obs"][i]
+        return obs, reward.astype(np.float32), dones, infos
+
+    def close(self) -> None:
+        self.envs.close()
+
+    def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
+        values = self.envs.get_attr(attr_name)
+        return [values[i] for i in self._indices(indices)]
+
+    def set_attr(self, attr_name: str, value: Any, indices: VecEnvIndices = None) -> None:
+        chosen = set(self._indices(indices))
+        current = list(self.envs.get_attr(attr_name))
+        self.envs.set_attr(attr_name, [value if i in chosen else v
+                                       for i, v in enumerate(current)])
+
+    def env_method(self, method_name: str, *method_args: Any, indices: VecEnvIndices = None,
+                   **method_kwargs: Any) -> list[Any]:
+        values = self.envs.call(method_name, *method_args, **method_kwargs)
+        return [values[i] for i in self._indices(indices)]
+
+    def env_is_wrapped(self, wrapper_class: type, indices: VecEnvIndices = None) -> list[bool]:
+        """Wrappers live in the workers; SB3 asks this only for its Monitor, which a
+        `VecMonitor` around this env replaces."""
+        return [False for _ in self._indices(indices)]
+
+    def _indices(self, indices: VecEnvIndices) -> Sequence[int]:
+        if indices is None:
+            return range(self.num_envs)
+        if isinstance(indices, int):
+            return [indices]
+        return list(indices) if isinstance(indices, Iterable) else [int(indices)]

@@ -1,0 +1,172 @@
+"""stepbus.vector.make is a Gymnasium vector env: for the same seeds and actions it gives what
+SyncVectorEnv gives (observations, rewards, terminations, truncations, infos) in all three
+autoreset modes, partial resets included; EnvPool's send/recv; call/get_attr/set_attr.
+
+Written after the assertions of Gymnasium's tests/vector/test_autoreset_mode.py and
+test_vector_env.py, against real worker, broker and controller processes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import vector_envs
+from gymnasium.vector import AutoresetMode, SyncVectorEnv, VectorEnv
+from vector_envs import Count, Made
+
+import stepbus.vector as sv
+
+MODES = [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED]
+
+
+@pytest.fixture
+def make(monkeypatch: pytest.MonkeyPatch) -> Iterator[Made]:
+    yield from vector_envs.closing_make(monkeypatch)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal data, as Gymnasium's data_equivalence, with an episode's final observation of a
+    Discrete space equal whether the env gave an int or a 0-d array."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        return (isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys()
+                and all(same(a[k], b[k]) for k in a))
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if a is None or b is None:
+        return a is b
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype == object or b.dtype == object:
+        return a.shape == b.shape and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(a, b))
+
+
+def play(envs: VectorEnv, script: list[tuple[str, Any]]) -> list[Any]:
+    """Run a script of ("reset", kwargs), ("step", actions), ("partial", seed) calls; what each
+    returned. "partial" resets (with `seed`) the envs the last step ended, or env 0; with
+    autoreset DISABLED every step that ends episodes is followed by the reset of those envs."""
+    out: list[Any] = []
+    ended = np.zeros(envs.num_envs, bool)
+    for what, arg in script:
+        if what == "reset":
+            out.append(envs.reset(**arg))
+        elif what == "partial":
+            mask = ended.copy() if ended.any() else np.eye(envs.num_envs, dtype=bool)[0]
+            out.append(envs.reset(seed=arg, options={"reset_mask": mask}))
+        else:
+            result = envs.step(arg)
+            ended = result[2] | result[3]
+            out.append(result)
+            if envs.metadata["autoreset_mode"] is AutoresetMode.DISABLED and ended.any():
+                out.append(envs.reset(options={"reset_mask": ended.copy()}))  # as it must
+    return out
+
+
+def count_script() -> list[tuple[str, Any]]:
+    steps: list[tuple[str, Any]] = [("step", [1, 2, 3])] * 4
+    return [("reset", {}), *steps, ("partial", None), *steps, ("partial", 1), *steps]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=[m.value for m in MODES])
+def test_counting_envs_autoreset_as_sync_vector_env_does(make: Made, mode: AutoresetMode
+                                                         ) -> None:
+    ours = make("vector_envs:count", 3, workers=2, autoreset_mode=mode)
+    theirs = SyncVectorEnv([Count] * 3, autoreset_mode=mode)
+    assert ours.metadata["autoreset_mode"] == mode
+    for envs in (ours, theirs):
+        envs.set_attr("max_count", [2, 3, 3])
+    assert ours.get_attr("max_count") == (2, 3, 3)
+    got, expected = play(ours, count_script()), play(theirs, count_script())
+    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert same(a, b), f"call {i}: {a} != {b}"
+    if mode is AutoresetMode.NEXT_STEP:  # Gymnasium's own expectations, as a sentence
+        first = play(theirs, [("reset", {}), *[("step", [1, 2, 3])] * 3])
+        assert np.all(first[3][0] == [0, 3, 3]) and np.all(first[3][1] == [0, 2, 3])
+
+
+def cartpole_script(rng: np.random.Generator, n: int) -> list[tuple[str, Any]]:
+    script: list[tuple[str, Any]] = [("reset", {"seed": 11})]
+    for t in range(240):
+        script.append(("step", rng.integers(0, 2, n)))
+        if t % 60 == 59:
+            script.append(("partial", int(rng.integers(0, 100)) if t % 120 else None))
+    return script
+
+
+@pytest.mark.parametrize("mode", MODES, ids=[m.value for m in MODES])
+def test_cartpole_same_seeds_and_actions_give_sync_vector_env_results(
+        make: Made, mode: AutoresetMode) -> None:
+    ours = make("CartPole-v1", 5, workers=2, autoreset_mode=mode)
+    theirs = gym.make_vec("CartPole-v1", 5, vectorization_mode="sync",
+                          vector_kwargs={"autoreset_mode": mode})
+    assert ours.single_observation_space == theirs.single_observation_space
+    assert ours.observation_space == theirs.observation_space
+    assert ours.single_action_space == theirs.single_action_space
+    assert ours.action_space == theirs.action_space
+    script = cartpole_script(np.random.default_rng(3), 5)
+    got, expected = play(ours, script), play(theirs, script)
+    ended = 0
+    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert same(a, b), f"call {i}: {a} != {b}"
+        ended += int(np.sum(b[2] | b[3])) if len(b) == 5 else 0
+    assert ended >= 10, "episodes ended, and the ones after them matched too"
+
+
+def test_autoreset_mode_may_be_given_by_its_value(make: Made) -> None:
+    envs = make("CartPole-v1", 2, autoreset_mode=AutoresetMode.SAME_STEP.value)
+    assert envs.metadata["autoreset_mode"] is AutoresetMode.SAME_STEP
+    obs, info = envs.reset(seed=[1, None])
+    assert obs.shape == (2, 4) and info == {}
+    with pytest.raises(ValueError, match="length must match"):
+        envs.reset(seed=[1, 2, 3])
+    with pytest.raises(TypeError, match=r"dtype=np\.bool_"):
+        envs.reset(options={"reset_mask": np.array([1, 0])})
+
+
+def test_send_recv_returns_whichever_worker_is_ready_with_its_env_ids(make: Made) -> None:
+    """Each env's episode depends on its own actions only, so an async run whose actions are
+    a function of (env id, that env's step) gives each env SyncVectorEnv's sequence."""
+    ours = make("CartPole-v1", 4, workers=2, batch_size=2)
+    theirs = gym.make_vec("CartPole-v1", 4, vectorization_mode="sync")
+    obs, _ = ours.reset(seed=5)
+    expected_obs, _ = theirs.reset(seed=5)
+    assert same(obs, expected_obs)
+    actions = np.random.default_rng(0).integers(0, 2, (50, 4))
+    seen: dict[int, list[np.ndarray]] = {i: [] for i in range(4)}
+    ours.send(actions[0])
+    taken = np.zeros(4, int)
+    while taken.min() < 49:
+        o, r, term, trunc, info = ours.recv()
+        ids = info["env_id"]
+        assert len(ids) == 2 and set(ids) in ({0, 1}, {2, 3})
+        for j, i in enumerate(ids):
+            seen[i].append(np.concatenate([o[j], [r[j], term[j], trunc[j]]]))
+        taken[ids] += 1
+        if taken[ids].max() < 50:
+            ours.send(actions[taken[ids], ids], ids)
+    for t in range(49):
+        o, r, term, trunc, _ = theirs.step(actions[t])
+        for i in range(4):
+            assert np.array_equal(seen[i][t], np.concatenate([o[i], [r[i], term[i], trunc[i]]]))
+    with pytest.raises(ValueError, match="step together"):
+        ours.send([0], [0])
+
+
+def test_call_get_attr_set_attr_carry_data_and_refuse_the_rest(make: Made) -> None:
+    envs = make("vector_envs:count", 3, workers=2)
+    envs.reset(seed=[1, 2, 3])
+    out = envs.call("scale", np.arange(3), factor=2.0)
+    assert all(np.array_equal(o, np.arange(3) * 2.0 + c) for o, c in zip(out, [1, 2, 3],
+                                                                      strict=True))
+    envs.set_attr("max_count", 4)
+    assert envs.get_attr("max_count") == (4, 4, 4)
+    with pytest.raises(TypeError, match="cannot cross the bus"):
+        envs.call("scale", object())
+    with pytest.raises(TypeError, match="cannot cross the bus"):
+        envs.get_attr("np_random")  # a Generator is not data
+    with pytest.raises(sv.RemoteFailure, match="AttributeError"):
+        envs.get_attr("no_such_attribute")
+    obs, *_ = envs.step([1, 1, 1])  # and the envs step on
+    assert list(obs) == [2, 3, 4]
