@@ -130,14 +130,14 @@ class Relay(node.Process):
     def on_reset(self, peer: bytes, msg: p.Reset) -> None:
         w = self.asked(peer, msg.worker)
         if w is not None:
-            w.seq += 1
-            self.ask(w, dataclasses.replace(msg, epoch=self.epoch, seq=w.seq, worker=""))
+            w.seq, w.epoch = w.seq + 1, self.epoch  # its steps go in the epoch it reset into
+            self.ask(w, dataclasses.replace(msg, epoch=w.epoch, seq=w.seq, worker=""))
 
     def on_step(self, peer: bytes, msg: p.Step) -> None:
         w = self.asked(peer, msg.worker)
         if w is not None:
             w.seq += 1
-            self.ask(w, dataclasses.replace(msg, epoch=self.epoch, seq=w.seq, worker=""))
+            self.ask(w, dataclasses.replace(msg, epoch=w.epoch, seq=w.seq, worker=""))
 
     def on_env_call(self, peer: bytes, msg: p.EnvCall) -> None:
         self.client = peer

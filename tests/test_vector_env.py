@@ -170,3 +170,20 @@ def test_call_get_attr_set_attr_carry_data_and_refuse_the_rest(make: Made) -> No
         envs.get_attr("no_such_attribute")
     obs, *_ = envs.step([1, 1, 1])  # and the envs step on
     assert list(obs) == [2, 3, 4]
+
+
+def test_what_a_worker_would_refuse_is_refused_before_it_is_sent(make: Made) -> None:
+    """A worker drops a request it cannot do, so the env must never send one: it would wait
+    for an answer that never comes."""
+    envs = make("CartPole-v1", 2)
+    envs.reset(seed=0)
+    with pytest.raises(ValueError, match="actions"):
+        envs.step([0, 7])
+    with pytest.raises(ValueError, match="seeds"):
+        envs.reset(seed=-5)
+    with pytest.raises(TypeError, match="JSON data"):
+        envs.reset(options={"level": object()})
+    with pytest.raises(TypeError, match="JSON data"):
+        envs.reset(options={"a": [[[[[[[1]]]]]]]})  # deeper than the decoder takes
+    obs, *_ = envs.step([0, 1])  # nothing was sent: the envs step on
+    assert obs.shape == (2, 4)

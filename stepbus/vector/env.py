@@ -142,6 +142,7 @@ class BusVectorEnv(VectorEnv):
         seeds = _seeds(seed, self.num_envs)
         options = dict(options or {})
         mask = _reset_mask(options.pop("reset_mask", None), self.num_envs)
+        _check_options(options)
         for slot in self.slots:
             picked = np.flatnonzero(mask[slot.ids])
             if not len(picked):
@@ -184,7 +185,13 @@ class BusVectorEnv(VectorEnv):
         ids = np.arange(self.num_envs) if env_ids is None else np.asarray(env_ids, np.int64)
         if len(actions) != len(ids):
             raise ValueError(f"{len(actions)} actions for {len(ids)} env ids")
-        for slot, rows_of in self.split(ids):
+        found = self.split(ids)
+        for slot, rows_of in found:  # all checked before any is sent
+            problem = spaces.actions_problem(self.spec_msg.spec, actions[rows_of],
+                                             slot.member.rows)
+            if problem:
+                raise ValueError(f"actions for env ids {slot.offset} on: {problem}")
+        for slot, rows_of in found:
             self.ask(slot, p.Step(epoch=0, seq=0, policy_version=-1,
                                   actions=np.ascontiguousarray(actions[rows_of]),
                                   worker=slot.member.name))
@@ -357,12 +364,29 @@ def _seeds(seed: int | Sequence[int | None] | None, n: int) -> list[int | None]:
     if seed is None:
         return [None] * n
     if isinstance(seed, (int, np.integer)):
-        return [int(seed) + i for i in range(n)]
-    seeds = list(seed)
+        seeds: list[int | None] = [int(seed) + i for i in range(n)]
+    else:
+        seeds = [None if s is None else int(s) for s in seed]
     if len(seeds) != n:
         raise ValueError(f"If seeds are passed as a list the length must match num_envs={n} "
                          f"but got length={len(seeds)}.")
-    return [None if s is None else int(s) for s in seeds]
+    if any(s is not None and not 0 <= s < 2**63 for s in seeds):
+        raise ValueError(f"seeds must be None or 0 to 2**63 - 1, got {seeds}")
+    return seeds
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    """Reset options travel as JSON data: checked as the worker's decoder will check them,
+    before anything is sent (a refused RESET would never be answered).
+
+    Raises:
+        TypeError: options that are not JSON data, or nest too deep.
+    """
+    try:
+        p.decode(p.encode(p.Reset(epoch=0, seq=0, options=options)))
+    except (p.ProtocolError, TypeError, ValueError) as exc:
+        raise TypeError(f"reset options must be JSON data (str keys, at most "
+                        f"{p.MAX_JSON_DEPTH} containers deep): {exc}") from None
 
 
 def _reset_mask(mask: Any, n: int) -> np.ndarray:
