@@ -187,3 +187,25 @@ def test_what_a_worker_would_refuse_is_refused_before_it_is_sent(make: Made) -> 
         envs.reset(options={"a": [[[[[[[1]]]]]]]})  # deeper than the decoder takes
     obs, *_ = envs.step([0, 1])  # nothing was sent: the envs step on
     assert obs.shape == (2, 4)
+
+
+@pytest.mark.parametrize("factory", ["match_discrete", "match_dict", "match_bits"])
+def test_every_space_is_batched_as_gymnasium_batches_it(make: Made, factory: str) -> None:
+    """Discrete, Dict and Tuple observations (of Box, Discrete, MultiDiscrete, MultiBinary
+    leaves) and MultiDiscrete and MultiBinary actions: the same batches as SyncVectorEnv's,
+    inside the batched space, final observations included."""
+    import space_envs
+
+    ours = make(f"space_envs:{factory}", 3, workers=2, autoreset_mode=AutoresetMode.SAME_STEP)
+    theirs = SyncVectorEnv([getattr(space_envs, factory)] * 3,
+                           autoreset_mode=AutoresetMode.SAME_STEP)
+    assert ours.observation_space == theirs.observation_space
+    assert ours.action_space == theirs.action_space
+    theirs.action_space.seed(0)
+    script = [("reset", {"seed": 4}),
+              *[("step", theirs.action_space.sample()) for _ in range(space_envs.LENGTH + 2)]]
+    got, expected = play(ours, script), play(theirs, script)
+    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert same(a, b), f"call {i}: {a} != {b}"
+        assert a[0] in ours.observation_space
+    assert "final_obs" in got[space_envs.LENGTH][-1]
