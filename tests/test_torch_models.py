@@ -34,6 +34,7 @@ CARTPOLE = p.SpaceSpec([4], "<f4", "discrete", action_n=2)
 PENDULUM = p.SpaceSpec([3], "<f4", "box", action_shape=[1], action_low=[-2.0],
                        action_high=[2.0])
 ATARI = p.SpaceSpec([84, 84, 4], "|u1", "discrete", action_n=6)
+MINATAR = p.SpaceSpec([10, 10, 4], "|b1", "discrete", action_n=3)  # MinAtar Breakout
 TORCH = policy.ModelConfig(model="torch")
 
 
@@ -85,7 +86,8 @@ def loaded(spec: p.SpaceSpec, name: str = "torch") -> torch_policy.TorchPolicy:
     (CARTPOLE, torch_agents.MLPAgent, ((5,), np.int64)),
     (PENDULUM, torch_agents.MLPAgent, ((5, 1), np.float32)),
     (ATARI, torch_agents.NatureCNNAgent, ((5,), np.int64)),
-], ids=["mlp-discrete", "mlp-box", "nature-cnn-uint8-frames"])
+    (MINATAR, torch_agents.NatureCNNAgent, ((5,), np.int64)),
+], ids=["mlp-discrete", "mlp-box", "nature-cnn-uint8-frames", "small-cnn-bool-frames"])
 def test_the_built_in_torch_model_acts_on_vectors_and_channels_last_frames(
         spec: p.SpaceSpec, agent: type, actions: tuple) -> None:
     pol = loaded(spec)
@@ -100,6 +102,18 @@ def test_the_built_in_torch_model_acts_on_vectors_and_channels_last_frames(
         "sampling is seeded by the broker's generator"
 
 
+def test_frames_under_36_pixels_a_side_get_the_minatar_papers_small_torso() -> None:
+    small = loaded(MINATAR).module.network
+    assert [type(m) for m in small] == [nn.Conv2d, nn.ReLU, nn.Flatten, nn.Linear, nn.ReLU]
+    assert (small[0].out_channels, small[0].kernel_size, small[3].in_features,
+            small[3].out_features) == (16, (3, 3), 16 * 8 * 8, 128)
+    nature = loaded(ATARI).module.network
+    assert [m.out_channels for m in nature if isinstance(m, nn.Conv2d)] == [32, 64, 64]
+    lstm = policy.make_policy("torch-lstm", MINATAR)
+    assert isinstance(lstm, torch_policy.TorchPolicy)
+    assert lstm.module.encoder.width == torch_agents.SMALL_CNN_FEATURES
+
+
 def test_a_users_module_by_import_path_acts_and_one_that_does_not_fit_is_refused() -> None:
     pol = loaded(CARTPOLE, f"{__name__}:tiny")
     assert isinstance(pol.module, TinyAgent)
@@ -107,8 +121,8 @@ def test_a_users_module_by_import_path_acts_and_one_that_does_not_fit_is_refused
     assert actions.shape == (3,) and actions.dtype == np.int64
     with pytest.raises(ValueError, match="does not fit"):
         policy.make_policy(f"{__name__}:wrong_actions", CARTPOLE)
-    with pytest.raises(ValueError, match="too small for the Nature CNN"):
-        policy.make_policy("torch", p.SpaceSpec([10, 10, 3], "|u1", "discrete", action_n=2))
+    with pytest.raises(ValueError, match="too small for the built-in CNNs"):
+        policy.make_policy("torch", p.SpaceSpec([2, 10, 3], "|u1", "discrete", action_n=2))
 
 
 def test_weights_are_judged_by_names_shapes_dtypes_and_values_of_the_modules_own_state() -> None:
@@ -178,7 +192,7 @@ def test_a_broker_whose_model_cannot_act_on_the_spaces_refuses_the_hello_not_cra
     b = broker.Broker(broker.Config(models=TORCH), out, logging.getLogger("test.broker"),
                       rules=[], clock=ManualClock(1000.0))
     b.deliver(b"", p.RunState(run_id="r", epoch=0, options={}, shutting_down=False), now=1000)
-    tiny_frames = p.SpaceSpec([8, 8, 3], "|u1", "discrete", action_n=2)
+    tiny_frames = p.SpaceSpec([2, 8, 3], "|u1", "discrete", action_n=2)
     b.deliver(b"w0", p.WorkerHello(worker="w0", incarnation="i1", env_id="Tiny", num_envs=1,
                                    seed=0, spec=tiny_frames, seq=0), now=1000)
     assert out.take_sent(p.Reset) == [] and b.figures()["spec_refused"] == 1

@@ -2,12 +2,13 @@
 
 `make_agent(observation_space, action_space)` picks by the observation's shape: a channels-last
 image ``(H, W, C)`` gets CleanRL ``ppo_atari.py``'s Nature CNN (frames converted to channels
-first and, for uint8, scaled to [0, 1] inside the model, so they cross the bus as bytes);
-anything else gets CleanRL ``ppo.py``'s MLP on the flattened observation (64x64 tanh, separate
-actor and critic; any other space flattened, categorical leaves one-hot). Categorical actions
-(Discrete, MultiDiscrete, MultiBinary) get a categorical head per dimension, Box actions a
-Gaussian one with a state-independent log-std (``ppo_continuous_action.py``). Orthogonal init
-with CleanRL's gains.
+first and, for uint8, scaled to [0, 1] inside the model, so they cross the bus as bytes), or,
+under 36 pixels a side, the MinAtar paper's small CNN (one 16-channel 3x3 convolution and 128
+units: MinAtar's 10x10 frames); anything else gets CleanRL ``ppo.py``'s MLP on the flattened
+observation (64x64 tanh, separate actor and critic; any other space flattened, categorical
+leaves one-hot). Categorical actions (Discrete, MultiDiscrete, MultiBinary) get a categorical
+head per dimension, Box actions a Gaussian one with a state-independent log-std
+(``ppo_continuous_action.py``). Orthogonal init with CleanRL's gains.
 
 Your own model is any factory with this signature whose module has these two methods; see
 docs/models.md.
@@ -25,8 +26,10 @@ from torch import nn
 
 HIDDEN = 64
 CNN_FEATURES = 512
+SMALL_CNN_FEATURES = 128
 LOG_2PI = math.log(2 * math.pi)
 MIN_IMAGE_SIDE = 36  # the Nature CNN's three convolutions need at least this many pixels a side
+MIN_SMALL_IMAGE_SIDE = 3  # the small CNN's one 3x3 convolution needs this many
 
 
 def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias_const: float = 0.0
@@ -165,33 +168,43 @@ class MLPAgent(nn.Module):
         return taken, logp, entropy, self.critic(x)
 
 
-def nature_torso(observation_space: Any) -> tuple[nn.Sequential, float]:
-    """The Nature DQN torso for channels-last frames of this space (three convolutions and
-    CNN_FEATURES units), and the scale of its input (1/255 for uint8 frames)."""
+def image_torso(observation_space: Any) -> tuple[nn.Sequential, float, int]:
+    """The torso for channels-last frames of this space, the scale of its input (1/255 for uint8
+    frames) and its width: the Nature DQN's three convolutions and CNN_FEATURES units from 36
+    pixels a side, else (MinAtar's 10x10 frames) the MinAtar paper's one 16-channel 3x3
+    convolution and SMALL_CNN_FEATURES units, whose receptive field fits a small frame."""
     height, width, channels = observation_space.shape
-    if min(height, width) < MIN_IMAGE_SIDE:
-        raise ValueError(f"images of {height}x{width} are too small for the Nature CNN "
-                         f"(at least {MIN_IMAGE_SIDE}x{MIN_IMAGE_SIDE}); name your own "
-                         "model with --model module:factory")
+    if min(height, width) < MIN_SMALL_IMAGE_SIDE:
+        raise ValueError(f"images of {height}x{width} are too small for the built-in CNNs "
+                         f"(at least {MIN_SMALL_IMAGE_SIDE}x{MIN_SMALL_IMAGE_SIDE}); name your "
+                         "own model with --model module:factory")
     scale = 1.0 / 255.0 if np.dtype(observation_space.dtype) == np.uint8 else 1.0
-    conv = nn.Sequential(
-        layer_init(nn.Conv2d(channels, 32, 8, stride=4)), nn.ReLU(),
-        layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
-        layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(), nn.Flatten())
+    if min(height, width) >= MIN_IMAGE_SIDE:
+        conv = nn.Sequential(
+            layer_init(nn.Conv2d(channels, 32, 8, stride=4)), nn.ReLU(),
+            layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
+            layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(), nn.Flatten())
+        features = CNN_FEATURES
+    else:
+        conv = nn.Sequential(layer_init(nn.Conv2d(channels, 16, 3, stride=1)), nn.ReLU(),
+                             nn.Flatten())
+        features = SMALL_CNN_FEATURES
     with torch.no_grad():
         flat = conv(torch.zeros(1, channels, height, width)).shape[1]
-    return nn.Sequential(*conv, layer_init(nn.Linear(flat, CNN_FEATURES)), nn.ReLU()), scale
+    torso = nn.Sequential(*conv, layer_init(nn.Linear(flat, features)), nn.ReLU())
+    return torso, scale, features
 
 
 class NatureCNNAgent(nn.Module):
     """CleanRL ``ppo_atari.py``'s agent: the Nature DQN torso shared by the actor and the critic,
-    on channels-last frames (uint8 scaled by 1/255 here, in the model)."""
+    on channels-last frames (uint8 scaled by 1/255 here, in the model); for frames under 36
+    pixels a side, the MinAtar paper's small torso instead (`image_torso`)."""
 
     def __init__(self, observation_space: Any, action_space: Any) -> None:
         super().__init__()
-        self.network, self.scale = nature_torso(observation_space)
-        self.head = Head(CNN_FEATURES, action_space)
-        self.critic = layer_init(nn.Linear(CNN_FEATURES, 1), std=1.0)
+        self.network, self.scale, features = image_torso(observation_space)
+        self.head = Head(features, action_space)
+        self.critic = layer_init(nn.Linear(features, 1), std=1.0)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         return self.network(x.permute(0, 3, 1, 2).float() * self.scale)
@@ -219,18 +232,18 @@ LSTM_HIDDEN = 128
 
 
 class Frames(nn.Module):
-    """Channels-last frames through the Nature torso (`nature_torso`)."""
+    """Channels-last frames through the image torso (`image_torso`); `width` its features."""
 
     def __init__(self, observation_space: Any) -> None:
         super().__init__()
-        self.network, self.scale = nature_torso(observation_space)
+        self.network, self.scale, self.width = image_torso(observation_space)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.network(x.permute(0, 3, 1, 2).float() * self.scale)
 
 
 class LSTMAgent(nn.Module):
-    """`--model torch-lstm`, CleanRL ``ppo_atari_lstm.py``'s agent: an encoder (the Nature
+    """`--model torch-lstm`, CleanRL ``ppo_atari_lstm.py``'s agent: an encoder (the image
     torso for channels-last images, else one 64-unit tanh layer on the flattened observation),
     an LSTM of LSTM_HIDDEN units, and actor and critic heads on its output.
 
@@ -244,8 +257,9 @@ class LSTMAgent(nn.Module):
     def __init__(self, observation_space: Any, action_space: Any) -> None:
         super().__init__()
         if isinstance(observation_space, spaces.Box) and len(observation_space.shape) == 3:
-            self.encoder: nn.Module = Frames(observation_space)
-            width = CNN_FEATURES
+            frames = Frames(observation_space)
+            self.encoder: nn.Module = frames
+            width = frames.width
         else:
             flat = Flatten(observation_space)
             self.encoder = nn.Sequential(flat, layer_init(nn.Linear(flat.width, HIDDEN)),
