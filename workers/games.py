@@ -1,0 +1,60 @@
+"""Image-observation games for `--env module:callable`: MinAtar Breakout and Atari Breakout.
+
+    stepbus worker --env stepbus.workers.games:minatar_breakout
+    stepbus worker --env stepbus.workers.games:atari_breakout
+
+Both give channels-last frames, the layout `--model torch`'s built-in CNNs take (docs/models.md):
+MinAtar's are 10x10x4 bool already; Atari's are stacked by Gymnasium's FrameStackObservation on
+axis 0, (4, 84, 84), so `atari_breakout` moves the stack to the last axis, (84, 84, 4), in the
+env rather than the model, and every model sees one image layout. Each needs its package
+(`minatar`; `ale-py` and `opencv-python-headless` for AtariPreprocessing), imported here only
+when the env is made.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+ATARI_FRAME_SIDE = 84
+ATARI_STACK = 4
+
+
+def minatar_breakout() -> gym.Env:
+    """MinAtar's Breakout (`MinAtar/Breakout-v1`): 10x10 frames of 4 bool channels (paddle,
+    ball, trail, bricks), 3 actions, reward 1 a brick; an episode ends when the ball is lost."""
+    importlib.import_module("minatar.gym").register_envs()
+    return gym.make("MinAtar/Breakout-v1")
+
+
+def channels_last(obs: np.ndarray) -> np.ndarray:
+    """A frame stack (4, 84, 84) as one channels-last image (84, 84, 4), contiguous."""
+    return np.ascontiguousarray(np.moveaxis(obs, 0, -1))
+
+
+def atari_breakout() -> gym.Env:
+    """`ALE/Breakout-v5` as CleanRL's ppo_atari.py sees it: AtariPreprocessing (up to 30 no-ops
+    at reset, 4 frames a step with the max of the last two, 84x84 grayscale) on the base env
+    with frameskip=1 (v5 skips 4 frames itself, so the wrapper's skipping would repeat it), and
+    the last 4 frames stacked, channels last. v5's sticky actions (0.25) are kept."""
+    from gymnasium.wrappers import (
+        AtariPreprocessing,
+        FrameStackObservation,
+        TransformObservation,
+    )
+
+    gym.register_envs(importlib.import_module("ale_py"))
+    env = gym.make("ALE/Breakout-v5", frameskip=1)
+    env = AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=ATARI_FRAME_SIDE,
+                             grayscale_obs=True)
+    stacked = FrameStackObservation(env, ATARI_STACK)
+    space = gym.spaces.Box(0, 255, (ATARI_FRAME_SIDE, ATARI_FRAME_SIDE, ATARI_STACK), np.uint8)
+    return TransformObservation(stacked, channels_last, space)
+
+
+def make(name: str) -> Any:
+    """One of this module's games by function name, for a benchmark's own vector env."""
+    return {"minatar_breakout": minatar_breakout, "atari_breakout": atari_breakout}[name]()
