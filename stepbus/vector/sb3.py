@@ -41,7 +41,7 @@ class VecEnv(_VecEnv):
         seeds = self._seeds if any(s is not None for s in self._seeds) else None
         options = next((o for o in self._options if o), None)
         obs, _ = self.envs.reset(seed=seeds, options=options)
-        self.reset_infos = [{} for _ in range(self.num_envs)]
+        self.reset_infos: list[dict[str, Any]] = [{} for _ in range(self.num_envs)]
         self._reset_seeds()
         self._reset_options()
         return obs
