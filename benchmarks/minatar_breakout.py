@@ -1,9 +1,9 @@
 """MinAtar Breakout in a fixed wall time: `--model torch` (the built-in small CNN) against
 `--model mlp` (the numpy MLP), the same pipeline and PPO settings, one after the other.
 
-    python benchmarks/minatar.py                      # 300 s each, plots into docs/
-    python benchmarks/minatar.py --seconds 60 --plots /tmp/plots
-    python benchmarks/minatar.py --smoke              # ~20 s: proves it still works
+    python benchmarks/minatar_breakout.py             # 300 s each, plots into docs/
+    python benchmarks/minatar_breakout.py --seconds 60 --plots /tmp/plots
+    python benchmarks/minatar_breakout.py --smoke     # ~20 s: proves it still works
 
 Each run is the whole pipeline as real processes (controller, broker, 2 workers x 32 envs of
 `stepbus.workers.games:minatar_breakout`, assembler, trainer slot with PPO), started together;
@@ -156,11 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trainer-flags", default="",
                         help="more trainer flags for both runs, e.g. '--lr 0.00025'")
     parser.add_argument("--smoke", action="store_true",
-                        help="4 s each, 1 worker x 8 envs, small batches, no plots")
+                        help="2 s each, 1 worker x 8 envs, small batches, no plots")
     args = parser.parse_args(argv)
     args.trainer_flags = args.trainer_flags.split()
     if args.smoke:
-        args.seconds, args.workers, args.envs_per_worker, args.plots = 4.0, 1, 8, None
+        args.seconds, args.workers, args.envs_per_worker, args.plots = 2.0, 1, 8, None
         args.trainer_flags += ["--batch-steps", "256", "--minibatch-size", "128"]
     args.plots = Path(args.plots) if args.plots else None
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
