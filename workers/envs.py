@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from typing import Any
 
 import gymnasium as gym
@@ -60,9 +61,11 @@ def reward_threshold(env: Any) -> float | None:
     return None
 
 
-def space_spec(env: Any) -> p.SpaceSpec:
-    """The env's spaces and goal, as its worker declares them. A categorical-action env is reset
-    once to see whether its `info` carries an action mask (Gymnasium's convention).
+def space_spec(env: Any, probe: Callable[[], Any] | None = None) -> p.SpaceSpec:
+    """The env's spaces and goal, as its worker declares them. For categorical actions, an env
+    is reset once to see whether its `info` carries an action mask (Gymnasium's convention):
+    one that `probe` makes for the purpose and closes after (a worker's own envs then see only
+    the resets they always did), else `env` itself.
 
     Raises:
         TypeError: spaces stepbus cannot carry (`spaces.SpaceError`), or agents that differ.
@@ -78,7 +81,12 @@ def space_spec(env: Any) -> p.SpaceSpec:
         obs, act = env.observation_space, env.action_space
     info_mask = False
     if not isinstance(act, gym.spaces.Box):
-        _, info = env.reset(seed=0)
+        looked_at = probe() if probe is not None else env
+        try:
+            _, info = looked_at.reset(seed=0)
+        finally:
+            if looked_at is not env:
+                looked_at.close()
         infos = list(info.values()) if agents else [info]
         info_mask = any(isinstance(i, dict) and spaces.MASK in i for i in infos)
     return spaces.describe(obs, act, info_mask=info_mask, reward_threshold=reward_threshold(env))

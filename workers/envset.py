@@ -77,7 +77,8 @@ class EnvSet:
         self.in_env = False
         self.restarts: collections.deque[float] = collections.deque()  # recent recreations
         self.envs = [self._env_call(make_env, cfg.env) for _ in range(cfg.envs_per_worker)]
-        self.spec = space_spec(self.envs[0])
+        self.spec = space_spec(self.envs[0],
+                               probe=lambda: self._env_call(make_env, cfg.env))
         self.agents = agents_of(self.envs[0])  # names ([] for Gymnasium envs)
         # The env's own agent keys (PettingZoo allows any hashable) -> row within an env.
         self.agent_keys = list(self.envs[0].possible_agents) if self.agents else []
