@@ -102,3 +102,14 @@ def test_a_restarted_worker_raises_then_reset_attaches_again(cluster: Cluster) -
     finally:
         envs.close()
     assert all(w.popen.poll() is None for w in cluster.procs[:2]), "connect leaves them be"
+
+
+def test_time_the_caller_spends_elsewhere_is_not_the_brokers_silence(make: Made) -> None:
+    """A training loop updating its model between steps reads the relay's heartbeats late:
+    they were queued, not missing, and no BrokerLost may follow."""
+    envs = make("CartPole-v1", 2, workers=1)
+    envs.link.silence_s = 2.0
+    envs.reset(seed=0)
+    time.sleep(3.0)  # the caller busy (a PPO update), not waiting on the bus
+    obs, *_ = envs.step(np.zeros(2, np.int64))
+    assert obs.shape == (2, 4)

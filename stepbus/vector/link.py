@@ -66,13 +66,17 @@ class Link:
         Raises:
             BrokerLost: the relay was silent for `silence_s`, or another one answers.
         """
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
         while True:
             now = time.monotonic()
-            silent_until = self.heard_at + self.silence_s
+            # Silence counts only while we wait: time the caller spent elsewhere (a PPO
+            # update between steps) left the relay's heartbeats queued, unread, not missing.
+            silent_until = max(self.heard_at, started) + self.silence_s
             if now > silent_until:
+                silent_s = now - max(self.heard_at, started)
                 raise BrokerLost(f"the broker at {self.endpoint} has been silent for "
-                                 f"{now - self.heard_at:.1f}s (killed, frozen or gone)")
+                                 f"{silent_s:.1f}s (killed, frozen or gone)")
             wait = min(deadline, silent_until) - now
             if wait <= 0:
                 return None
