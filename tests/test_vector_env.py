@@ -209,3 +209,20 @@ def test_every_space_is_batched_as_gymnasium_batches_it(make: Made, factory: str
         assert same(a, b), f"call {i}: {a} != {b}"
         assert a[0] in ours.observation_space
     assert "final_obs" in got[space_envs.LENGTH][-1]
+
+
+def test_a_module_env_in_the_callers_working_directory_is_found_by_the_workers(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workers run in a private directory; `make("mine:make", ...)` from the directory
+    holding mine.py works as `stepbus worker --env mine:make` does there."""
+    (tmp_path / "mine_vec.py").write_text(
+        "import gymnasium as gym\n\n\ndef make():\n    return gym.make('CartPole-v1')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    envs = sv.make("mine_vec:make", 2)
+    try:
+        obs, _ = envs.reset(seed=0)
+        assert obs.shape == (2, 4)
+    finally:
+        envs.close()

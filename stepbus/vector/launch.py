@@ -78,6 +78,10 @@ class Launched:
         env.update({f"STEPBUS_{name.upper()}": address
                     for name, address in self.endpoints.items()})
         env["STEPBUS_RUNS_DIR"] = str(self.dir / "runs")
+        # The processes run in our private directory: a `module:callable` env the caller can
+        # import from its working directory must be importable there too.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(),
+                                                          env.get("PYTHONPATH", "")]))
         env.setdefault("STEPBUS_LOG_LEVEL", "WARNING")
         return env
 
