@@ -130,16 +130,18 @@ def before_run() -> dict[str, float]:
 # ----------------------------------------------------------------------------- stepbus
 
 def in_work_dir(work: Path, seed: int, flags: dict[str, str]) -> dict[str, str]:
-    """The repository's Procfile in `work`, `--seed seed` (and `flags` by role) on the worker,
-    broker and trainer lines; the environment to start it in: endpoints on free TCP ports,
+    """The repository's Procfile in `work`, `--seed seed` (and `flags` by role) at the end of
+    the worker, broker and trainer lines (a supervised line passes them to its child); the environment to start it in: endpoints on free TCP ports,
     this Python's scripts first on PATH."""
     from stepbus.bus import wiring
 
-    procfile = (REPO / "Procfile").read_text()
-    for role in ("worker", "broker", "trainer"):
-        procfile = procfile.replace(f"exec stepbus {role}",
-                                    f"exec stepbus {role} --seed {seed} {flags.get(role, '')}")
-    (work / "Procfile").write_text(procfile)
+    lines = []
+    for line in (REPO / "Procfile").read_text().splitlines():
+        name = line.partition(":")[0]
+        if name in ("worker", "broker", "trainer"):  # `stepbus supervise ROLE` passes flags on
+            line = f"{line} --seed {seed} {flags.get(name, '')}".rstrip()
+        lines.append(line)
+    (work / "Procfile").write_text("\n".join(lines) + "\n")
     env = dict(os.environ)
     ports = wiring.free_tcp_ports(len(wiring.ENDPOINTS))
     env.update({spec.env_var: f"tcp://127.0.0.1:{port}"
