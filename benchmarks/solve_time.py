@@ -131,8 +131,9 @@ def before_run() -> dict[str, float]:
 
 def in_work_dir(work: Path, seed: int, flags: dict[str, str]) -> dict[str, str]:
     """The repository's Procfile in `work`, `--seed seed` (and `flags` by role) at the end of
-    the worker, broker and trainer lines (a supervised line passes them to its child); the environment to start it in: endpoints on free TCP ports,
-    this Python's scripts first on PATH."""
+    the worker, broker and trainer lines (a supervised line passes them to its child); the
+    environment to start it in: endpoints on free TCP ports, this Python's scripts first on
+    PATH."""
     from stepbus.bus import wiring
 
     lines = []
