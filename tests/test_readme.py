@@ -22,8 +22,10 @@ PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 WRITTEN = [page for page in PAGES if page.name != "cli.md"]  # cli.md is generated
 MAX_README_LINES = 250
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
-# Flags of other commands the pages show: pip, tensorboard, `python -m stepbus.clidoc`.
-OTHER_TOOLS_FLAGS = {"--no-deps", "--logdir", "--write"}
+# Flags of other commands the pages show: pip, tensorboard, `python -m stepbus.clidoc`, and
+# operations.md's apt-get, sbatch and kubectl.
+OTHER_TOOLS_FLAGS = {"--no-deps", "--logdir", "--write", "--no-install-recommends", "--nodes",
+                     "--ntasks-per-node", "--wait", "--from-file", "--replicas"}
 HISTORY = re.compile(r"\bissues?\s*#?\d|(?<![\w&])#\d+\b|\bin progress\b|beyond the (design )?brief"
                      r"|\bwhat moved\b|\bthis stop\b|\d\d:\d\d( UTC)?\b|\bUTC\b", re.IGNORECASE)
 

@@ -133,9 +133,10 @@ def logs(job_dir: Path) -> str:
                      for p in sorted((job_dir / "logs").glob("*.log")))
 
 
+@pytest.mark.timeout(240)  # a loaded 2-core CI machine: the job is given 180 s
 def test_the_sbatch_job_solves_cartpole_and_exits_0(submit_dir: Path) -> None:
     t0 = time.time()
-    res = sbatch(submit_dir, "--ntasks-per-node=2", str(SBATCH), wait=True, timeout=100)
+    res = sbatch(submit_dir, "--ntasks-per-node=2", str(SBATCH), wait=True, timeout=180)
     elapsed = time.time() - t0
     job = res.stdout.strip().split(";")[0]
     job_dir = submit_dir / f"stepbus-{job}"
@@ -155,6 +156,7 @@ def test_the_sbatch_job_solves_cartpole_and_exits_0(submit_dir: Path) -> None:
           f"{rate:.0f} env steps/s, sbatch --wait returned after {elapsed:.1f} s")
 
 
+@pytest.mark.timeout(240)
 def test_a_second_job_adds_workers_and_scancel_ends_each_job_cleanly(submit_dir: Path) -> None:
     t0 = time.time()
     run = sbatch(submit_dir, "--ntasks-per-node=1", str(SBATCH), "--target-return", "0")

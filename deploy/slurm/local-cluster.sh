@@ -89,7 +89,13 @@ EOF
     fi
 }
 
-running() { [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# The daemon of a pid file runs (its pid may have gone to another process since: compare names).
+running() {
+    local pid
+    [[ -f $1 ]] || return 1
+    pid=$(cat "$1")
+    [[ -n $pid && $(cat "/proc/$pid/comm" 2>/dev/null) == "$(basename "$1" .pid)" ]]
+}
 
 start_munge() {
     if munge -n </dev/null >/dev/null 2>&1; then
