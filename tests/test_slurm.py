@@ -11,6 +11,7 @@ STEPBUS_REQUIRE_SLURM=1 (CI sets it), which makes a missing cluster a failure.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -31,13 +32,17 @@ WORKERS_SBATCH = REPO / "deploy" / "slurm" / "stepbus-workers.sbatch"
 REQUIRED = os.environ.get("STEPBUS_REQUIRE_SLURM") == "1"
 
 
+@functools.cache
 def slurm_missing() -> str:
     """Why no Slurm job can run here, or "" when one can."""
     if not all(shutil.which(tool) for tool in ("sbatch", "squeue", "scancel", "sinfo")):
         return ("no Slurm commands on PATH: `deploy/slurm/local-cluster.sh` (as root) installs "
                 "Debian's slurm packages and starts a one-host cluster")
-    res = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True,
-                         timeout=10)
+    try:
+        res = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True,
+                             timeout=30)
+    except subprocess.TimeoutExpired:
+        return "sinfo did not answer within 30 s: start slurmctld (`deploy/slurm/local-cluster.sh`)"
     states = res.stdout.split()
     if res.returncode != 0 or not {"idle", "mix", "alloc"} & set(states):
         return (f"no Slurm node takes jobs (sinfo: {res.stdout.strip() or res.stderr.strip()}); "
