@@ -4,6 +4,7 @@ with an LSTM, and reproducible runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -16,6 +17,7 @@ from test_spaces import learns_through_processes
 
 from stepbus import policy
 from stepbus.bus import protocol as p
+from stepbus.bus import rows
 from stepbus.bus.memory import Memory
 from stepbus.processor.buffers import WorkerTrack
 from stepbus.workers.worker import Config, EnvSet
@@ -69,10 +71,11 @@ def rollout(acting: policy.Policy, envs: EnvSet, steps: int, horizon: int
     result = p.StepResult(incarnation="i", epoch=0, seq=0, first=True, obs=obs,
                           reward=np.zeros(envs.rows, np.float32),
                           terminated=np.zeros(envs.rows, bool),
-                          truncated=np.zeros(envs.rows, bool), final_obs=obs[:0])
+                          truncated=np.zeros(envs.rows, bool),
+                          final_obs=rows.take(obs, slice(0, 0)))
     rng, track, trajs = np.random.default_rng(0), None, []
     for seq in range(steps):
-        state = memory.before_step("w", "i", result, envs.rows)
+        state = memory.before_step("w", "i", dataclasses.replace(result, seq=seq), envs.rows)
         actions, logp, value, after = acting.act_recurrent(result.obs, state, rng)
         memory.after_step("w", after)
         m = p.Experience(worker="w", incarnation="i", epoch=0, seq=seq, first=result.first,
@@ -196,38 +199,6 @@ def test_deterministic_runs_of_an_lstm_are_identical() -> None:
     assert all(a != b for a, b in zip(first, other, strict=True))
 
 
-def rollout_of_leaves(acting: policy.Policy, envs: EnvSet, steps: int, horizon: int
-                      ) -> list[p.Trajectory]:
-    """`rollout` for observations of any form (a map of leaves, the mask among them)."""
-    import dataclasses
-
-    from stepbus.bus import rows
-
-    memory = Memory(acting.initial_state)
-    obs = envs.reset({})
-    result = p.StepResult(incarnation="i", epoch=0, seq=0, first=True, obs=obs,
-                          reward=np.zeros(envs.rows, np.float32),
-                          terminated=np.zeros(envs.rows, bool),
-                          truncated=np.zeros(envs.rows, bool),
-                          final_obs=rows.take(obs, slice(0, 0)))
-    rng, track, trajs = np.random.default_rng(0), None, []
-    for seq in range(steps):
-        state = memory.before_step("w", "i", dataclasses.replace(result, seq=seq), envs.rows)
-        actions, logp, value, after = acting.act_recurrent(result.obs, state, rng)
-        memory.after_step("w", after)
-        m = p.Experience(worker="w", incarnation="i", epoch=0, seq=seq, first=result.first,
-                         policy_version=0, obs=result.obs, reward=result.reward,
-                         terminated=result.terminated, truncated=result.truncated,
-                         final_obs=result.final_obs, action=actions, logp=logp, value=value,
-                         state=state)
-        track = track or WorkerTrack.start(m, horizon)
-        trajs += track.complete(m, horizon).trajectories
-        track.last_obs, track.seq = m.obs, m.seq
-        track.choose(m)
-        result = envs.step(actions, {})
-    return trajs
-
-
 @pytest.mark.parametrize("env", ("space_envs:masked_info", "space_envs:masked_obs"))
 def test_a_recurrent_update_on_fresh_masked_trajectories_starts_at_ratio_one(env: str) -> None:
     """Trajectories of 5 and 3 steps (a horizon of 5 in episodes of 8), padded, time-major,
@@ -240,7 +211,7 @@ def test_a_recurrent_update_on_fresh_masked_trajectories_starts_at_ratio_one(env
                                  ppo.PPOConfig(n_epochs=2, minibatch_size=16, lr=0.0), seed=2)
     acting = policy.make_policy("torch-lstm", envs.spec)
     acting.load(model.weights(), 0)
-    trajs = rollout_of_leaves(acting, envs, steps=24, horizon=5)
+    trajs = rollout(acting, envs, steps=24, horizon=5)
     assert sorted({len(t.rewards) for t in trajs}) == [3, 5] and envs.errors == 0
     assert not any(model.problem(t) for t in trajs)
     stats = model.update([model.record(t) for t in trajs], lambda: None)
@@ -262,7 +233,7 @@ def test_gae_values_replayed_through_time_are_the_ones_acted_with() -> None:
                                  ppo.PPOConfig(), seed=2)
     acting = policy.make_policy("torch-lstm", envs.spec)
     acting.load(model.weights(), 0)
-    trajs = rollout_of_leaves(acting, envs, steps=24, horizon=5)
+    trajs = rollout(acting, envs, steps=24, horizon=5)
     algo = model.torch_algo
     assert isinstance(algo, torch_recurrent.RecurrentPPO)
     values = algo.values([model.record(t) for t in trajs])
