@@ -19,7 +19,7 @@ from stepbus.bus import protocol as p
 
 torch = pytest.importorskip("torch")
 from stepbus.models import torch_policy  # noqa: E402
-from stepbus.trainer import ppo, torch_ppo  # noqa: E402
+from stepbus.trainer import ppo  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -29,16 +29,9 @@ def test_recurrent_states_of_another_dtype_are_refused_before_they_reach_the_mod
         dtype: type) -> None:
     """States shaped as the LSTM's but of another dtype passed the learner's checks, and its
     update died in the LSTM (RuntimeError: unsupported data type)."""
-    from test_recurrent import TASK, rollout
-    from test_recurrent import envset as task_envs
+    from test_recurrent import TASK, lstm_on, rollout
 
-    envs = task_envs(TASK, k=2)
-    env_spec = p.EnvSpec(env_id=TASK, spec=envs.spec, policy_version=0)
-    model = torch_ppo.TorchModel(policy.ModelConfig(model="torch-lstm"),
-                                 "stepbus.trainer.ppo:PPO", env_spec,
-                                 ppo.PPOConfig(n_epochs=1, minibatch_size=32), seed=1)
-    acting = policy.make_policy("torch-lstm", envs.spec)
-    acting.load(model.weights(), 0)
+    envs, model, acting = lstm_on(TASK, 2, ppo.PPOConfig(n_epochs=1, minibatch_size=32), 1)
     trajs = [dataclasses.replace(t, seq=i, assembler="a")
              for i, t in enumerate(rollout(acting, envs, 12, 6))]
     assert not model.problem(trajs[0]) and not model.problem(p.Trajectories.of(trajs))

@@ -62,6 +62,20 @@ def envset(env: str, k: int = 4) -> EnvSet:
                   log=logging.getLogger("test"))
 
 
+def lstm_on(env: str, k: int, config: ppo.PPOConfig, seed: int
+            ) -> tuple[EnvSet, torch_ppo.TorchModel, policy.Policy]:
+    """k envs of `env`, a torch-lstm learner's model for them, and a broker's policy acting
+    with its first weights."""
+    envs = envset(env, k=k)
+    model = torch_ppo.TorchModel(policy.ModelConfig(model="torch-lstm"),
+                                 "stepbus.trainer.ppo:PPO",
+                                 p.EnvSpec(env_id=env, spec=envs.spec, policy_version=0),
+                                 config, seed=seed)
+    acting = policy.make_policy("torch-lstm", envs.spec)
+    acting.load(model.weights(), 0)
+    return envs, model, acting
+
+
 def rollout(acting: policy.Policy, envs: EnvSet, steps: int, horizon: int
             ) -> list[p.Trajectory]:
     """What the broker and the assembler make of `steps` steps: each row acting from its
@@ -96,12 +110,7 @@ def test_replaying_trajectories_from_their_first_states_gives_the_log_probs_acte
     """Cut at a horizon of 5 and at episode ends, each trajectory replayed through time from
     the state the assembler kept gives back the behaviour log-probs: the state is the right
     one, in the right layout, at every cut."""
-    envs = envset(TASK, k=4)
-    env_spec = p.EnvSpec(env_id=TASK, spec=envs.spec, policy_version=0)
-    model = torch_ppo.TorchModel(policy.ModelConfig(model="torch-lstm"),
-                                 "stepbus.trainer.ppo:PPO", env_spec, ppo.PPOConfig(), seed=1)
-    acting = policy.make_policy("torch-lstm", envs.spec)
-    acting.load(model.weights(), 0)
+    envs, model, acting = lstm_on(TASK, 4, ppo.PPOConfig(), seed=1)
     trajs = rollout(acting, envs, steps=60, horizon=5)
     assert len({float(t.state["0"].sum()) for t in trajs}) > 10, "states differ by trajectory"
     assert any(t.episode_step > 0 for t in trajs), "some start mid-episode"
@@ -121,14 +130,8 @@ def test_replaying_trajectories_from_their_first_states_gives_the_log_probs_acte
 
 
 def test_a_recurrent_learner_trains_and_changes_its_weights() -> None:
-    envs = envset(TASK, k=4)
-    env_spec = p.EnvSpec(env_id=TASK, spec=envs.spec, policy_version=0)
-    model = torch_ppo.TorchModel(policy.ModelConfig(model="torch-lstm"),
-                                 "stepbus.trainer.ppo:PPO", env_spec,
-                                 ppo.PPOConfig(n_epochs=2, minibatch_size=32), seed=1)
-    acting = policy.make_policy("torch-lstm", envs.spec)
+    envs, model, acting = lstm_on(TASK, 4, ppo.PPOConfig(n_epochs=2, minibatch_size=32), 1)
     before = model.weights()
-    acting.load(before, 0)
     stats = model.update([model.record(t) for t in rollout(acting, envs, 40, 8)], lambda: None)
     assert stats["n_samples"] >= 120 and stats["n_grad_steps"] >= 2
     assert np.isfinite(list(stats.values())).all()
@@ -204,13 +207,8 @@ def test_a_recurrent_update_on_fresh_masked_trajectories_starts_at_ratio_one(env
     """Trajectories of 5 and 3 steps (a horizon of 5 in episodes of 8), padded, time-major,
     masked (two actions of six allowed): with a learning rate of 0, every minibatch sees
     the behaviour log-probs again, so padding, layout and masks line up with the steps."""
-    envs = envset(env, k=3)
-    env_spec = p.EnvSpec(env_id=env, spec=envs.spec, policy_version=0)
-    model = torch_ppo.TorchModel(policy.ModelConfig(model="torch-lstm"),
-                                 "stepbus.trainer.ppo:PPO", env_spec,
-                                 ppo.PPOConfig(n_epochs=2, minibatch_size=16, lr=0.0), seed=2)
-    acting = policy.make_policy("torch-lstm", envs.spec)
-    acting.load(model.weights(), 0)
+    envs, model, acting = lstm_on(env, 3, ppo.PPOConfig(n_epochs=2, minibatch_size=16, lr=0.0),
+                                  seed=2)
     trajs = rollout(acting, envs, steps=24, horizon=5)
     assert sorted({len(t.rewards) for t in trajs}) == [3, 5] and envs.errors == 0
     assert not any(model.problem(t) for t in trajs)
@@ -226,13 +224,7 @@ def test_gae_values_replayed_through_time_are_the_ones_acted_with() -> None:
     import itertools
 
     env = "space_envs:masked_obs"
-    envs = envset(env, k=3)
-    model = torch_ppo.TorchModel(policy.ModelConfig(model="torch-lstm"),
-                                 "stepbus.trainer.ppo:PPO",
-                                 p.EnvSpec(env_id=env, spec=envs.spec, policy_version=0),
-                                 ppo.PPOConfig(), seed=2)
-    acting = policy.make_policy("torch-lstm", envs.spec)
-    acting.load(model.weights(), 0)
+    envs, model, acting = lstm_on(env, 3, ppo.PPOConfig(), seed=2)
     trajs = rollout(acting, envs, steps=24, horizon=5)
     algo = model.torch_algo
     assert isinstance(algo, torch_recurrent.RecurrentPPO)
