@@ -191,7 +191,7 @@ class ActionSpace:
         """Build from a Gymnasium Discrete, Box, MultiDiscrete or MultiBinary space."""
         from stepbus import spaces
 
-        return action_space(p.SpaceSpec([], "", **spaces._action_fields(space)))
+        return action_space(p.SpaceSpec([], "", **spaces.action_fields(space)))
 
 
 def action_space(spec: p.SpaceSpec) -> ActionSpace:

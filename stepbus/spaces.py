@@ -83,7 +83,8 @@ def leaves(space: gym.Space, path: list[str] | None = None,
     return out
 
 
-def _action_fields(act: gym.Space) -> dict[str, Any]:
+def action_fields(act: gym.Space) -> dict[str, Any]:
+    """The SpaceSpec fields of an action space. Raises SpaceError for one stepbus cannot take."""
     if isinstance(act, gym.spaces.Discrete):
         if act.start != 0:
             raise SpaceError(f"action space {act} starts at {act.start}; wrap the env so "
@@ -113,7 +114,7 @@ def describe(obs: gym.Space, act: gym.Space, *, info_mask: bool = False,
     Raises:
         SpaceError: a space stepbus cannot carry, or a mask with Box actions.
     """
-    fields = _action_fields(act)
+    fields = action_fields(act)
     found = leaves(obs)
     in_obs = any(leaf.key == MASK for leaf in found)
     if (info_mask or in_obs) and fields["action_kind"] not in ("discrete", "multi_discrete"):
@@ -393,7 +394,6 @@ class RowWriter:
 
     def __init__(self, spec: p.SpaceSpec) -> None:
         self.plain = not spec.obs_leaves
-        self.dtype = None if not self.plain else np.dtype(spec.obs_dtype)
         self.leaves = [(leaf.key, leaf.kind == "mask",
                         [int(k) if c == "tuple" else k for c, k in zip(leaf.containers,
                                                                        leaf.path, strict=True)])
