@@ -59,6 +59,7 @@ RUN_STATE_GRACE_S = 2 * node.HEARTBEAT_INTERVAL_S * node.LIVENESS_INTERVALS
 EXPERIENCE_HWM = 1000  # messages (one per worker step) queued toward the assembler
 IDLE_RESET_S = 2 * node.HEARTBEAT_INTERVAL_S  # a worker idle this long while we wait: reset it
 RATE_INTERVAL_S = 2.0  # steps_per_s is measured over this long
+MAX_AWAITING_SPEC = 64  # trainers answered once the first worker brings the spec; others retry
 
 Outputs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # actions, logp, value, versions
 
@@ -236,6 +237,9 @@ class Broker(node.Process):
         self.counts = BrokerCounts()
         self.env_id = ""
         self.spec: p.SpaceSpec | None = None  # the spaces every worker must share
+        # Trainers that said hello before the spec was known, answered as soon as it is (or
+        # they would wait for their next hello); bounded, as anyone can say hello.
+        self.awaiting_spec: dict[bytes, p.TrainerHello] = {}
         self.memory: Memory | None = None  # each agent's state, for a recurrent model
         self.assembler_blocked = False  # only true while it is what holds ready work back
         self.held_by = ""  # with several policies: the one whose weights or window holds us
@@ -296,6 +300,9 @@ class Broker(node.Process):
             built = self.slots[0].policy
             if built is not None and built.recurrent:
                 self.memory = Memory(built.initial_state)
+            for trainer, hello in self.awaiting_spec.items():
+                self.on_trainer_hello(trainer, hello)
+            self.awaiting_spec.clear()
         elif msg.spec != self.spec:
             self.counts.spec_refused += 1
             self.refuse("spec mismatch",
@@ -458,9 +465,14 @@ class Broker(node.Process):
 
     def on_trainer_hello(self, peer: bytes, msg: p.TrainerHello) -> None:
         slot = self.known_policy(msg.trainer, msg.policy)
-        if self.spec is not None and slot is not None:
-            self.send("policy", p.EnvSpec(env_id=self.env_id, spec=self.spec,
-                                          policy_version=slot.newest), to=peer)
+        if slot is None:
+            return
+        if self.spec is None:
+            if len(self.awaiting_spec) < MAX_AWAITING_SPEC or peer in self.awaiting_spec:
+                self.awaiting_spec[peer] = msg
+            return
+        self.send("policy", p.EnvSpec(env_id=self.env_id, spec=self.spec,
+                                      policy_version=slot.newest), to=peer)
 
     def on_weights(self, peer: bytes, msg: p.Weights) -> None:
         if not (1 <= msg.batch_steps <= checks.MAX_BATCH_STEPS and 0 <= msg.consumed_steps < 2**53

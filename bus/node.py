@@ -26,6 +26,10 @@ from stepbus.bus import wiring
 HEARTBEAT_INTERVAL_S = 0.5
 LIVENESS_INTERVALS = 3  # a peer silent for this many heartbeat intervals is dead
 LIVENESS_S = HEARTBEAT_INTERVAL_S * LIVENESS_INTERVALS
+# While a process waits to learn where an endpoint is bound, it asks this often: each heartbeat
+# brings the controller's current run state, and the process that binds the endpoint may
+# register a moment after this one (a honcho start), which at the heartbeat interval cost 0.5 s.
+DISCOVER_INTERVAL_S = 0.05
 MAX_POLL_MS = 200  # upper bound on any poll, so a stop signal is seen within it
 STALLED_S = 1.0  # a loop pass this late (past the poll's timeout) means the process stalled
 
@@ -238,7 +242,7 @@ class ControllerLink:
         self.rejects = RejectLog(log)
         self.state: p.RunState | None = None
         self.shutdown_reason = ""
-        self._next_beat = 0.0
+        self._last_beat, self._next_beat = -math.inf, 0.0
         self._figures: Callable[[], dict[str, Any]] = dict
         self.host, self.pid = pysocket.gethostname(), os.getpid()
         self.started = time.monotonic()  # the process's own uptime survives a controller restart
@@ -247,13 +251,13 @@ class ControllerLink:
         return [self.dealer, self.sub]
 
     def beat(self, now: float, figures: Callable[[], dict[str, Any]] | None = None, *,
-             leaving: bool = False) -> float:
-        """Send a heartbeat if one is due; returns the time of the next one. `figures` is
-        called only when a beat goes out (loops call this on every wake-up); without it, the
-        last figures function given is used."""
+             leaving: bool = False, interval: float = HEARTBEAT_INTERVAL_S) -> float:
+        """Send a heartbeat if one is due; returns the time of the next one, `interval` on.
+        `figures` is called only when a beat goes out (loops call this on every wake-up);
+        without it, the last figures function given is used."""
         if figures is not None:
             self._figures = figures
-        if now >= self._next_beat or leaving:
+        if now >= min(self._next_beat, self._last_beat + interval) or leaving:
             sent = self._figures()
             if self.rejects.total:  # refused on this link: part of the process's count
                 sent["rejected"] = sent.get("rejected", 0) + self.rejects.total
@@ -263,8 +267,8 @@ class ControllerLink:
             send(self.dealer, p.Heartbeat(role=self.role, name=self.name, host=self.host,
                                           pid=self.pid, leaving=leaving, figures=sent,
                                           binds=self.binds), block=False)
-            self._next_beat = now + HEARTBEAT_INTERVAL_S
-        return self._next_beat
+            self._last_beat, self._next_beat = now, now + HEARTBEAT_INTERVAL_S
+        return min(self._next_beat, self._last_beat + interval)
 
     def send(self, msg: p.Message) -> None:
         send(self.dealer, msg, block=False)
@@ -317,8 +321,8 @@ class ControllerLink:
         started, said = time.monotonic(), False
         while not stop and not self.shutdown_reason:
             now = time.monotonic()
-            next_beat = self.beat(now)
-            self.poll(dict(poller.poll(math.ceil(max(0.0, min(next_beat - now, 0.25)) * 1000))))
+            next_beat = self.beat(now, interval=DISCOVER_INTERVAL_S)
+            self.poll(dict(poller.poll(math.ceil(max(0.0, next_beat - now) * 1000))))
             if address := self.advertised(name):
                 self.log.info("%s endpoint %s (the controller says)", name, address)
                 return address

@@ -30,6 +30,8 @@ import socket as pysocket
 import subprocess
 import sys
 import time
+import traceback
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -65,12 +67,60 @@ class GiveUp(enum.Enum):
     STAY = "stay"  # keep reporting the last error: the run goes on with the child's peers
 
 
+class ChildProcess(typing.Protocol):
+    """What a supervisor uses of its child's process: a `subprocess.Popen`, or `Forked`."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+class Forked:
+    """A child forked without exec (`fork_first`), seen through the part of Popen's interface
+    a supervisor uses; its exit code is Popen's (negative: the signal that killed it)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode = pid, None  # type: int, int | None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: its code is lost, count a death
+                self.returncode = 1
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            time.sleep(0.01)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 @dataclass
 class Running:
     """The running child: its process, the pipe its stderr comes through, and (for a child
     that beats) the pipe it writes a byte to every heartbeat interval."""
 
-    popen: subprocess.Popen
+    popen: ChildProcess
     started: float
     stderr: int  # read end of the child's stderr
     beats: int | None = None
@@ -131,6 +181,109 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+@dataclass
+class ChildPipes:
+    """The pipes a child is started with: its stderr, and its beats when `beat_env` names the
+    environment variable that tells it the pipe's write end."""
+
+    err_read: int
+    err_write: int
+    beat_env: str = ""
+    beats: int | None = None
+    beat_end: int | None = None
+
+    @classmethod
+    def open(cls, beat_env: str) -> ChildPipes:
+        pipes = cls(*os.pipe(), beat_env=beat_env)
+        if beat_env:
+            pipes.beats, pipes.beat_end = os.pipe()
+        return pipes
+
+    def child_ends(self) -> tuple[int, ...]:
+        return tuple(fd for fd in (self.err_write, self.beat_end) if fd is not None)
+
+    def child_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.beat_env:
+            env[self.beat_env] = str(self.beat_end)
+        return env
+
+    def close(self, fds: tuple[int | None, ...]) -> None:
+        for fd in fds:
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def running(self, process: ChildProcess, now: float) -> Running:
+        """The parent's side once the child has its ends (closed here)."""
+        self.close(self.child_ends())
+        os.set_blocking(self.err_read, False)
+        if self.beats is not None:
+            os.set_blocking(self.beats, False)
+        pidfd = None
+        if hasattr(os, "pidfd_open"):
+            with contextlib.suppress(OSError):
+                pidfd = os.pidfd_open(process.pid)
+        return Running(process, now, self.err_read, beats=self.beats, pidfd=pidfd)
+
+
+def single_threaded() -> bool:
+    """Whether this process has one thread, native ones counted (ZeroMQ's I/O threads): only
+    then is a fork without exec safe."""
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:  # no procfs: do not guess
+        return False
+
+
+def fork_first(entry: Callable[[], int], beat_env: str, now: float) -> Running | None:
+    """Start the first child as a fork of this process, before the supervisor opens a socket:
+    the role's modules are imported already (checking its flags imported them), so the child
+    starts without a second interpreter's imports (0.3 s of CPU each, ten of them contending
+    for two cores at a honcho start). Restarts exec a fresh interpreter (`start_child`), which
+    picks up changed code. None when forking is not safe here (threads) or fails."""
+    if not single_threaded():
+        return None
+    pipes = ChildPipes.open(beat_env)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()  # or the child would write our buffered output again
+    parent = os.getpid()
+    try:
+        pid = os.fork()
+    except OSError:
+        pipes.close((*pipes.child_ends(), pipes.err_read, pipes.beats))
+        return None
+    if pid == 0:
+        _run_forked(entry, pipes, parent)
+    return pipes.running(Forked(pid), now)
+
+
+def _run_forked(entry: Callable[[], int], pipes: ChildPipes, parent: int) -> typing.NoReturn:
+    """The forked child: the pipes in place of the exec'd child's, the role run, never a
+    return into the supervisor's code."""
+    code = 1
+    try:
+        _die_with_parent(parent)
+        pipes.close((pipes.err_read, pipes.beats))
+        os.dup2(pipes.err_write, 2)
+        os.close(pipes.err_write)
+        if pipes.beat_env:
+            os.environ[pipes.beat_env] = str(pipes.beat_end)
+        code = entry()
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # the crash, told on stderr as an exec'd child's would be
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
 class Supervisor(node.Process):
     """Sends nothing but heartbeats. The child is watched in `tick` (its stderr, its beats, its
     exit) and by timers: "restart" (start the next child), "silence" (kill a frozen one),
@@ -160,41 +313,32 @@ class Supervisor(node.Process):
 
     # -- the child's life
     def start_child(self, now: float) -> None:
-        err_read, err_write = os.pipe()
-        env, keep = dict(os.environ), [err_write]
-        beats = None
-        if self.beat_env:
-            beats, beat_end = os.pipe()
-            env[self.beat_env] = str(beat_end)
-            keep.append(beat_end)
+        pipes = ChildPipes.open(self.beat_env)
         self.counts.last_error = ""  # this child's, not an earlier one's
         try:
-            popen = subprocess.Popen([*self.command, *self.args], env=env, stderr=err_write,
-                                     pass_fds=tuple(keep),
+            popen = subprocess.Popen([*self.command, *self.args], env=pipes.child_env(),
+                                     stderr=pipes.err_write, pass_fds=pipes.child_ends(),
                                      preexec_fn=functools.partial(_die_with_parent, os.getpid()))
         except (OSError, subprocess.SubprocessError) as exc:  # no memory or pids left, say
-            for fd in (err_read, beats):
-                if fd is not None:
-                    os.close(fd)
+            pipes.close((*pipes.child_ends(), pipes.err_read, pipes.beats))
             self.could_not_start(exc, now)
             return
-        finally:
-            for fd in keep:  # the child's ends: it has its own copies
-                os.close(fd)
-        os.set_blocking(err_read, False)
-        if beats is not None:
-            os.set_blocking(beats, False)
+        self.begin(pipes.running(popen, now), now)
+
+    def adopt(self, run: Running) -> None:
+        """Take on the first child, forked before the supervisor's sockets existed
+        (`fork_first`), as if `start_child` had started it."""
+        self.cancel("restart")
+        self.begin(run, self.now, how=", forked")
+
+    def begin(self, run: Running, now: float, how: str = "") -> None:
         self.counts.starts += 1
-        self.log.info("%s started (pid %d)%s", self.noun, popen.pid,
+        self.log.info("%s started (pid %d%s)%s", self.noun, run.popen.pid, how,
                       f" with {' '.join(self.args)}" if self.args else "")
-        pidfd = None
-        if hasattr(os, "pidfd_open"):
-            with contextlib.suppress(OSError):
-                pidfd = os.pidfd_open(popen.pid)
-        self.running = Running(popen, now, err_read, beats=beats, pidfd=pidfd)
+        self.running = run
         self.child = Child.RUNNING
-        self.wake_on_readable_fds = self.running.fds()
-        if beats is not None:
+        self.wake_on_readable_fds = run.fds()
+        if run.beats is not None:
             self.at("silence", now + STARTUP_GRACE_S, self.check_silence)
         self.child_started(now)
 
@@ -422,10 +566,12 @@ def default_give_up(role: str) -> GiveUp:
 
 
 def run(role: str, flags: list[str], *, controller: str, security: wiring.Security,
-        give_up: GiveUp, quick_deaths_limit: int = QUICK_DEATHS_LIMIT) -> int:
+        give_up: GiveUp, quick_deaths_limit: int = QUICK_DEATHS_LIMIT,
+        entry: Callable[[], int] | None = None) -> int:
     """Supervise `stepbus ROLE FLAGS` until it exits 0, we are signalled, or we give up (exit 1
     with GiveUp.EXIT). The supervisor reports to the controller at `controller` as role
-    "supervisor", named like its child."""
+    "supervisor", named like its child. `entry` runs the role in this interpreter: given, the
+    first child is a fork that calls it (`fork_first`)."""
     log = node.setup_logging("supervisor")
     name = os.environ.get("HONCHO_PROCESS_NAME") or f"{role}-{pysocket.gethostname()}-{os.getpid()}"
     log.info("supervising %s %s: restarted if it dies, up to %d quick deaths in a row",
@@ -434,17 +580,20 @@ def run(role: str, flags: list[str], *, controller: str, security: wiring.Securi
         ports, log, name=name, command=[sys.executable, "-m", "stepbus", role], args=flags,
         give_up=give_up, quick_deaths_limit=quick_deaths_limit, noun=role),
         role="supervisor", name=name, controller=controller, broadcast="",
-        linger_ms=0 if role == "controller" else wiring.LINGER_MS)
+        linger_ms=0 if role == "controller" else wiring.LINGER_MS, entry=entry)
 
 
 def serve(security: wiring.Security, log: logging.Logger,
           build: Callable[[node.Ports], Supervisor], *, role: str, name: str, controller: str,
-          broadcast: str, linger_ms: int = wiring.LINGER_MS) -> int:
+          broadcast: str, linger_ms: int = wiring.LINGER_MS,
+          entry: Callable[[], int] | None = None, beat_env: str = "") -> int:
     """Run a supervisor, built by `build` on its link to the controller (as `role` `name`), to
     the end: 1 if it gave up and stopped, else the loop's code; its child never outlives it.
     `linger_ms`: how long its last messages may wait for the controller. The controller's own
     supervisor passes 0: its controller has exited, so its leaving heartbeat would wait the
-    whole linger for nobody, and it is the last process of every honcho run (0.5 s more)."""
+    whole linger for nobody, and it is the last process of every honcho run (0.5 s more).
+    `entry` and `beat_env`: the first child forked, before any socket or thread exists."""
+    forked = fork_first(entry, beat_env, time.monotonic()) if entry is not None else None
     stop = node.StopFlag()
     ctx = wiring.context(security)
     sup: Supervisor | None = None
@@ -452,9 +601,16 @@ def serve(security: wiring.Security, log: logging.Logger,
         link = node.ControllerLink(ctx, role=role, name=name, controller=controller,
                                    broadcast=broadcast, log=log)
         sup = build(node.SocketPorts({"controller": link.dealer}))
+        if forked is not None:
+            sup.adopt(forked)
+            forked = None
         code = node.Loop(sup, {}, link, stop).run()
         return 1 if sup.gave_up_exit else code
     finally:
         if sup is not None:
             sup.kill_child()
+        if forked is not None:  # building the supervisor failed
+            forked.popen.kill()
+            forked.popen.wait(5)
+            forked.close()
         wiring.destroy(ctx, linger_ms)

@@ -304,7 +304,8 @@ def _supervise(args: argparse.Namespace) -> int:
                else supervisor.default_give_up(args.role))
     return supervisor.run(args.role, args.flags, controller=config.controller,
                           security=config.security, give_up=give_up,
-                          quick_deaths_limit=args.quick_deaths)
+                          quick_deaths_limit=args.quick_deaths,
+                          entry=functools.partial(main, [args.role, *args.flags]))
 
 
 def swap_parser() -> argparse.ArgumentParser:
@@ -361,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "supervise":
             code = _supervise(args)
         elif args.command == "trainer":
-            code = slot.run(_build_config(learner.Config, args), argv[1:], learner_flags_problem)
+            code = slot.run(_build_config(learner.Config, args), argv[1:], learner_flags_problem,
+                            entry=functools.partial(main, ["learner", *argv[1:]]))
         else:
             cls, run, _ = PROCESSES[args.command]
             code = run(_build_config(cls, args))

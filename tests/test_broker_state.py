@@ -520,3 +520,19 @@ def test_credit_window_allows_for_the_horizon_the_run_state_names() -> None:
     assert credit.window() == default_window + (128 - 32) * 4
     bench.deliver(b"", dataclasses.replace(state, horizon=0))  # 0: no assembler has said
     assert credit.window() == default_window + (128 - 32) * 4
+
+
+def test_a_trainer_that_said_hello_before_any_worker_gets_the_spec_when_the_first_one_joins():
+    """At a honcho start the learner asks before a worker has brought the spaces: it is told
+    as soon as they are known, not at its next hello; a flood of hellos is held in bounds."""
+    bench = Bench()
+    bench.deliver(b"trainer-ident", p.TrainerHello(trainer="t-default", policy="default"))
+    for i in range(2 * broker.MAX_AWAITING_SPEC):
+        bench.deliver(f"flood-{i}".encode(), p.TrainerHello(trainer="x", policy="default"))
+    assert bench.out.take(p.EnvSpec, port="policy") == [], "no spec to give yet"
+    bench.join("w1")
+    told = bench.out.take_sent(p.EnvSpec)
+    assert told[0].to == b"trainer-ident" and told[0].msg.spec == SPEC  # type: ignore[attr-defined]
+    assert len(told) == broker.MAX_AWAITING_SPEC, "the rest say hello again"
+    bench.deliver(b"trainer-ident", p.TrainerHello(trainer="t-default", policy="default"))
+    assert [s.to for s in bench.out.take_sent(p.EnvSpec)] == [b"trainer-ident"]

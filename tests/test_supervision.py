@@ -119,3 +119,7 @@ def test_a_worker_that_keeps_crashing_is_given_up_on_and_status_shows_its_last_e
             "killed by SIGSEGV: simulated native crash in the env") in shown, shown
     assert sup.popen.poll() is None, "a worker's supervisor stays, so the run goes on"
     assert "worker died 2 times in a row" in sup.output()
+    # The first child is a fork of the supervisor, the restart a new interpreter: both die,
+    # and tell their error, alike.
+    starts = [line for line in sup.output().splitlines() if "worker started (pid" in line]
+    assert len(starts) == 2 and ", forked)" in starts[0] and "forked" not in starts[1], starts

@@ -165,7 +165,7 @@ def test_an_env_that_cannot_be_made_is_one_clear_error():
         Bench(env="NoSuchEnv-v9")
 
 
-def test_the_hello_repeats_while_the_broker_is_silent_and_carries_the_last_seq():
+def test_the_hello_repeats_quickly_until_a_broker_answers_then_at_its_interval_with_the_last_seq():
     clock = ManualClock(T0)
     bench = Bench(clock=clock, envs_per_worker=1)
     w = bench.worker
@@ -179,8 +179,9 @@ def test_the_hello_repeats_while_the_broker_is_silent_and_carries_the_last_seq()
         assert (hello.worker, hello.incarnation, hello.seq) == ("w", w.incarnation, 0)
         assert (hello.env_id, hello.num_envs, hello.agents) == ("CartPole-v1", 1, [])
         assert hello.spec.obs_shape == [4] and hello.shm == ""
-        assert hellos_at(T0 + 0.4) == []
-        assert len(hellos_at(T0 + 0.5)) == 1
+        assert hellos_at(T0 + 0.04) == []
+        assert len(hellos_at(T0 + 0.05)) == 1, "until a broker first answers, hellos are quick"
+        assert len(hellos_at(T0 + 0.1)) == 1
         clock.t = T0 + 0.6
         w.deliver(b"", p.Reset(epoch=0, seq=41, options={}), now=clock.t)
         assert hellos_at(T0 + 1.0) == [], "the broker spoke 0.4 s ago"
@@ -191,6 +192,7 @@ def test_the_hello_repeats_while_the_broker_is_silent_and_carries_the_last_seq()
         (hello,) = hellos_at(T0 + 1.55)
         assert hello.seq == 42, "a new broker continues our numbering"
         assert [h.seq for h in hellos_at(T0 + 2.05)] == [42], "and again while it is silent"
+        assert hellos_at(T0 + 2.5) == [], "a broker answered once: the hello interval now"
         assert bench.out.take(p.Heartbeat) == [], "a fast batch needs no busy heartbeat"
     finally:
         w.close()

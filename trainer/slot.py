@@ -139,13 +139,15 @@ class Slot(supervisor.Supervisor):
 
 
 def run(cfg: learner.Config, learner_args: list[str],
-        validate: Callable[[list[str]], str]) -> int:
+        validate: Callable[[list[str]], str], entry: Callable[[], int] | None = None) -> int:
     """`learner_args` are the slot's own flags, passed on to every learner; `validate(args)`
-    returns why a swap's flags are unusable (empty if they are fine)."""
+    returns why a swap's flags are unusable (empty if they are fine); `entry` runs a learner
+    with them in this interpreter (the first learner is a fork that calls it)."""
     log = node.setup_logging("slot")
     name = (os.environ.get("HONCHO_PROCESS_NAME")
             or f"trainer-{pysocket.gethostname()}-{os.getpid()}")
     return supervisor.serve(
         cfg.security, log,
         lambda ports: Slot(ports, log, name=name, args=learner_args, validate=validate),
-        role="slot", name=name, controller=cfg.controller, broadcast=cfg.broadcast)
+        role="slot", name=name, controller=cfg.controller, broadcast=cfg.broadcast,
+        entry=entry, beat_env=learner.SLOT_BEAT_FD_ENV)
