@@ -270,21 +270,29 @@ def recv_message(sock: zmq.Socket, timeout: float = 5.0) -> p.Message:
 
 class TrajectoryInbox:
     """A test's trajectories socket, read one trajectory at a time as a learner takes them in:
-    the assembler sends several in one TRAJECTORIES message."""
+    the assembler sends several in one TRAJECTORIES message, and sends again what no learner
+    confirmed when one connects (its handshake may be seen after a first send), so one taken
+    in already is skipped, as a learner does."""
 
     def __init__(self, sock: zmq.Socket) -> None:
         self.sock = sock
         self.queue: collections.deque[p.Trajectory] = collections.deque()
+        self.taken: set[tuple[str, int]] = set()
 
     def poll(self, timeout_ms: int = 0) -> bool:
         return bool(self.queue) or bool(self.sock.poll(timeout_ms))
 
     def recv(self, timeout: float = 5.0) -> p.Trajectory:
-        """The next trajectory, or an assertion error after `timeout` seconds."""
-        if not self.queue:
-            msg = recv_message(self.sock, timeout)
+        """The next trajectory not taken in before, or an assertion error after `timeout`
+        seconds."""
+        deadline = time.monotonic() + timeout
+        while not self.queue:
+            msg = recv_message(self.sock, max(0.0, deadline - time.monotonic()))
             assert isinstance(msg, p.Trajectories | p.Trajectory), msg
-            self.queue.extend(msg.split() if isinstance(msg, p.Trajectories) else [msg])
+            for t in msg.split() if isinstance(msg, p.Trajectories) else [msg]:
+                if (t.assembler, t.seq) not in self.taken:
+                    self.taken.add((t.assembler, t.seq))
+                    self.queue.append(t)
         return self.queue.popleft()
 
     def close(self) -> None:
