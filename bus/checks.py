@@ -20,6 +20,11 @@ MAX_ENVS_PER_WORKER = 65_536
 MAX_BATCH_STEPS = 10_000_000
 MAX_TRAJECTORY_STEPS = 1_000_000
 MAX_CATEGORIES = 1 << 20  # of all categorical action dimensions together
+# Numbers in one observation, raw or flattened (categories one-hot): the first hello's spaces
+# make the broker and the learner build their model, and a flat input this wide is already a
+# 1 GiB first layer for the MLP. Two 1024x1024 RGBA frames fit; a hello claiming a billion
+# numbers would have made them allocate without bound.
+MAX_OBS_NUMBERS = 1 << 22
 
 def rows_problem(m: p.StepResult | p.Experience, rows: int) -> str:
     """The optional per-row arrays: `alive` (bool), `episode` and `episode_seed` (integers)."""
@@ -85,6 +90,11 @@ def spec_problem(spec: p.SpaceSpec) -> str:
         return f"obs_shape {spec.obs_shape}"[:200]
     elif spec.obs_dtype not in p.ALLOWED_DTYPES:
         return f"obs_dtype {spec.obs_dtype}"[:200]
+    raw = (sum(math.prod(leaf.shape) for leaf in spec.obs_leaves) if spec.obs_leaves
+           else math.prod(spec.obs_shape))
+    if max(raw, spaces.flat_dim(spec)) > MAX_OBS_NUMBERS:
+        return (f"observations of {max(raw, spaces.flat_dim(spec)):,} numbers a row, over "
+                f"{MAX_OBS_NUMBERS:,}")
     if action.kind == "box" and not (
             len(action.shape) < p.MAX_NDIM and all(d > 0 for d in action.shape)
             and len(action.low) == len(action.high) == math.prod(action.shape)):

@@ -536,3 +536,16 @@ def test_a_trainer_that_said_hello_before_any_worker_gets_the_spec_when_the_firs
     assert len(told) == broker.MAX_AWAITING_SPEC, "the rest say hello again"
     bench.deliver(b"trainer-ident", p.TrainerHello(trainer="t-default", policy="default"))
     assert [s.to for s in bench.out.take_sent(p.EnvSpec)] == [b"trainer-ident"]
+
+
+def test_a_hello_claiming_a_huge_box_observation_is_refused_before_any_model_is_built():
+    """The first hello's spaces size the model: a billion numbers a row would have had the
+    broker allocate its first layer without bound. Refused in one line; the next is taken."""
+    bench = Bench()
+    huge = dataclasses.replace(SPEC, obs_shape=[1 << 15, 1 << 15], obs_dtype="|u1")
+    assert "1,073,741,824 numbers a row" in broker.checks.spec_problem(huge)
+    bench.deliver(b"evil", p.WorkerHello(worker="evil", incarnation="i1", env_id="x",
+                                         num_envs=1, seed=0, spec=huge, seq=0))
+    assert bench.broker.figures()["spec_refused"] == 1 and bench.broker.spec is None
+    bench.join("w0")
+    assert bench.broker.spec == SPEC

@@ -267,6 +267,9 @@ def hostile_leaves() -> dict[str, list[p.LeafSpec]]:
                            p.LeafSpec(spaces.MASK, "mask", [2], "|b1", ["q"], ["dict"])],
         "float mask": [leaf("a", "box", [1], "f4"),
                        p.LeafSpec(spaces.MASK, "mask", [2], "<f8")],
+        "a billion numbers": [leaf("a", "box", [1 << 15, 1 << 15], "u1")],
+        "a million categories": [leaf("a", "multi_discrete", [8], "i8", nvec=[1 << 20] * 8,
+                                      start=[0] * 8)],
     }
 
 
