@@ -22,8 +22,8 @@ MAX_TRAJECTORY_STEPS = 1_000_000
 MAX_CATEGORIES = 1 << 20  # of all categorical action dimensions together
 # Numbers in one observation, raw or flattened (categories one-hot): the first hello's spaces
 # make the broker and the learner build their model, and a flat input this wide is already a
-# 1 GiB first layer for the MLP. Two 1024x1024 RGBA frames fit; a hello claiming a billion
-# numbers would have made them allocate without bound.
+# 1 GiB first layer for the MLP. One 1024x1024 RGBA frame fits exactly; a hello claiming a
+# billion numbers would have made them allocate without bound.
 MAX_OBS_NUMBERS = 1 << 22
 
 def rows_problem(m: p.StepResult | p.Experience, rows: int) -> str:

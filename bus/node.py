@@ -29,7 +29,10 @@ LIVENESS_S = HEARTBEAT_INTERVAL_S * LIVENESS_INTERVALS
 # While a process waits to learn where an endpoint is bound, it asks this often: each heartbeat
 # brings the controller's current run state, and the process that binds the endpoint may
 # register a moment after this one (a honcho start), which at the heartbeat interval cost 0.5 s.
+# Only for the first seconds: a binding process that is down (backing off, another host not up
+# yet) must not have every waiting process ask the controller 20 times a second.
 DISCOVER_INTERVAL_S = 0.05
+DISCOVER_QUICK_FOR_S = 3.0
 MAX_POLL_MS = 200  # upper bound on any poll, so a stop signal is seen within it
 STALLED_S = 1.0  # a loop pass this late (past the poll's timeout) means the process stalled
 
@@ -242,7 +245,7 @@ class ControllerLink:
         self.rejects = RejectLog(log)
         self.state: p.RunState | None = None
         self.shutdown_reason = ""
-        self._last_beat, self._next_beat = -math.inf, 0.0
+        self._last_beat = -math.inf
         self._figures: Callable[[], dict[str, Any]] = dict
         self.host, self.pid = pysocket.gethostname(), os.getpid()
         self.started = time.monotonic()  # the process's own uptime survives a controller restart
@@ -257,7 +260,7 @@ class ControllerLink:
         without it, the last figures function given is used."""
         if figures is not None:
             self._figures = figures
-        if now >= min(self._next_beat, self._last_beat + interval) or leaving:
+        if now >= self._last_beat + interval or leaving:
             sent = self._figures()
             if self.rejects.total:  # refused on this link: part of the process's count
                 sent["rejected"] = sent.get("rejected", 0) + self.rejects.total
@@ -267,8 +270,8 @@ class ControllerLink:
             send(self.dealer, p.Heartbeat(role=self.role, name=self.name, host=self.host,
                                           pid=self.pid, leaving=leaving, figures=sent,
                                           binds=self.binds), block=False)
-            self._last_beat, self._next_beat = now, now + HEARTBEAT_INTERVAL_S
-        return min(self._next_beat, self._last_beat + interval)
+            self._last_beat = now
+        return self._last_beat + interval
 
     def send(self, msg: p.Message) -> None:
         send(self.dealer, msg, block=False)
@@ -321,12 +324,14 @@ class ControllerLink:
         started, said = time.monotonic(), False
         while not stop and not self.shutdown_reason:
             now = time.monotonic()
-            next_beat = self.beat(now, interval=DISCOVER_INTERVAL_S)
-            self.poll(dict(poller.poll(math.ceil(max(0.0, next_beat - now) * 1000))))
+            quick = now - started < DISCOVER_QUICK_FOR_S
+            next_beat = self.beat(now, interval=DISCOVER_INTERVAL_S if quick
+                                  else HEARTBEAT_INTERVAL_S)
+            self.poll(dict(poller.poll(math.ceil(max(0.0, min(next_beat - now, 0.25)) * 1000))))
             if address := self.advertised(name):
                 self.log.info("%s endpoint %s (the controller says)", name, address)
                 return address
-            if not said and now - started > 3.0:
+            if not said and now - started > DISCOVER_QUICK_FOR_S:
                 said = True
                 self.log.info("waiting for the controller at %s to say where the %s endpoint is "
                               "(the process that binds it registers there)", self.controller,

@@ -36,8 +36,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import zmq
+
 from stepbus.bus import node, wiring
 from stepbus.bus import protocol as p
+from stepbus.entry import EARLY_SIGNALS
 
 BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # restart delays after quick deaths
 STEADY_S = 30.0  # a child that ran this long before dying is restarted at once
@@ -242,7 +245,12 @@ def fork_first(entry: Callable[[], int], beat_env: str, now: float) -> Running |
     starts without a second interpreter's imports (0.3 s of CPU each, ten of them contending
     for two cores at a honcho start). Restarts exec a fresh interpreter (`start_child`), which
     picks up changed code. None when forking is not safe here (threads) or fails."""
+    if EARLY_SIGNALS:
+        return None  # signalled while importing: the supervisor is stopping, so is a child
     if not single_threaded():
+        logging.getLogger("stepbus.supervisor").info(
+            "starting the child in a new interpreter: this process has threads already (a "
+            "BLAS or OpenMP thread count above 1?), and forking them is not safe")
         return None
     pipes = ChildPipes.open(beat_env)
     for stream in (sys.stdout, sys.stderr):
@@ -281,7 +289,7 @@ def _run_forked(entry: Callable[[], int], pipes: ChildPipes, parent: int) -> typ
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
-        os._exit(code)
+        os._exit(code & 0xFF if isinstance(code, int) else 1)  # never back into our code
 
 
 class Supervisor(node.Process):
@@ -594,10 +602,11 @@ def serve(security: wiring.Security, log: logging.Logger,
     whole linger for nobody, and it is the last process of every honcho run (0.5 s more).
     `entry` and `beat_env`: the first child forked, before any socket or thread exists."""
     forked = fork_first(entry, beat_env, time.monotonic()) if entry is not None else None
-    stop = node.StopFlag()
-    ctx = wiring.context(security)
+    ctx: zmq.Context | None = None
     sup: Supervisor | None = None
     try:
+        stop = node.StopFlag()
+        ctx = wiring.context(security)
         link = node.ControllerLink(ctx, role=role, name=name, controller=controller,
                                    broadcast=broadcast, log=log)
         sup = build(node.SocketPorts({"controller": link.dealer}))
@@ -609,8 +618,10 @@ def serve(security: wiring.Security, log: logging.Logger,
     finally:
         if sup is not None:
             sup.kill_child()
-        if forked is not None:  # building the supervisor failed
+        if forked is not None:  # setting the supervisor up failed
             forked.popen.kill()
-            forked.popen.wait(5)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                forked.popen.wait(5)
             forked.close()
-        wiring.destroy(ctx, linger_ms)
+        if ctx is not None:
+            wiring.destroy(ctx, linger_ms)

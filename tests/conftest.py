@@ -271,8 +271,8 @@ def recv_message(sock: zmq.Socket, timeout: float = 5.0) -> p.Message:
 class TrajectoryInbox:
     """A test's trajectories socket, read one trajectory at a time as a learner takes them in:
     the assembler sends several in one TRAJECTORIES message, and sends again what no learner
-    confirmed when one connects (its handshake may be seen after a first send), so one taken
-    in already is skipped, as a learner does."""
+    confirmed when one connects (its handshake may be seen after a first send), so a numbered
+    one taken in already is skipped, as a learner does."""
 
     def __init__(self, sock: zmq.Socket) -> None:
         self.sock = sock
@@ -290,7 +290,7 @@ class TrajectoryInbox:
             msg = recv_message(self.sock, max(0.0, deadline - time.monotonic()))
             assert isinstance(msg, p.Trajectories | p.Trajectory), msg
             for t in msg.split() if isinstance(msg, p.Trajectories) else [msg]:
-                if (t.assembler, t.seq) not in self.taken:
+                if not t.assembler or (t.assembler, t.seq) not in self.taken:
                     self.taken.add((t.assembler, t.seq))
                     self.queue.append(t)
         return self.queue.popleft()

@@ -544,6 +544,9 @@ def test_a_hello_claiming_a_huge_box_observation_is_refused_before_any_model_is_
     bench = Bench()
     huge = dataclasses.replace(SPEC, obs_shape=[1 << 15, 1 << 15], obs_dtype="|u1")
     assert "1,073,741,824 numbers a row" in broker.checks.spec_problem(huge)
+    frame = dataclasses.replace(SPEC, obs_shape=[1024, 1024, 4], obs_dtype="|u1")
+    assert broker.checks.spec_problem(frame) == "", "one 1024x1024 RGBA frame is the most"
+    assert broker.checks.spec_problem(dataclasses.replace(frame, obs_shape=[1024, 1024, 5]))
     bench.deliver(b"evil", p.WorkerHello(worker="evil", incarnation="i1", env_id="x",
                                          num_envs=1, seed=0, spec=huge, seq=0))
     assert bench.broker.figures()["spec_refused"] == 1 and bench.broker.spec is None

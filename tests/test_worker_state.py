@@ -165,6 +165,28 @@ def test_an_env_that_cannot_be_made_is_one_clear_error():
         Bench(env="NoSuchEnv-v9")
 
 
+def test_a_broker_that_never_answers_gets_hellos_at_the_interval_after_the_first_seconds():
+    """A broker that refuses our spaces, or a vector client that has not reset, never
+    answers: the quick hellos of the start last FIRST_HELLOS_FOR_S, not for days."""
+    clock = ManualClock(T0)
+    bench = Bench(clock=clock, envs_per_worker=1)
+    w = bench.worker
+    try:
+        sent_at = []
+        t = T0
+        while t < T0 + 10.0:
+            clock.t = t
+            w.run_timers(t)
+            sent_at += [t] * len(bench.out.take(p.WorkerHello, port="steps"))
+            t = round(t + 0.01, 6)
+        quick = [s for s in sent_at if s < T0 + worker.FIRST_HELLOS_FOR_S]
+        later = [s for s in sent_at if s >= T0 + worker.FIRST_HELLOS_FOR_S]
+        assert len(quick) == pytest.approx(worker.FIRST_HELLOS_FOR_S / 0.05, abs=2)
+        assert len(later) == pytest.approx(7.0 / worker.HELLO_INTERVAL_S, abs=1), later
+    finally:
+        w.close()
+
+
 def test_the_hello_repeats_quickly_until_a_broker_answers_then_at_its_interval_with_the_last_seq():
     clock = ManualClock(T0)
     bench = Bench(clock=clock, envs_per_worker=1)

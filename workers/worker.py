@@ -43,10 +43,13 @@ __all__ = ["BUSY_BEATS", "Config", "EnvFailure", "EnvSet", "Worker", "run"]
 BUSY_BEAT_S = node.HEARTBEAT_INTERVAL_S / 2
 # A broker silent this long hears our hello again (registration, liveness, our numbering).
 HELLO_INTERVAL_S = node.HEARTBEAT_INTERVAL_S
-# Until a broker first answers, hellos go out this often: the first ones are dropped while the
-# connection is still being made (the DEALER is `immediate`), which at the hello interval cost
-# every honcho start 0.5 s. Dropped ones never reach the network.
+# Until a broker first answers, and for the first seconds only, hellos go out this often: the
+# first ones are dropped while the connection is still being made (the DEALER is `immediate`),
+# which at the hello interval cost every honcho start 0.5 s. A broker that refuses our spaces,
+# or a vector client that has not reset yet, never answers: after FIRST_HELLOS_FOR_S the
+# interval is the usual one.
 FIRST_HELLO_INTERVAL_S = node.DISCOVER_INTERVAL_S
+FIRST_HELLOS_FOR_S = 3.0
 
 
 def _default_name() -> str:
@@ -172,6 +175,7 @@ class Worker(node.Process):
         self.counts, self.shm_counts = WorkerCounts(), ShmCounts()
         self.busy_beat_at = 0.0  # the last heartbeat sent to (or message heard from) the broker
         self.answered = False  # a broker has spoken to us (then hellos slow to their interval)
+        self.started_at = self.now
         self.busy_beats: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         self.envs = envs or make_envs(cfg, log)
         self.envs.report, self.envs.tick = self.report, self.beat_while_busy
@@ -206,7 +210,7 @@ class Worker(node.Process):
     def say_hello(self, now: float) -> None:
         """Registration and liveness; `seq` lets a new broker continue our numbering."""
         self.send("steps", dataclasses.replace(self.hello, seq=self.seq))
-        if not self.answered:
+        if not self.answered and now - self.started_at < FIRST_HELLOS_FOR_S:
             self.timers["hello"].due = now + FIRST_HELLO_INTERVAL_S
 
     def heard(self, now: float) -> None:
