@@ -70,7 +70,7 @@ def measure_stepbus(args: argparse.Namespace) -> dict[str, Any]:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(HERE), *filter(None, [os.environ.get("PYTHONPATH", "")])])
     setup = throughput.Setup(args.workers, args.envs_per_worker, shm_frames=args.shm_frames)
-    model = ["--model", "torch"]
+    model = ["--model", "torch", "--torch-threads", str(args.torch_threads)]
     spec = argparse.Namespace(
         transport="ipc", batch_steps=args.batch_steps, warmup=args.warmup, seconds=args.seconds,
         flags={"broker": model, "trainer": [*model, "--algo", ALGO]})
@@ -151,8 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=10.0, help="stepping before it")
     parser.add_argument("--batch-steps", type=int, default=2048,
                         help="the consuming learner's batch (sets the broker's credit window)")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch threads of stepbus's broker and learner (--torch-threads)")
     parser.add_argument("--vec-torch-threads", type=int, default=1,
-                        help="torch threads of AsyncVectorEnv's loop (the broker has 1)")
+                        help="torch threads of AsyncVectorEnv's loop (the broker's: --torch-threads)")
     parser.add_argument("--wait-load", type=float, default=0.0, metavar="LOAD",
                         help="before each system, wait (15 min at most) until the 1-min load "
                              "average is below LOAD")
