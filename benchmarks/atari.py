@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch threads of stepbus's broker and learner (--torch-threads)")
     parser.add_argument("--vec-torch-threads", type=int, default=1,
-                        help="torch threads of AsyncVectorEnv's loop (the broker's: --torch-threads)")
+                        help="torch threads of AsyncVectorEnv's loop (the broker's: "
+                             "--torch-threads)")
     parser.add_argument("--wait-load", type=float, default=0.0, metavar="LOAD",
                         help="before each system, wait (15 min at most) until the 1-min load "
                              "average is below LOAD")
