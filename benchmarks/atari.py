@@ -143,7 +143,8 @@ def measure_async(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     allow_abbrev=False)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--envs-per-worker", type=int, default=32)
     parser.add_argument("--shm-frames", action="store_true", help="workers with --shm-frames")
@@ -156,9 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vec-torch-threads", type=int, default=1,
                         help="torch threads of AsyncVectorEnv's loop (the broker's: "
                              "--torch-threads)")
-    parser.add_argument("--wait-load", type=float, default=0.0, metavar="LOAD",
-                        help="before each system, wait (15 min at most) until the 1-min load "
-                             "average is below LOAD")
+    solve_time.add_wait_load(parser, "system (15 min at most)")
     parser.add_argument("--smoke", action="store_true",
                         help="1 worker x 4 envs, 2 s windows after 2 s")
     parser.add_argument("--async-child", help=argparse.SUPPRESS)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from solve_time import before_run, in_work_dir, run_tagged, wait_for_quiet
+from solve_time import add_wait_load, before_run, in_work_dir, run_tagged, wait_for_quiet
 
 TASK = "stepbus.workers.tasks:cartpole_no_velocity"
 
@@ -60,9 +60,7 @@ def main() -> int:
                         help="last-20 mean return the LSTM run stops at [default: 400]")
     parser.add_argument("--budget-s", type=float, default=600.0,
                         help="the longest an LSTM run may take [default: 600]")
-    parser.add_argument("--wait-load", type=float, default=0.0,
-                        help="before each run, wait for the 1-min load average to fall below "
-                             "this (0: do not wait) [default: 0]")
+    add_wait_load(parser, "run")
     args = parser.parse_args()
     for seed in range(args.runs):
         if args.wait_load:

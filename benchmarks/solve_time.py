@@ -110,6 +110,14 @@ def other_cpu_percent(seconds: float = 2.0) -> float:
     return 100 * (busy() - b0) / (time.monotonic() - t0)
 
 
+def add_wait_load(parser: argparse.ArgumentParser, each: str) -> None:
+    """`--wait-load`, as every benchmark that waits for a quiet machine (`wait_for_quiet`)
+    takes it; `each`: what it waits before ("run", "system")."""
+    parser.add_argument("--wait-load", type=float, default=0.0, metavar="LOAD",
+                        help=f"before each {each}, wait until the 1-min load average is below "
+                             "LOAD (0: do not wait)")
+
+
 def wait_for_quiet(max_load: float, max_wait_s: float) -> None:
     """Until the 1-minute load average is below `max_load` (at most `max_wait_s`)."""
     deadline = time.monotonic() + max_wait_s
@@ -290,8 +298,7 @@ def main() -> int:
                              "too (~1 s of start-up, ~190 MiB)")
     parser.add_argument("--sb3-torch-threads", type=int, default=0,
                         help="torch.set_num_threads for SB3 (0: torch's default, as rl-zoo3)")
-    parser.add_argument("--wait-load", type=float, default=0.0, metavar="LOAD",
-                        help="before each run, wait until the 1-min load average is below LOAD")
+    add_wait_load(parser, "run")
     parser.add_argument("--wait-max-s", type=float, default=900.0,
                         help="the longest --wait-load waits before running anyway")
     parser.add_argument("--sb3-child", type=int, default=None, help=argparse.SUPPRESS)

@@ -276,10 +276,7 @@ class Broker(node.Process):
     def accepts(self, msg: p.WorkerHello) -> bool:
         """The hello is usable: its rows in range, its agents well named, the run's spaces
         (the first usable hello sets them)."""
-        if not 1 <= msg.num_envs <= checks.MAX_ENVS_PER_WORKER:
-            self.refuse("bad hello", f"num_envs {msg.num_envs}", claims=msg.worker)
-            return False
-        problem = checks.agents_problem(msg.agents, msg.num_envs)
+        problem = checks.hello_rows_problem(msg)
         if problem:
             self.refuse("bad hello", problem, claims=msg.worker)
             return False

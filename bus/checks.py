@@ -26,6 +26,14 @@ MAX_CATEGORIES = 1 << 20  # of all categorical action dimensions together
 # billion numbers would have made them allocate without bound.
 MAX_OBS_NUMBERS = 1 << 22
 
+def hello_rows_problem(msg: p.WorkerHello) -> str:
+    """Why a hello's rows are unusable (empty if usable): env count in range, agents well
+    named. The broker and the relay both take workers by it."""
+    if not 1 <= msg.num_envs <= MAX_ENVS_PER_WORKER:
+        return f"num_envs {msg.num_envs}"
+    return agents_problem(msg.agents, msg.num_envs)
+
+
 def rows_problem(m: p.StepResult | p.Experience, rows: int) -> str:
     """The optional per-row arrays: `alive` (bool), `episode` and `episode_seed` (integers)."""
     if m.alive is not None and (m.alive.shape != (rows,) or m.alive.dtype != bool):

@@ -81,8 +81,7 @@ class Relay(node.Process):
 
     def accepts(self, msg: p.WorkerHello) -> bool:
         """Its rows in range, usable spaces, the same as the run's (the first sets them)."""
-        problem = "" if 1 <= msg.num_envs <= checks.MAX_ENVS_PER_WORKER else "num_envs"
-        problem = problem or checks.agents_problem(msg.agents, msg.num_envs)
+        problem = checks.hello_rows_problem(msg)
         if not problem and self.spec is None:
             problem = checks.spec_problem(msg.spec)
             if not problem:

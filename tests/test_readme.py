@@ -145,12 +145,22 @@ def test_every_flag_given_to_a_stepbus_command_is_one_of_its_own():
     assert wrong == [], f"flags the command does not take: {wrong}"
 
 
+def benchmark_source(name: str) -> str:
+    """A benchmark script's source with that of the benchmark modules it imports, which may
+    add flags to its parser (`solve_time.add_wait_load`)."""
+    source = (ROOT / "benchmarks" / f"{name}.py").read_text()
+    imported = re.findall(r"^(?:import|from) (\w+)", source, re.MULTILINE)
+    return source + "".join((ROOT / "benchmarks" / f"{module}.py").read_text()
+                            for module in imported
+                            if (ROOT / "benchmarks" / f"{module}.py").exists())
+
+
 def test_every_benchmark_command_uses_flags_its_script_has():
     wrong = []
     for page in WRITTEN:
         for snippet in snippets(page):
             for used in re.finditer(r"benchmarks/(\w+)\.py([^`|;&#]*)", snippet):
-                source = (ROOT / "benchmarks" / f"{used[1]}.py").read_text()
+                source = benchmark_source(used[1])
                 wrong += [f"{page.name}: benchmarks/{used[1]}.py {flag}"
                           for flag in FLAG.findall(used[2]) if f'"{flag}"' not in source]
     assert wrong == [], f"flags the benchmark does not take: {wrong}"

@@ -175,7 +175,6 @@ class Worker(node.Process):
         self.counts, self.shm_counts = WorkerCounts(), ShmCounts()
         self.busy_beat_at = 0.0  # the last heartbeat sent to (or message heard from) the broker
         self.answered = False  # a broker has spoken to us (then hellos slow to their interval)
-        self.started_at = self.now
         self.busy_beats: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         self.envs = envs or make_envs(cfg, log)
         self.envs.report, self.envs.tick = self.report, self.beat_while_busy
@@ -210,7 +209,7 @@ class Worker(node.Process):
     def say_hello(self, now: float) -> None:
         """Registration and liveness; `seq` lets a new broker continue our numbering."""
         self.send("steps", dataclasses.replace(self.hello, seq=self.seq))
-        if not self.answered and now - self.started_at < FIRST_HELLOS_FOR_S:
+        if not self.answered and now - self.started < FIRST_HELLOS_FOR_S:
             self.timers["hello"].due = now + FIRST_HELLO_INTERVAL_S
 
     def heard(self, now: float) -> None:
