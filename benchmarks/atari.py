@@ -13,8 +13,8 @@ stepbus: the five roles as real processes on ipc endpoints (throughput.py's Pipe
 broker acting with `--model torch` (the Nature CNN, one torch thread), the learner with
 `--model torch --algo atari:TorchConsumeOnly`: it takes every batch in, receipts and
 checkpoints it, publishes the CNN's weights and learns nothing, so acting and stepping are what
-is measured, not a CPU-bound PPO update. Its figure is the assembler's step count over the
-window.
+is measured, not a CPU-bound PPO update. The assembler cuts trajectories at PPO's Atari
+horizon, 128 steps (`--horizon`). Its figure is the assembler's step count over the window.
 
 AsyncVectorEnv: as many envs as the pipeline has, in a child process: shared memory, the fork
 start method, and each step's observations through the same CNN (`torch_agents.make_agent`,
@@ -44,6 +44,9 @@ import throughput  # noqa: E402  (the pipeline, process groups and load meter)
 ENV = "stepbus.workers.games:atari_breakout"
 ALGO = "atari:TorchConsumeOnly"  # this file, found through PYTHONPATH
 FRAMES_PER_STEP = 4
+# PPO's Atari horizon (Schulman et al. 2017; CleanRL's ppo_atari.py --num-steps): trajectories
+# of 128 steps, where the assembler's default of 32 suits CartPole's short episodes.
+ATARI_HORIZON = 128
 
 
 class TorchConsumeOnly:
@@ -73,7 +76,8 @@ def measure_stepbus(args: argparse.Namespace) -> dict[str, Any]:
     model = ["--model", "torch", "--torch-threads", str(args.torch_threads)]
     spec = argparse.Namespace(
         transport="ipc", batch_steps=args.batch_steps, warmup=args.warmup, seconds=args.seconds,
-        flags={"broker": model, "trainer": [*model, "--algo", ALGO]})
+        flags={"broker": model, "trainer": [*model, "--algo", ALGO],
+               "assembler": ["--horizon", str(args.horizon)]})
     row = throughput.measure_stepbus(ENV, setup, spec)
     if not row.steps_per_s:
         raise SystemExit(f"stepbus failed: {row.note}\n{row.detail.get('logs', '')}")
@@ -152,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=10.0, help="stepping before it")
     parser.add_argument("--batch-steps", type=int, default=2048,
                         help="the consuming learner's batch (sets the broker's credit window)")
+    parser.add_argument("--horizon", type=int, default=ATARI_HORIZON,
+                        help="the assembler's --horizon (default: PPO's Atari horizon)")
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch threads of stepbus's broker and learner (--torch-threads)")
     parser.add_argument("--vec-torch-threads", type=int, default=1,

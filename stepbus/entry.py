@@ -15,6 +15,9 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] in PROCESS_COMMANDS:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda signum, frame: EARLY_SIGNALS.append(signum))
+        from stepbus.heap import keep_freed_memory
+
+        keep_freed_memory()  # before the imports allocate: see stepbus/heap.py
     from stepbus.cli import main as cli_main
 
     return cli_main()
