@@ -84,7 +84,8 @@ def measure_stepbus(args: argparse.Namespace) -> dict[str, Any]:
     return {"system": "stepbus", "config": setup.label(), "envs": row.envs,
             "steps_per_s": round(row.steps_per_s), "note": row.note,
             "learner_steps_per_s": row.detail.get("learner_steps_per_s"),
-            "cpu_percent": row.detail.get("cpu_percent")}
+            "cpu_percent": row.detail.get("cpu_percent"),
+            "cpu_us_per_step": row.detail.get("cpu_us_per_step")}
 
 
 class ActingLoop:
