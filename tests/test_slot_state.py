@@ -185,6 +185,35 @@ def test_a_swap_stops_the_learner_starts_one_with_the_new_flags_and_replies_afte
     assert bench.slot.figures()["state"] == "running"
 
 
+def test_a_swap_under_way_when_the_run_ends_is_answered_as_the_slot_leaves(
+        benches: list[Bench]):
+    """The run ending during the probation (or before the new learner started) still answers
+    `stepbus trainer swap`, which would otherwise wait out its timeout."""
+    bench = Bench(LEARNER, args=("--lr", "0.1"))
+    benches.append(bench)
+    bench.at(0.0)
+    bench.slot.deliver(b"", p.TrainerSwap(slot="", args=["--lr", "0.2"]), now=T0 + 1)
+    bench.wait_exit(1.2)
+    bench.at(1.2)
+    second = bench.learner().popen.pid
+    bench.slot.deliver(b"", p.Shutdown(reason="stepbus shutdown"), now=T0 + 2)
+    assert bench.replies() == [p.Reply(ok=True, detail=(
+        f"learner pid {second} ran with --lr 0.1 --lr 0.2 until the slot stopped (stepbus "
+        f"shutdown), before its {slot.PROBATION_S:g}s probation ended"))]
+    assert bench.slot.swaps == 1
+    bench.at(2.0 + slot.PROBATION_S)
+    assert bench.replies() == [], "one answer"
+
+    early = Bench(LEARNER)
+    benches.append(early)
+    early.at(0.0)
+    early.slot.deliver(b"", p.TrainerSwap(slot="", args=["--lr", "0.2"]), now=T0 + 1)
+    early.slot.deliver(b"", p.Shutdown(reason="stepbus shutdown"), now=T0 + 1.1)
+    assert early.replies() == [p.Reply(ok=False, detail=(
+        "the slot stopped (stepbus shutdown) before the new learner started"))]
+    assert early.slot.swaps == 0
+
+
 def test_a_swapped_in_learner_that_exits_in_probation_is_reverted_and_a_refused_swap_stops_nothing(
         benches: list[Bench]):
     bench = Bench(LEARNER)

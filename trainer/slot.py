@@ -125,7 +125,23 @@ class Slot(supervisor.Supervisor):
 
     def leave(self, reason: str) -> None:
         self.cancel("probation")
+        self.answer_swap_on_leaving(reason)
         super().leave(reason)
+
+    def answer_swap_on_leaving(self, reason: str) -> None:
+        """A swap still under way when the slot leaves is answered now, or `stepbus trainer
+        swap` would wait out its timeout for a reply nobody is left to send: done if its
+        learner had started (the run ended during the probation), else not."""
+        if self.swap is None:
+            return
+        started, self.swap = self.swap.started, None
+        if started:
+            self.swaps += 1
+            pid = self.running.popen.pid if self.running else "-"
+            self.reply(True, f"learner pid {pid} ran with {' '.join(self.args)} until the slot "
+                             f"stopped ({reason}), before its {PROBATION_S:g}s probation ended")
+        else:
+            self.reply(False, f"the slot stopped ({reason}) before the new learner started")
 
     def state(self) -> str:
         return "swapping" if self.swap and not self.leaving else super().state()
