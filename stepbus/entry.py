@@ -1,5 +1,6 @@
 """The `stepbus` executable. It catches SIGINT/SIGTERM before the heavy imports, so a process
-that honcho stops while it is still starting exits 0 instead of dying by the signal."""
+that honcho stops while it is still starting exits 0 instead of dying by the signal, and has
+glibc keep freed memory for the next frame (`stepbus/heap.py`)."""
 
 from __future__ import annotations
 
