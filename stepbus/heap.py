@@ -3,10 +3,10 @@
 Atari trajectories are ~1 MB arrays made and freed tens of times a second (received frames,
 trajectory buffers, weights). glibc serves such sizes with mmap, or trims them off its heap
 once freed, so every new one page-faults its memory in afresh: 5,000-8,500 faults a second in
-the learner and 1,500 in the broker at 2 workers x 32 Atari envs, a quarter of the learner's
+the learner and 1,500 in the broker at 2 workers x 32 Atari envs, a fifth of the learner's
 CPU. With the thresholds raised, blocks up to 32 MiB come from the heap and freed ones are kept
-for reuse: the faults fall to ~50 a second. The cost is that a process keeps its peak heap,
-which for these processes is their steady working set.
+for reuse: under 200 faults a second. The cost is that a process keeps its peak heap, which
+for these processes is their steady working set.
 """
 
 from __future__ import annotations
