@@ -26,6 +26,7 @@ MAX_CATEGORIES = 1 << 20  # of all categorical action dimensions together
 # billion numbers would have made them allocate without bound.
 MAX_OBS_NUMBERS = 1 << 22
 
+
 def hello_rows_problem(msg: p.WorkerHello) -> str:
     """Why a hello's rows are unusable (empty if usable): env count in range, agents well
     named. The broker and the relay both take workers by it."""
@@ -100,9 +101,9 @@ def spec_problem(spec: p.SpaceSpec) -> str:
         return f"obs_dtype {spec.obs_dtype}"[:200]
     raw = (sum(math.prod(leaf.shape) for leaf in spec.obs_leaves) if spec.obs_leaves
            else math.prod(spec.obs_shape))
-    if max(raw, spaces.flat_dim(spec)) > MAX_OBS_NUMBERS:
-        return (f"observations of {max(raw, spaces.flat_dim(spec)):,} numbers a row, over "
-                f"{MAX_OBS_NUMBERS:,}")
+    numbers = max(raw, spaces.flat_dim(spec))
+    if numbers > MAX_OBS_NUMBERS:
+        return f"observations of {numbers:,} numbers a row, over {MAX_OBS_NUMBERS:,}"
     if action.kind == "box" and not (
             len(action.shape) < p.MAX_NDIM and all(d > 0 for d in action.shape)
             and len(action.low) == len(action.high) == math.prod(action.shape)):

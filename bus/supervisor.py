@@ -217,6 +217,10 @@ class ChildPipes:
                 with contextlib.suppress(OSError):
                     os.close(fd)
 
+    def close_all(self) -> None:
+        """Both ends of every pipe: the child was never started."""
+        self.close((*self.child_ends(), self.err_read, self.beats))
+
     def running(self, process: ChildProcess, now: float) -> Running:
         """The parent's side once the child has its ends (closed here)."""
         self.close(self.child_ends())
@@ -259,7 +263,7 @@ def fork_first(entry: Callable[[], int], beat_env: str, now: float) -> Running |
     try:
         pid = os.fork()
     except OSError:
-        pipes.close((*pipes.child_ends(), pipes.err_read, pipes.beats))
+        pipes.close_all()
         return None
     if pid == 0:
         _run_forked(entry, pipes, parent)
@@ -328,7 +332,7 @@ class Supervisor(node.Process):
                                      stderr=pipes.err_write, pass_fds=pipes.child_ends(),
                                      preexec_fn=functools.partial(_die_with_parent, os.getpid()))
         except (OSError, subprocess.SubprocessError) as exc:  # no memory or pids left, say
-            pipes.close((*pipes.child_ends(), pipes.err_read, pipes.beats))
+            pipes.close_all()
             self.could_not_start(exc, now)
             return
         self.begin(pipes.running(popen, now), now)

@@ -101,8 +101,7 @@ class Slot(supervisor.Supervisor):
         if self.swap is None or not self.swap.started:
             return
         self.swaps += 1
-        self.reply(True, f"learner pid {self.running.popen.pid if self.running else '-'} "
-                         f"running with {' '.join(self.args) or 'the default settings'}")
+        self.reply(True, f"learner pid {self.learner_pid()} running with {self.settings()}")
         self.swap = None
 
     def revert_swap(self, ran: float, code: int, now: float) -> None:
@@ -113,6 +112,12 @@ class Slot(supervisor.Supervisor):
         self.reply(False, f"the new learner {supervisor.describe_exit(code)} after {ran:.1f}s "
                           "(its log is above); back to the previous settings")
         self.at("restart", now, self.start_child)
+
+    def learner_pid(self) -> int | str:
+        return self.running.popen.pid if self.running else "-"
+
+    def settings(self) -> str:
+        return " ".join(self.args) or "the default settings"
 
     def reply(self, ok: bool, detail: str) -> None:
         (self.log.info if ok else self.log.error)("swap: %s", detail)
@@ -137,9 +142,9 @@ class Slot(supervisor.Supervisor):
         started, self.swap = self.swap.started, None
         if started:
             self.swaps += 1
-            pid = self.running.popen.pid if self.running else "-"
-            self.reply(True, f"learner pid {pid} ran with {' '.join(self.args)} until the slot "
-                             f"stopped ({reason}), before its {PROBATION_S:g}s probation ended")
+            self.reply(True, f"learner pid {self.learner_pid()} ran with {self.settings()} until "
+                             f"the slot stopped ({reason}), before its {PROBATION_S:g}s "
+                             "probation ended")
         else:
             self.reply(False, f"the slot stopped ({reason}) before the new learner started")
 

@@ -49,7 +49,7 @@ HELLO_INTERVAL_S = node.HEARTBEAT_INTERVAL_S
 # or a vector client that has not reset yet, never answers: after FIRST_HELLOS_FOR_S the
 # interval is the usual one.
 FIRST_HELLO_INTERVAL_S = node.DISCOVER_INTERVAL_S
-FIRST_HELLOS_FOR_S = 3.0
+FIRST_HELLOS_FOR_S = node.DISCOVER_QUICK_FOR_S
 
 
 def _default_name() -> str:
