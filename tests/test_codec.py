@@ -2,7 +2,8 @@
 their refusals, field annotations checked when a message class is defined, a corpus of
 malformed messages (cost bombs at the bounds included) that must each be refused with exactly
 one `ProtocolError`, the msgpack-numpy pickle attack, byte and structural mutation fuzzing, a
-bound of 10 ms of CPU per rejection, and errors as data raised again at the CLI."""
+bound on the CPU per rejection (10 unpacks of a reference header), and errors as data raised
+again at the CLI."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import dataclasses
 import math
 import pickle
 import random
-import statistics
 import struct
 import threading
 import time
@@ -1162,38 +1162,52 @@ def test_random_bytes_decode_or_raise_protocol_error(frames: list[bytes]) -> Non
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. Cost: every rejection takes under 10 ms of CPU (the bound per hostile message).
+# 5. Cost: every rejection takes under 10 reference unpacks of CPU (the bound per hostile message).
 
-REJECTION_BUDGET_S = 0.010
+# The machine's speed, measured beside each rejection: 4,000 step records, one plain header of
+# legitimate shape, unpack in 1.0 ms of CPU on the 2-core development VM.
+REFERENCE_HEADER = msgpack.packb(
+    [{"step": i, "reward": i + 0.5, "done": False} for i in range(4000)])
+REJECTION_BUDGET_REFERENCES = 10  # 10 ms where the reference takes 1.0 ms
 
 
-def rejection_cpu_s(frames: list[Any], runs: int = 5) -> float:
-    """Median CPU time of this thread to refuse `frames`, freeing the refused header included.
+def rejection_cost(cases: list[tuple[str, list[Any]]], rounds: int = 7) -> dict[str, float]:
+    """Least CPU time of this thread to refuse each case, freeing the refused header included,
+    over the CPU time of the reference unpack just before it.
 
     CPU time, not wall time: the bound is on the decoder's own work, and wall time on a
-    2-core machine running other tests measured 4x the CPU time for the same call.
+    2-core machine running other tests measured 4x the CPU time for the same call. Over the
+    reference, because a VM's CPU time moves with its host: the slowest case here took 2.5 ms
+    in one run and 6 ms in the next with the machine otherwise idle, and CI once measured
+    11.6 ms, while its ratio to the reference stayed between 2.9 and 3.8. The least of rounds
+    spread over the whole test, because a burst of load can last several runs in a row.
     """
-    times = []
-    for _ in range(runs):
-        start = time.thread_time()
-        with contextlib.suppress(p.ProtocolError):
-            p.decode(frames)
-        times.append(time.thread_time() - start)
-    return statistics.median(times)
+    ratios: dict[str, float] = {}
+    for _ in range(rounds):
+        for name, frames in cases:
+            start = time.thread_time()
+            msgpack.unpackb(REFERENCE_HEADER)
+            reference = time.thread_time() - start
+            start = time.thread_time()
+            with contextlib.suppress(p.ProtocolError):
+                p.decode(frames)
+            ratio = (time.thread_time() - start) / max(reference, 1e-6)
+            ratios[name] = min(ratios.get(name, math.inf), ratio)
+    return ratios
 
 
-def test_every_rejection_in_the_corpus_takes_under_ten_milliseconds_of_cpu(
+def test_every_rejection_in_the_corpus_costs_under_ten_reference_unpacks(
         tmp_path: Path) -> None:
     """The corpus holds cost bombs at the bounds (FILL); the slowest, 12,000 new map keys that
-    msgpack must intern, measured 1.9 ms, so 10 ms leaves room for a slower CI machine while
-    the same bombs without the bounds (1 MiB headers, no container budget, per-item checks)
-    measured 60 to 700 ms and would fail."""
+    msgpack must intern, costs 3 to 4 reference unpacks, so 10 leaves room, while the same
+    bombs without the bounds (1 MiB headers, no container budget, per-item checks) measured 60
+    to 700 ms, 60 to 700 references, and would fail."""
     cases = [(name, frames) for name, frames, _ in CORPUS_CASES]
     cases += [(f"pickle {where}", attack(payload(tmp_path / "pwned")))
               for where, attack in ATTACKS.items()]
-    times = {name: rejection_cpu_s(frames) for name, frames in cases}
-    slow = {name: f"{t * 1e3:.1f} ms" for name, t in times.items() if t >= REJECTION_BUDGET_S}
-    assert not slow, f"rejections over {REJECTION_BUDGET_S * 1e3:g} ms of CPU: {slow}"
+    ratios = rejection_cost(cases)
+    slow = {name: f"{r:.1f}" for name, r in ratios.items() if r >= REJECTION_BUDGET_REFERENCES}
+    assert not slow, f"rejections over {REJECTION_BUDGET_REFERENCES} reference unpacks: {slow}"
 
 
 # ---------------------------------------------------------------------------------------------
