@@ -230,6 +230,7 @@ class Controller(node.Process):
             if known is not None:
                 del self.peers.by_id[peer]
                 self.log.info("%s %s left", msg.role, msg.name)
+                self.fail_swap_of_gone_slot(f"trainer slot {msg.name} left")
             return
         if known is None:
             known = self.peers.by_id[peer] = Peer(msg.role, msg.name, msg.host, msg.pid, now, now)
@@ -274,6 +275,8 @@ class Controller(node.Process):
         for peer in self.peers.expire(now):
             self.log.warning("%s %s expired (silent %.1fs)", peer.role, peer.name,
                              now - peer.last_seen)
+            self.fail_swap_of_gone_slot(
+                f"trainer slot {peer.name} went silent for {now - peer.last_seen:.1f}s")
         if self.peers.by_id:
             self.at("purge", self.peers.next_expiry(), self.purge)
 
@@ -365,6 +368,17 @@ class Controller(node.Process):
                         claims=registered.name if registered is not None else "")
             return
         self.send("router", msg, to=self.pending_swap.requester)
+        self.pending_swap = None
+        self.cancel("swap")
+
+    def fail_swap_of_gone_slot(self, what: str) -> None:
+        """A swap whose slot is gone fails now: no answer can come, and the CLI would wait
+        out SWAP_TIMEOUT_S for nothing (a slot killed with SIGKILL says no goodbye)."""
+        pending = self.pending_swap
+        if pending is None or pending.slot in self.peers.by_id:
+            return
+        self.send("router", p.Reply(ok=False, detail=(
+            f"{what} before answering the swap")), to=pending.requester)
         self.pending_swap = None
         self.cancel("swap")
 

@@ -223,6 +223,32 @@ def test_a_swap_the_slot_does_not_answer_in_time_fails():
     assert bench.to(b"s1") == [p.TrainerSwap(slot="", args=[])], "the next swap may start"
 
 
+def test_a_swap_whose_slot_leaves_or_goes_silent_fails_at_once():
+    """A slot killed mid-swap (SIGKILL: no goodbye) is found by its silence; the CLI hears
+    so then, not after SWAP_TIMEOUT_S."""
+    bench = Bench()
+    bench.beat(b"s1", "slot", T0)
+    bench.beat(b"w0", "worker", T0)
+    bench.ctl.deliver(b"cli", p.TrainerSwap(slot="", args=[]), now=T0)
+    bench.out.take()
+    bench.beat(b"w0", "worker", T0 + controller.LIVENESS_S)
+    bench.ctl.run_timers(T0 + controller.LIVENESS_S + 0.1)
+    assert bench.to(b"cli") == [p.Reply(ok=False, detail=(
+        f"trainer slot s1 went silent for {controller.LIVENESS_S + 0.1:.1f}s before answering "
+        "the swap"))]
+    bench.ctl.run_timers(T0 + controller.SWAP_TIMEOUT_S + 1)
+    assert bench.to(b"cli") == [], "answered once, not again at the deadline"
+
+    bench.beat(b"s2", "slot", T0 + 40)
+    bench.ctl.deliver(b"cli", p.TrainerSwap(slot="", args=[]), now=T0 + 40)
+    assert bench.to(b"s2") == [p.TrainerSwap(slot="", args=[])], "the next swap may start"
+    bench.beat(b"w0", "worker", T0 + 40.5, leaving=True)
+    assert bench.to(b"cli") == [], "another process leaving is not the slot"
+    bench.beat(b"s2", "slot", T0 + 41, leaving=True)
+    assert bench.to(b"cli") == [p.Reply(
+        ok=False, detail="trainer slot s2 left before answering the swap")]
+
+
 def test_shutdown_is_rebroadcast_and_the_controller_exits_once_every_process_left():
     bench = Bench()
     for ident, role in ((b"broker", "broker"), (b"w0", "worker"), (b"watch", "cli")):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -145,6 +147,29 @@ def test_a_frozen_learner_is_killed_by_its_slot_and_replaced(cluster: Cluster):
     assert cluster.cli("shutdown").returncode == 0
     codes = {name: proc.wait(30) for name, proc in procs.items()}
     assert codes == dict.fromkeys(procs, 0), cluster.dump()
+
+
+def test_a_swap_whose_slot_is_killed_fails_once_the_slot_falls_silent(cluster: Cluster):
+    """SIGKILL leaves no goodbye: the controller answers the swap when the slot's heartbeats
+    stop, not at its own 30 s deadline (the command's --timeout is longer still)."""
+    controller = cluster.start("controller")
+    cluster.start("trainer")
+    slot = wait_for(lambda: row(cluster, "slot").get("pid") and row(cluster, "slot"), 30,
+                    "the trainer slot in stepbus status")
+    swap = subprocess.Popen(
+        [sys.executable, "-m", "stepbus", "trainer", "swap", "--timeout", "60", "--lr", "0.001"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cluster.env(),
+        cwd=cluster.dir)
+    try:
+        wait_for(lambda: "trainer swap in slot" in controller.output(), 30,
+                 "the controller to hand the swap to the slot")
+        os.kill(slot["pid"], signal.SIGKILL)  # within the swap's 3 s probation at the least
+        out, _ = swap.communicate(timeout=60)
+    finally:
+        swap.kill()
+    assert swap.returncode == 1, out
+    assert f"trainer slot {slot['name']} went silent for" in out, out
+    assert "before answering the swap" in out, out
 
 
 def test_a_learner_killed_with_the_assembler_at_its_bound_does_not_stall_the_run(
