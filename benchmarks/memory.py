@@ -195,12 +195,41 @@ def wait(pipeline: tp.Pipeline, seconds: float) -> None:
         time.sleep(min(1.0, left))
 
 
+@dataclasses.dataclass
+class Measured:
+    """What one run measured, for the report: every process's track and the pipeline's
+    figures over the run."""
+
+    tracks: list[Track]
+    queues: list[tuple[float, dict[str, Any]]]  # (s, queue_figures), with --json only
+    rate: float | None  # steps/s over the run
+    other: float  # other processes' CPU over the run, % of one core
+    learner_then: dict | None  # the learner's status row at the first sample
+    learner_now: dict | None  # and at the last
+
+
 def run(args: argparse.Namespace) -> int:
     info = tp.machine()
+    setup = tp.Setup(args.workers, args.envs)
+    measured = measure(args, setup)
+    load_after = os.getloadavg()
+    print_run(args, info, setup, measured, load_after)
+    failed = print_verdicts(measured.tracks, args.limit)
+    if args.json is not None:
+        args.json.write_text(json.dumps({
+            "machine": info, "load_after": load_after, "command": sys.argv,
+            "steps_per_s": measured.rate, "other_load_percent": round(measured.other),
+            "processes": [dataclasses.asdict(t) for t in measured.tracks],
+            "status": measured.queues}, indent=1))
+    return 1 if failed and args.strict else 0
+
+
+def measure(args: argparse.Namespace, setup: tp.Setup) -> Measured:
+    """Start the pipeline, warm it up, then sample every process of it to the end of the run;
+    every process started is killed on every way out."""
     group = tp.Group()
     pipeline = None
     flags = {"trainer": ["--algo", PPO]} if args.learner == "ppo" else {}
-    setup = tp.Setup(args.workers, args.envs)
     try:
         pipeline = tp.Pipeline(group, args.env, setup, args.transport, args.batch_steps, flags)
         pipeline.wait_ready(30 + 3 * args.workers)
@@ -211,24 +240,7 @@ def run(args: argparse.Namespace) -> int:
         t_first, rows0 = pipeline.full_status()
         steps0 = assembler_steps_at(t_first, rows0)
         meter = tp.LoadMeter(pgids)
-        queues: list[tuple[float, dict[str, Any]]] = []
-        t0 = time.monotonic()
-        duration = args.minutes * 60
-        next_print = t0 + 60
-        while True:
-            now = time.monotonic() - t0
-            sample(tracks, now)
-            if args.json is not None:  # what each process holds, to set against its RSS
-                with contextlib.suppress(TimeoutError):
-                    queues.append((now, queue_figures(pipeline.status(1.0)[1])))
-            if now >= duration:
-                break
-            if time.monotonic() >= next_print:
-                next_print += 60
-                print(f"# {now / 60:.0f} min: " + ", ".join(
-                    f"{t.role}:{t.name[:8]} {t.end / 1024:.0f}" for t in tracks if t.samples)
-                    + " MiB", file=sys.stderr, flush=True)
-            wait(pipeline, min(args.interval, duration - now))
+        queues = sample_run(pipeline, tracks, args)
         t_last, rows1 = pipeline.full_status()
         steps1 = assembler_steps_at(t_last, rows1)
         other = meter.other_percent()
@@ -240,7 +252,38 @@ def run(args: argparse.Namespace) -> int:
             pipeline.close()
     rate = ((steps1[1] - steps0[1]) / max(steps1[0] - steps0[0], 1e-9)
             if steps0 and steps1 else None)
-    load_after = os.getloadavg()
+    return Measured(tracks, queues, rate, other, learner_then, learner_now)
+
+
+def sample_run(pipeline: tp.Pipeline, tracks: list[Track],
+               args: argparse.Namespace) -> list[tuple[float, dict[str, Any]]]:
+    """Sample every track each `--interval` s for `--minutes`, with a line a minute on stderr
+    so a long run shows it is alive; returns what each process held at each sample (with
+    `--json` only)."""
+    queues: list[tuple[float, dict[str, Any]]] = []
+    t0 = time.monotonic()
+    duration = args.minutes * 60
+    next_print = t0 + 60
+    while True:
+        now = time.monotonic() - t0
+        sample(tracks, now)
+        if args.json is not None:  # what each process holds, to set against its RSS
+            with contextlib.suppress(TimeoutError):
+                queues.append((now, queue_figures(pipeline.status(1.0)[1])))
+        if now >= duration:
+            break
+        if time.monotonic() >= next_print:
+            next_print += 60
+            print(f"# {now / 60:.0f} min: " + ", ".join(
+                f"{t.role}:{t.name[:8]} {t.end / 1024:.0f}" for t in tracks if t.samples)
+                + " MiB", file=sys.stderr, flush=True)
+        wait(pipeline, min(args.interval, duration - now))
+    return queues
+
+
+def print_run(args: argparse.Namespace, info: dict[str, Any], setup: tp.Setup,
+              measured: Measured, load_after: tuple[float, float, float]) -> None:
+    """The machine, the command and the setup the table was measured on, then the table."""
     print(f"date: {info['date']}")
     print(f"machine: {info['cores']} cores, {info['cpu']}, Python {info['python']}, numpy "
           f"{info['numpy']}, pyzmq {info['pyzmq']} / libzmq {info['libzmq']}, gymnasium "
@@ -249,26 +292,26 @@ def run(args: argparse.Namespace) -> int:
           .format(*info["load"], *load_after))
     print(f"command: {shlex.join([Path(sys.executable).name, *sys.argv])}")
     learner = CONSUME_OR_PPO[args.learner]
+    tracks, rate = measured.tracks, measured.rate
     print(f"setup: {args.env}, {setup.label()}, {args.transport} endpoints, learner {learner}, "
           f"batch {args.batch_steps}; {args.warmup:g} s warm-up, then {args.minutes:g} min "
           f"sampled every {args.interval:g} s ({len(tracks[0].samples)} samples); "
-          f"other processes' CPU over the run {other:.0f}% of one core")
+          f"other processes' CPU over the run {measured.other:.0f}% of one core")
     print(f"steps/s over the run: {rate:.0f}" if rate else "steps/s over the run: -")
-    if (learner_then and learner_now and learner_then.get("pid") != learner_now.get("pid")):
-        print(f"note: the learner was replaced during the run (pid {learner_then.get('pid')} -> "
-              f"{learner_now.get('pid')}); its row is the first one's")
+    then, now = measured.learner_then, measured.learner_now
+    if then and now and then.get("pid") != now.get("pid"):
+        print(f"note: the learner was replaced during the run (pid {then.get('pid')} -> "
+              f"{now.get('pid')}); its row is the first one's")
     print(table(tracks, args.limit))
-    failed = [t for t in tracks if t.verdict(args.limit) != "PASS"]
+
+
+def print_verdicts(tracks: list[Track], limit: float) -> list[Track]:
+    """Prints how many processes stayed within `limit`; returns those that did not."""
+    failed = [t for t in tracks if t.verdict(limit) != "PASS"]
     print(f"verdict: {len(tracks) - len(failed)} of {len(tracks)} processes within "
-          f"{args.limit:g}% of their after-warm-up RSS (growth and peak)"
+          f"{limit:g}% of their after-warm-up RSS (growth and peak)"
           + (f"; over: {', '.join(f'{t.role}:{t.name}' for t in failed)}" if failed else ""))
-    if args.json is not None:
-        args.json.write_text(json.dumps({
-            "machine": info, "load_after": load_after, "command": sys.argv,
-            "steps_per_s": rate, "other_load_percent": round(other),
-            "processes": [dataclasses.asdict(t) for t in tracks], "status": queues},
-            indent=1))
-    return 1 if failed and args.strict else 0
+    return failed
 
 
 CONSUME_OR_PPO = {"consume": tp.CONSUME, "ppo": PPO}

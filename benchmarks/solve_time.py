@@ -284,7 +284,7 @@ def median_line(name: str, results: list[dict]) -> str:
             f"{statistics.median(steps) if steps else 0:.0f}; solved {solved}/{len(results)}")
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="seeds 0..runs-1 for each system")
     parser.add_argument("--workers", type=int, default=1)
@@ -302,13 +302,31 @@ def main() -> int:
     parser.add_argument("--wait-max-s", type=float, default=900.0,
                         help="the longest --wait-load waits before running anyway")
     parser.add_argument("--sb3-child", type=int, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     if args.sb3_child is not None:
         return sb3_child(args.sb3_child, args.sb3_torch_threads)
     signal.signal(signal.SIGTERM, _exit_on_signal)  # so every `finally` ends what it started
     sb3_python = args.sb3_python or sys.executable
     sb3 = not args.no_sb3 and sb3_importable(sb3_python)
     load_before = os.getloadavg()
+    results = alternate_runs(args, sb3, sb3_python)
+    load_after = os.getloadavg()
+    print(f"date: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}; {os.cpu_count()} cores; load average "
+          "(1, 5, 15 min) before {:.2f} {:.2f} {:.2f}, after {:.2f} {:.2f} {:.2f}"
+          .format(*load_before, *load_after))
+    print(f"stepbus python: {sys.executable} (torch importable, so its learner imports it via "
+          f"tensorboardX: {torch_importable()}); SB3 python: {sb3_python}")
+    print_medians(args, sb3, sb3_python, results)
+    return 0
+
+
+def alternate_runs(args: argparse.Namespace, sb3: bool, sb3_python: str) -> dict[str, list[dict]]:
+    """Every run, stepbus and SB3 taking turns seed by seed so a change in machine load hits
+    both alike; one JSON line printed per run as it ends."""
     results: dict[str, list[dict]] = {"stepbus": [], "sb3": []}
     for seed in range(args.runs):
         runs = [("stepbus", lambda s=seed: one_run(s, args.workers, args.timeout_s,
@@ -324,12 +342,12 @@ def main() -> int:
             r.update(quiet)
             results[system].append(r)
             print(json.dumps(r), flush=True)
-    load_after = os.getloadavg()
-    print(f"date: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}; {os.cpu_count()} cores; load average "
-          "(1, 5, 15 min) before {:.2f} {:.2f} {:.2f}, after {:.2f} {:.2f} {:.2f}"
-          .format(*load_before, *load_after))
-    print(f"stepbus python: {sys.executable} (torch importable, so its learner imports it via "
-          f"tensorboardX: {torch_importable()}); SB3 python: {sb3_python}")
+    return results
+
+
+def print_medians(args: argparse.Namespace, sb3: bool, sb3_python: str,
+                  results: dict[str, list[dict]]) -> None:
+    """Each system's median line and their ratio, or why SB3 was not measured."""
     print(median_line(f"stepbus honcho start -> exit ({args.workers} worker(s)"
                       f"{', deterministic' if args.deterministic else ''})", results["stepbus"])
           + f"; all exit 0: {all(r['rc'] == 0 for r in results['stepbus'])}")
@@ -344,7 +362,6 @@ def main() -> int:
         ours = statistics.median(r["wall_s"] for r in results["stepbus"])
         theirs = statistics.median(r["wall_s"] for r in results["sb3"])
         print(f"stepbus / SB3 median wall time: {ours / theirs:.2f}")
-    return 0
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:

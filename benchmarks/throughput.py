@@ -381,6 +381,23 @@ def _counts(t: float, rows: list[dict]) -> dict[str, tuple[float, float]]:
     return out
 
 
+@dataclasses.dataclass
+class Edge:
+    """One end of a measured window: when the controller's status came, its rows, and the CPU
+    seconds each process (role:name) had used so far, in all and in libzmq's I/O threads."""
+
+    t: float
+    rows: list[dict]
+    cpu: dict[str, float | None]
+    zmq: dict[str, float]
+
+
+def window_edge(t: float, rows: list[dict], pids: dict[str, int]) -> Edge:
+    cpu = {k: cpu_seconds(pid) for k, pid in pids.items()}
+    zmq = {k: _zmq_threads(pid) for k, pid in pids.items()}
+    return Edge(t, rows, cpu, zmq)
+
+
 def measure_stepbus(env: str, setup: Setup, args: argparse.Namespace,
                     on_running: Callable[[list[dict]], Callable[[], None]] | None = None) -> Row:
     """One stepbus figure; `on_running(status rows)` is called as the window opens (a profiler)
@@ -394,47 +411,17 @@ def measure_stepbus(env: str, setup: Setup, args: argparse.Namespace,
         t0, rows0 = pipeline.full_status()
         pids = {f"{r['role']}:{r['name']}": r["pid"] for r in rows0 if isinstance(r.get("pid"),
                                                                                    int)}
-        cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()}
-        zmq0 = {k: _zmq_threads(pid) for k, pid in pids.items()}
+        start = window_edge(t0, rows0, pids)
         meter = LoadMeter({proc.pid for proc in group.procs})
         window_closed = on_running(rows0) if on_running is not None else None
         time.sleep(args.seconds)
         pipeline.check_alive()
         t1, rows1 = pipeline.full_status()
-        cpu1 = {k: cpu_seconds(pid) for k, pid in pids.items()}
-        zmq1 = {k: _zmq_threads(pid) for k, pid in pids.items()}
+        end = window_edge(t1, rows1, pids)
         other = meter.other_percent()
         if window_closed is not None:
             window_closed()
-        c0, c1 = _counts(t0, rows0), _counts(t1, rows1)
-        rates = {role: (c1[role][1] - c0[role][1]) / max(c1[role][0] - c0[role][0], 1e-9)
-                 for role in c0.keys() & c1.keys()}
-        window = t1 - t0
-        cpu = {k: round(100 * (cpu1[k] - cpu0[k]) / window)
-               for k in pids if cpu0[k] is not None and cpu1[k] is not None}
-        # of which libzmq's I/O threads (the rest is the Python thread)
-        zmq_io = {k: round(100 * (zmq1[k] - zmq0[k]) / window) for k in cpu}
-        # The assembler's count; the learner's if the assembler's row was missing both times.
-        rate = rates.get("assembler") or rates.get("trainer") or 0.0
-        by_role: dict[str, float] = {}  # CPU % of one core, all processes of a role together
-        for key, percent in cpu.items():
-            role = key.split(":")[0]
-            by_role[role] = by_role.get(role, 0) + percent
-        # CPU per step: how far each role is from saturating its core(s), even on a busy machine
-        us_per_step = {role: round(1e4 * percent / rate, 1) if rate else None
-                       for role, percent in by_role.items()}
-        busiest = sorted(cpu.items(), key=lambda kv: -kv[1])[:2]
-        broker = _row(rows1, "broker") or {}
-        return Row("", "stepbus", setup.label(), setup.workers * setup.envs_per_worker,
-                   rate or None,
-                   f"other load {other:.0f}%; cpu " + ", ".join(
-                       f"{k.split(':')[0]} {v}%" for k, v in busiest),
-                   {"other_load_percent": round(other),
-                    "learner_steps_per_s": round(rates.get("trainer", 0.0)),
-                    "broker_steps_per_s": broker.get("steps_per_s"), "cpu_percent": cpu,
-                    "cpu_us_per_step": us_per_step, "zmq_io_thread_percent": zmq_io,
-                    "outstanding": broker.get("outstanding_steps"),
-                    "credit_window": broker.get("credit_window")})
+        return stepbus_row(setup, start, end, other)
     except (RuntimeError, TimeoutError) as exc:
         return Row("", "stepbus", setup.label(), setup.workers * setup.envs_per_worker,
                    None, f"failed: {str(exc).splitlines()[0]}",
@@ -443,6 +430,44 @@ def measure_stepbus(env: str, setup: Setup, args: argparse.Namespace,
         group.close()
         if pipeline is not None:
             pipeline.close()
+
+
+def stepbus_row(setup: Setup, start: Edge, end: Edge, other: float) -> Row:
+    """The figures of one window: steps/s, and the CPU each process and role used for them;
+    `other`: the CPU processes outside the pipeline used meanwhile (% of one core)."""
+    c0, c1 = _counts(start.t, start.rows), _counts(end.t, end.rows)
+    rates = {role: (c1[role][1] - c0[role][1]) / max(c1[role][0] - c0[role][0], 1e-9)
+             for role in c0.keys() & c1.keys()}
+    window = end.t - start.t
+    cpu = {k: round(100 * (end.cpu[k] - start.cpu[k]) / window)
+           for k in start.cpu if start.cpu[k] is not None and end.cpu[k] is not None}
+    # of which libzmq's I/O threads (the rest is the Python thread)
+    zmq_io = {k: round(100 * (end.zmq[k] - start.zmq[k]) / window) for k in cpu}
+    # The assembler's count; the learner's if the assembler's row was missing both times.
+    rate = rates.get("assembler") or rates.get("trainer") or 0.0
+    busiest = sorted(cpu.items(), key=lambda kv: -kv[1])[:2]
+    broker = _row(end.rows, "broker") or {}
+    return Row("", "stepbus", setup.label(), setup.workers * setup.envs_per_worker,
+               rate or None,
+               f"other load {other:.0f}%; cpu " + ", ".join(
+                   f"{k.split(':')[0]} {v}%" for k, v in busiest),
+               {"other_load_percent": round(other),
+                "learner_steps_per_s": round(rates.get("trainer", 0.0)),
+                "broker_steps_per_s": broker.get("steps_per_s"), "cpu_percent": cpu,
+                "cpu_us_per_step": cpu_us_per_step(cpu, rate), "zmq_io_thread_percent": zmq_io,
+                "outstanding": broker.get("outstanding_steps"),
+                "credit_window": broker.get("credit_window")})
+
+
+def cpu_us_per_step(cpu: dict[str, int], rate: float) -> dict[str, float | None]:
+    """CPU per step of each role, all its processes together (`cpu`: % of one core by
+    role:name): how far each role is from saturating its core(s), even on a busy machine."""
+    by_role: dict[str, float] = {}
+    for key, percent in cpu.items():
+        role = key.split(":")[0]
+        by_role[role] = by_role.get(role, 0) + percent
+    return {role: round(1e4 * percent / rate, 1) if rate else None
+            for role, percent in by_role.items()}
 
 
 # ----------------------------------------------------------------------------- profiles
@@ -585,78 +610,104 @@ def peer_main(spec: dict[str, Any]) -> int:
     rng = np.random.default_rng(0)
     make = functools.partial(make_env, env_id)
     if kind == "loop":
-        env = make()
-        actions = rng.integers(_action_n(env), size=4096).tolist()
-        env.reset(seed=0)
-        counter = itertools.count()
-
-        def step() -> None:
-            _, _, terminated, truncated, _ = env.step(actions[next(counter) & 4095])
-            if terminated or truncated:
-                env.reset()
-
-        rate, other = _timed(step, 1, seconds, warmup)
+        rate, other = _loop_peer(make, rng, seconds, warmup)
     elif kind == "async":
-        import gymnasium as gym
-
-        vec = gym.vector.AsyncVectorEnv([make] * n, shared_memory=spec.get("shared", True),
-                                        context=method)
-        try:
-            vec.reset(seed=0)
-            rate, other = _timed_actions(
-                vec.step, rng.integers(int(vec.single_action_space.n), size=(256, n)), n,
-                seconds, warmup)
-        finally:
-            vec.close(terminate=True)
+        rate, other = _async_peer(make, n, method, spec.get("shared", True), rng, seconds,
+                                  warmup)
     elif kind == "sb3":
-        from stable_baselines3.common.vec_env import SubprocVecEnv
-
-        vec = SubprocVecEnv([make] * n, start_method=method)
-        try:
-            vec.reset()
-            rate, other = _timed_actions(
-                vec.step, rng.integers(int(vec.action_space.n), size=(256, n)), n, seconds,
-                warmup)
-        finally:
-            vec.close()
+        rate, other = _sb3_peer(make, n, method, rng, seconds, warmup)
     elif kind == "puffer":
-        import pufferlib.emulation
-        import pufferlib.vector
-
-        def creator(**kwargs: Any) -> Any:
-            return pufferlib.emulation.GymnasiumPufferEnv(env_creator=make)
-
-        vec = pufferlib.vector.make(creator, num_envs=n, num_workers=spec["workers"],
-                                    batch_size=n // 2 or 1,
-                                    backend=pufferlib.vector.Multiprocessing)
-        try:
-            vec.async_reset(0)
-            batch = n // 2 or 1
-
-            def recv_send(actions: np.ndarray) -> None:
-                vec.recv()
-                vec.send(actions)
-
-            rate, other = _timed_actions(recv_send, rng.integers(2, size=(256, batch)), batch,
-                                         seconds, warmup)
-        finally:
-            vec.close()
+        rate, other = _puffer_peer(make, n, spec["workers"], rng, seconds, warmup)
     elif kind == "envpool":
-        import envpool
-
-        pool = envpool.make_gymnasium(env_id, num_envs=n, batch_size=n // 2 or 1)
-        try:
-            pool.async_reset()
-            batch = n // 2 or 1
-            rate, other = _timed_actions(
-                lambda actions: pool.send(actions, pool.recv()[-1]["env_id"]),
-                rng.integers(2, size=(256, batch)), batch, seconds, warmup)
-        finally:
-            pool.close()
+        rate, other = _envpool_peer(env_id, n, rng, seconds, warmup)
     else:
         raise SystemExit(f"unknown peer kind {kind}")
     print(json.dumps({"steps_per_s": rate, "other_load_percent": round(other)}), flush=True)
     return 0
+
+
+def _loop_peer(make: Callable[[], Any], rng: np.random.Generator, seconds: float,
+               warmup: float) -> tuple[float, float]:
+    """One process stepping one env in a loop: the per-core ceiling."""
+    env = make()
+    actions = rng.integers(_action_n(env), size=4096).tolist()
+    env.reset(seed=0)
+    counter = itertools.count()
+
+    def step() -> None:
+        _, _, terminated, truncated, _ = env.step(actions[next(counter) & 4095])
+        if terminated or truncated:
+            env.reset()
+
+    return _timed(step, 1, seconds, warmup)
+
+
+def _async_peer(make: Callable[[], Any], n: int, method: str, shared: bool,
+                rng: np.random.Generator, seconds: float, warmup: float) -> tuple[float, float]:
+    import gymnasium as gym
+
+    vec = gym.vector.AsyncVectorEnv([make] * n, shared_memory=shared, context=method)
+    try:
+        vec.reset(seed=0)
+        return _timed_actions(
+            vec.step, rng.integers(int(vec.single_action_space.n), size=(256, n)), n,
+            seconds, warmup)
+    finally:
+        vec.close(terminate=True)
+
+
+def _sb3_peer(make: Callable[[], Any], n: int, method: str, rng: np.random.Generator,
+              seconds: float, warmup: float) -> tuple[float, float]:
+    from stable_baselines3.common.vec_env import SubprocVecEnv
+
+    vec = SubprocVecEnv([make] * n, start_method=method)
+    try:
+        vec.reset()
+        return _timed_actions(
+            vec.step, rng.integers(int(vec.action_space.n), size=(256, n)), n, seconds,
+            warmup)
+    finally:
+        vec.close()
+
+
+def _puffer_peer(make: Callable[[], Any], n: int, workers: int, rng: np.random.Generator,
+                 seconds: float, warmup: float) -> tuple[float, float]:
+    import pufferlib.emulation
+    import pufferlib.vector
+
+    def creator(**kwargs: Any) -> Any:
+        return pufferlib.emulation.GymnasiumPufferEnv(env_creator=make)
+
+    vec = pufferlib.vector.make(creator, num_envs=n, num_workers=workers,
+                                batch_size=n // 2 or 1,
+                                backend=pufferlib.vector.Multiprocessing)
+    try:
+        vec.async_reset(0)
+        batch = n // 2 or 1
+
+        def recv_send(actions: np.ndarray) -> None:
+            vec.recv()
+            vec.send(actions)
+
+        return _timed_actions(recv_send, rng.integers(2, size=(256, batch)), batch,
+                              seconds, warmup)
+    finally:
+        vec.close()
+
+
+def _envpool_peer(env_id: str, n: int, rng: np.random.Generator, seconds: float,
+                  warmup: float) -> tuple[float, float]:
+    import envpool
+
+    pool = envpool.make_gymnasium(env_id, num_envs=n, batch_size=n // 2 or 1)
+    try:
+        pool.async_reset()
+        batch = n // 2 or 1
+        return _timed_actions(
+            lambda actions: pool.send(actions, pool.recv()[-1]["env_id"]),
+            rng.integers(2, size=(256, batch)), batch, seconds, warmup)
+    finally:
+        pool.close()
 
 
 def _importable(module: str) -> bool:
@@ -752,7 +803,7 @@ def table(rows: list[Row], cores: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenario", choices=("all", *SCENARIOS), default="all")
     parser.add_argument("--seconds", type=float, default=None,
@@ -781,16 +832,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-peers", action="store_true",
                         help="stepbus only (with --profile, or to try one setup)")
     parser.add_argument("--peer", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.peer:
         return peer_main(json.loads(args.peer))
-    flags: dict[str, list[str]] = {}
-    for role, more in args.flags:
-        flags.setdefault(role, []).extend(more)
-    args.flags = flags
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
-    args.seconds = args.seconds or {"smoke": 1.0, "quick": 3.0, "full": 5.0}[mode]
-    args.warmup = args.warmup if args.warmup is not None else (0.25 if args.smoke else 2.0)
+    mode = settle_args(args)
     signal.signal(signal.SIGTERM, _exit_on_signal)  # so every `finally` kills what it started
 
     info = machine()
@@ -798,6 +848,35 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = [s for s in chosen if args.scenario in ("all", s)]
     if not scenarios:
         parser.error(f"--scenario {args.scenario} is not part of the {mode} run")
+    rows = measure_scenarios(scenarios, chosen, args)
+    load_after = os.getloadavg()
+    print_report(info, rows, args, load_after)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"machine": info, "command": sys.argv,
+                                         "rows": [dataclasses.asdict(r) for r in rows]},
+                                        indent=1))
+    failed = [r for r in rows if r.system == "stepbus" and not r.steps_per_s]
+    for r in failed:
+        print(f"\n{r.scenario} {r.config} failed:\n{r.detail.get('logs', '')}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def settle_args(args: argparse.Namespace) -> str:
+    """Gathers `--flags` by role and fills in the window and warm-up the mode defaults to;
+    returns the mode: full, quick or smoke."""
+    flags: dict[str, list[str]] = {}
+    for role, more in args.flags:
+        flags.setdefault(role, []).extend(more)
+    args.flags = flags
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    args.seconds = args.seconds or {"smoke": 1.0, "quick": 3.0, "full": 5.0}[mode]
+    args.warmup = args.warmup if args.warmup is not None else (0.25 if args.smoke else 2.0)
+    return mode
+
+
+def measure_scenarios(scenarios: list[str], chosen: dict[str, Plan],
+                      args: argparse.Namespace) -> list[Row]:
+    """Each scenario's peers (unless --no-peers), then each of its stepbus setups."""
     rows: list[Row] = []
     for scenario in scenarios:
         plan = chosen[scenario]
@@ -812,7 +891,13 @@ def main(argv: list[str] | None = None) -> int:
             row.scenario = scenario
             rows.append(row)
             progress(row)
-    load_after = os.getloadavg()
+    return rows
+
+
+def print_report(info: dict[str, Any], rows: list[Row], args: argparse.Namespace,
+                 load_after: tuple[float, float, float]) -> None:
+    """The machine, the command and the stepbus settings the table was measured with, then
+    the table."""
     cores = int(info["cores"] or 1)
     print(f"date: {info['date']}")
     print(f"machine: {cores} cores, {info['cpu']}, Python {info['python']}, numpy "
@@ -826,14 +911,6 @@ def main(argv: list[str] | None = None) -> int:
           f"window {args.seconds:g} s after {args.warmup:g} s warm-up; "
           f"heavy ideal {heavy_ideal(cores):.0f} steps/s")
     print(table(rows, cores))
-    if args.json is not None:
-        args.json.write_text(json.dumps({"machine": info, "command": sys.argv,
-                                         "rows": [dataclasses.asdict(r) for r in rows]},
-                                        indent=1))
-    failed = [r for r in rows if r.system == "stepbus" and not r.steps_per_s]
-    for r in failed:
-        print(f"\n{r.scenario} {r.config} failed:\n{r.detail.get('logs', '')}", file=sys.stderr)
-    return 1 if failed else 0
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:

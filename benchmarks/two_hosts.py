@@ -30,6 +30,7 @@ from pathlib import Path
 
 CONSUME = "stepbus.trainer.consume:ConsumeOnly"
 ROLES_A = ("controller", "broker", "assembler", "trainer")
+STEPBUS = (sys.executable, "-m", "stepbus")
 
 
 def ip(*args: str) -> None:
@@ -66,71 +67,94 @@ def measure(label: str, args: argparse.Namespace, address: str, on_a: tuple[str,
     env |= {"STEPBUS_LOG_LEVEL": "WARNING", "STEPBUS_RUNS_DIR": str(workdir / "runs")}
     endpoints = {f"STEPBUS_{name}": f"tcp://{address}:{7340 + i}" for i, name in enumerate(
         ("CONTROLLER", "BROADCAST", "STEPS", "POLICY", "EXPERIENCE", "TRAJECTORIES", "RECEIPTS"))}
-    stepbus = [sys.executable, "-m", "stepbus"]
     try:
-        worker_env = env | {"STEPBUS_CONTROLLER": endpoints["STEPBUS_CONTROLLER"]}
-        host_env = env | endpoints
-        if keys:
-            subprocess.run([*stepbus, "keys", "--dir", str(workdir / "k")], check=True,
-                           capture_output=True, env=env)
-            subprocess.run([*stepbus, "keys", "--dir", str(workdir / "kw"), "--client-of",
-                            str(workdir / "k")], check=True, capture_output=True, env=env)
-            host_env["STEPBUS_KEYS"], worker_env["STEPBUS_KEYS"] = (str(workdir / "k"),
-                                                                    str(workdir / "kw"))
-        else:
-            host_env["STEPBUS_INSECURE"] = "1"
-
-        def start(prefix: tuple[str, ...], role: str, *flags: str, env: dict) -> None:
-            with open(workdir / f"{role}-{len(procs)}.log", "wb") as log:
-                procs.append(subprocess.Popen([*prefix, *stepbus, role, *flags], env=env,
-                                              cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
-                                              start_new_session=True))
-
+        host_env, worker_env = host_and_worker_envs(workdir, env, endpoints, keys)
         for role in ROLES_A:
             flags = ("--algo", CONSUME, "--target-return", "0", "--batch-steps", "2048",
                      "--checkpoint-interval-s", "1") if role == "trainer" else ()
-            start(on_a, role, *flags, env=host_env)
+            start_role(procs, workdir, on_a, role, *flags, env=host_env)
         for i in range(args.workers):
-            start(on_b, "worker", "--name", f"b{i}", "--worker-index", str(i),
-                  "--envs-per-worker", str(args.envs_per_worker), env=worker_env)
-
-        def assembler_steps() -> tuple[float, int] | None:
-            res = subprocess.run([*on_a, *stepbus, "status", "--json", "--timeout", "2"],
-                                 capture_output=True, text=True, env=host_env, timeout=10)
-            if res.returncode:
-                return None
-            rows = json.loads(res.stdout)["processes"]
-            row = next((r for r in rows if r["role"] == "assembler"), None)
-            if row is None or not isinstance(row.get("steps"), int):
-                return None
-            return time.monotonic() - float(row.get("last_heartbeat_s", 0.0)), row["steps"]
-
-        deadline = time.monotonic() + 60
-        while (first := assembler_steps()) is None or first[1] == 0:
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                logs = "\n".join(p.read_text()[-800:] for p in workdir.glob("*.log"))
-                raise RuntimeError(f"{label}: the pipeline did not start stepping\n{logs}")
-            time.sleep(0.3)  # a benchmark waiting for start-up, not a test's synchronisation
+            start_role(procs, workdir, on_b, "worker", "--name", f"b{i}", "--worker-index",
+                       str(i), "--envs-per-worker", str(args.envs_per_worker), env=worker_env)
+        wait_until_stepping(label, procs, workdir, on_a, host_env)
         time.sleep(args.warmup)
-        start_t = assembler_steps()
+        start_t = assembler_steps(on_a, host_env)
         time.sleep(args.seconds)
-        end_t = assembler_steps()
+        end_t = assembler_steps(on_a, host_env)
         if start_t is None or end_t is None:
             raise RuntimeError(f"{label}: the controller stopped answering")
         rate = (end_t[1] - start_t[1]) / (end_t[0] - start_t[0])
         return {"setup": label, "steps_per_s": round(rate)}
     finally:
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
+        stop(procs)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def host_and_worker_envs(workdir: Path, env: dict[str, str], endpoints: dict[str, str],
+                         keys: bool) -> tuple[dict[str, str], dict[str, str]]:
+    """The environments of host A's processes (every endpoint) and of the workers (only the
+    controller's address); with `keys`, CURVE keys for both made in `workdir`."""
+    worker_env = env | {"STEPBUS_CONTROLLER": endpoints["STEPBUS_CONTROLLER"]}
+    host_env = env | endpoints
+    if keys:
+        subprocess.run([*STEPBUS, "keys", "--dir", str(workdir / "k")], check=True,
+                       capture_output=True, env=env)
+        subprocess.run([*STEPBUS, "keys", "--dir", str(workdir / "kw"), "--client-of",
+                        str(workdir / "k")], check=True, capture_output=True, env=env)
+        host_env["STEPBUS_KEYS"], worker_env["STEPBUS_KEYS"] = (str(workdir / "k"),
+                                                                str(workdir / "kw"))
+    else:
+        host_env["STEPBUS_INSECURE"] = "1"
+    return host_env, worker_env
+
+
+def start_role(procs: list[subprocess.Popen], workdir: Path, prefix: tuple[str, ...],
+               role: str, *flags: str, env: dict[str, str]) -> None:
+    """Each process in a session of its own, so `stop` reaches its children too."""
+    with open(workdir / f"{role}-{len(procs)}.log", "wb") as log:
+        procs.append(subprocess.Popen([*prefix, *STEPBUS, role, *flags], env=env,
+                                      cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+
+
+def assembler_steps(on_a: tuple[str, ...], host_env: dict[str, str]) -> tuple[float, int] | None:
+    """(when the figure was sent, monotonic; the assembler's cumulative steps), asked of the
+    controller from host A; None while there is no such figure."""
+    res = subprocess.run([*on_a, *STEPBUS, "status", "--json", "--timeout", "2"],
+                         capture_output=True, text=True, env=host_env, timeout=10)
+    if res.returncode:
+        return None
+    rows = json.loads(res.stdout)["processes"]
+    row = next((r for r in rows if r["role"] == "assembler"), None)
+    if row is None or not isinstance(row.get("steps"), int):
+        return None
+    return time.monotonic() - float(row.get("last_heartbeat_s", 0.0)), row["steps"]
+
+
+def wait_until_stepping(label: str, procs: list[subprocess.Popen], workdir: Path,
+                        on_a: tuple[str, ...], host_env: dict[str, str]) -> None:
+    """Until the assembler has counted a step; raises with the logs when a process exits or
+    a minute passes first."""
+    deadline = time.monotonic() + 60
+    while (first := assembler_steps(on_a, host_env)) is None or first[1] == 0:
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            logs = "\n".join(p.read_text()[-800:] for p in workdir.glob("*.log"))
+            raise RuntimeError(f"{label}: the pipeline did not start stepping\n{logs}")
+        time.sleep(0.3)  # a benchmark waiting for start-up, not a test's synchronisation
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to every process group started, then SIGKILL to any not gone within 5 s."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
 
 
 def main(argv: list[str] | None = None) -> int:

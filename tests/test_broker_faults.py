@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import zmq
-from conftest import EVERY_UPDATE, Cluster, recv_message, send_message, wait_for
+from conftest import EVERY_UPDATE, Cluster, Proc, recv_message, send_message, wait_for
 
 from stepbus.bus import protocol as p
 from stepbus.bus import wiring
@@ -71,17 +71,7 @@ def test_the_run_survives_the_broker_being_killed_and_restarted(cluster: Cluster
         dead_broker = procs.pop("broker")
         time.sleep(1.0)  # the outage: workers wait on a reply that will never come
 
-        # Nothing steps without a broker: these are the figures the run resumes from, read
-        # until two looks a heartbeat apart agree (figures travel with 0.5 s heartbeats).
-        def idle_figures() -> tuple[int, ...]:
-            return (*(status.known("worker", "env_steps", name=w) for w in ("w0", "w1")),
-                    status.known("assembler", "steps"))
-
-        looks = [idle_figures()]
-        time.sleep(0.6)  # the next look is a heartbeat later
-        wait_for(lambda: looks.append(idle_figures()) or looks[-1] == looks[-2], 10,
-                 "the figures to settle while no broker runs", interval=0.6)
-        *worker_steps, assembler_steps = looks[-1]
+        *worker_steps, assembler_steps = figures_once_settled(status)
         stalled = dict(zip(("w0", "w1"), worker_steps, strict=True))
         trainer_version = status.known("trainer", "policy_version")
         # Every env step a worker took either completed a transition in the assembler or was
@@ -94,34 +84,9 @@ def test_the_run_survives_the_broker_being_killed_and_restarted(cluster: Cluster
 
         t_start = time.monotonic()
         procs["broker"] = broker = cluster.start("broker", name="broker-restarted")
-        seen: dict[str, float] = {}
-
-        def milestones() -> bool:
-            """Notes when each thing the user waits for first shows (polled together)."""
-            now = time.monotonic()
-            if "bound" not in seen and "broker: workers on" in broker.output():
-                seen["bound"] = now
-            for w, steps in stalled.items():
-                if f"{w} joined" not in seen and f"worker {w} joined" in broker.output():
-                    seen[f"{w} joined"] = now  # its hello reached the new broker
-                if w not in seen and (status.figure("worker", "env_steps", name=w) or 0) > steps:
-                    seen[w] = now
-            updates = [r for r in cluster.metrics()[records_at_restart:]
-                       if r["policy_version"] > trainer_version]
-            for i, key in enumerate(("update1", "update2")):
-                if key not in seen and len(updates) > i:
-                    seen[key] = now
-            return len(seen) == 7
-
-        wait_for(milestones, 20, "the new broker bound, both workers served, two updates")
-        t_bound, t_served = seen["bound"], max(seen["w0"], seen["w1"])
-        t_update = seen["update1"]
-        t_joined = max(seen["w0 joined"], seen["w1 joined"])
-        print(f"\nbroker restart, s after the new process started: bound "
-              f"{t_bound - t_start:.2f}; both workers' hellos in {t_joined - t_start:.2f}; "
-              f"both served again {t_served - t_start:.2f} (figures ride 0.5 s heartbeats); "
-              f"policy updates {t_update - t_start:.2f}, {seen['update2'] - t_start:.2f}")
-        assert t_served - t_bound < 5.0, "workers reconnect within a few seconds"
+        seen = restart_milestones(cluster, status, broker, stalled, trainer_version,
+                                  records_at_restart)
+        assert_back_in_time(seen, t_start)
 
         # The new broker's first weights were published after the kill (up to 4 wait in the
         # trainer's queue while no broker is there), so they are at least what the old broker
@@ -138,35 +103,102 @@ def test_the_run_survives_the_broker_being_killed_and_restarted(cluster: Cluster
         versions = [r["policy_version"] for r in cluster.metrics()]
         assert versions == sorted(versions) and len(set(versions)) == len(versions)
 
-        # What the dead broker took with it is counted: each worker's open trajectories were
-        # closed as truncated (bootstrapped from the last observation seen), none joined to
-        # steps after the restart, and the lost steps show as gaps and steps_lost.
-        wait_for(lambda: (status.figure("assembler", "closed_truncated") or 0)
-                 >= closed_before + 2, 10, "the workers' open trajectories closed as truncated")
-        rows = {(r["role"], r.get("pid")): r for r in cli_status(cluster)}  # as the user sees it
-        trainer_row = next(r for (role, _), r in rows.items() if role == "trainer")
-        assembler_row = next(r for (role, _), r in rows.items() if role == "assembler")
-        broker_row = rows[("broker", broker.pid)]
-        print(f"after the restart: assembler {assembler_row}\nbroker {broker_row}")
-        assert trainer_row["rejected"] == 0, "no malformed trajectory reached the trainer"
-        assert assembler_row["rejected"] == 0
-        # Each worker's reply to the dead broker is lost: one gap in its sequence numbers (the
-        # new broker continues them), and its envs' chosen actions never got their results.
-        assert 1 <= assembler_row["gaps"] <= 2, assembler_row
-        assert 1 <= assembler_row["steps_lost"] <= 2 * 8, assembler_row
-        assert broker_row["rejected"] == 0 and broker_row["workers"] == 2
-        assert broker_row["policy_version"] >= version_before
-
-        done = cluster.cli("shutdown")
-        assert done.returncode == 0, done.stdout + done.stderr
-        deadline = time.monotonic() + 20
-        codes = {name: proc.wait(max(0.1, deadline - time.monotonic()))
-                 for name, proc in procs.items()}
-        assert codes == dict.fromkeys(procs, 0), cluster.dump()
-        for proc in (*procs.values(), dead_broker):
-            assert "Traceback" not in proc.output(), proc.output()
+        assert_the_dead_brokers_losses_counted(cluster, status, broker, closed_before,
+                                               version_before)
+        assert_clean_shutdown(cluster, procs, dead_broker)
     finally:
         status.close()
+
+
+def figures_once_settled(status: Status) -> tuple[int, ...]:
+    """Nothing steps without a broker: the figures the run resumes from (each worker's
+    env_steps, then the assembler's steps), read until two looks a heartbeat apart agree
+    (figures travel with 0.5 s heartbeats)."""
+    def idle_figures() -> tuple[int, ...]:
+        return (*(status.known("worker", "env_steps", name=w) for w in ("w0", "w1")),
+                status.known("assembler", "steps"))
+
+    looks = [idle_figures()]
+    time.sleep(0.6)  # the next look is a heartbeat later
+    wait_for(lambda: looks.append(idle_figures()) or looks[-1] == looks[-2], 10,
+             "the figures to settle while no broker runs", interval=0.6)
+    return looks[-1]
+
+
+def restart_milestones(cluster: Cluster, status: Status, broker: Proc, stalled: dict[str, int],
+                       trainer_version: int, records_at_restart: int) -> dict[str, float]:
+    """When (monotonic) each thing the user waits for after a broker restart first showed:
+    the new broker bound, each worker's hello at it and its steps counting again (past
+    `stalled`), the first two policy updates past `trainer_version`."""
+    seen: dict[str, float] = {}
+
+    def milestones() -> bool:
+        """Notes when each thing the user waits for first shows (polled together)."""
+        now = time.monotonic()
+        if "bound" not in seen and "broker: workers on" in broker.output():
+            seen["bound"] = now
+        for w, steps in stalled.items():
+            if f"{w} joined" not in seen and f"worker {w} joined" in broker.output():
+                seen[f"{w} joined"] = now  # its hello reached the new broker
+            if w not in seen and (status.figure("worker", "env_steps", name=w) or 0) > steps:
+                seen[w] = now
+        updates = [r for r in cluster.metrics()[records_at_restart:]
+                   if r["policy_version"] > trainer_version]
+        for i, key in enumerate(("update1", "update2")):
+            if key not in seen and len(updates) > i:
+                seen[key] = now
+        return len(seen) == 7
+
+    wait_for(milestones, 20, "the new broker bound, both workers served, two updates")
+    return seen
+
+
+def assert_back_in_time(seen: dict[str, float], t_start: float) -> None:
+    """Prints how long after the new broker started (`t_start`) each milestone showed; the
+    workers are served again within a few seconds of its binding."""
+    t_bound, t_served = seen["bound"], max(seen["w0"], seen["w1"])
+    t_update = seen["update1"]
+    t_joined = max(seen["w0 joined"], seen["w1 joined"])
+    print(f"\nbroker restart, s after the new process started: bound "
+          f"{t_bound - t_start:.2f}; both workers' hellos in {t_joined - t_start:.2f}; "
+          f"both served again {t_served - t_start:.2f} (figures ride 0.5 s heartbeats); "
+          f"policy updates {t_update - t_start:.2f}, {seen['update2'] - t_start:.2f}")
+    assert t_served - t_bound < 5.0, "workers reconnect within a few seconds"
+
+
+def assert_the_dead_brokers_losses_counted(cluster: Cluster, status: Status, broker: Proc,
+                                           closed_before: int, version_before: int) -> None:
+    """What the dead broker took with it is counted: each worker's open trajectories were
+    closed as truncated (bootstrapped from the last observation seen), none joined to steps
+    after the restart, and the lost steps show as gaps and steps_lost."""
+    wait_for(lambda: (status.figure("assembler", "closed_truncated") or 0)
+             >= closed_before + 2, 10, "the workers' open trajectories closed as truncated")
+    rows = {(r["role"], r.get("pid")): r for r in cli_status(cluster)}  # as the user sees it
+    trainer_row = next(r for (role, _), r in rows.items() if role == "trainer")
+    assembler_row = next(r for (role, _), r in rows.items() if role == "assembler")
+    broker_row = rows[("broker", broker.pid)]
+    print(f"after the restart: assembler {assembler_row}\nbroker {broker_row}")
+    assert trainer_row["rejected"] == 0, "no malformed trajectory reached the trainer"
+    assert assembler_row["rejected"] == 0
+    # Each worker's reply to the dead broker is lost: one gap in its sequence numbers (the
+    # new broker continues them), and its envs' chosen actions never got their results.
+    assert 1 <= assembler_row["gaps"] <= 2, assembler_row
+    assert 1 <= assembler_row["steps_lost"] <= 2 * 8, assembler_row
+    assert broker_row["rejected"] == 0 and broker_row["workers"] == 2
+    assert broker_row["policy_version"] >= version_before
+
+
+def assert_clean_shutdown(cluster: Cluster, procs: dict[str, Proc], dead_broker: Proc) -> None:
+    """`stepbus shutdown` ends every process with exit code 0, and no process, the killed
+    broker included, printed a traceback."""
+    done = cluster.cli("shutdown")
+    assert done.returncode == 0, done.stdout + done.stderr
+    deadline = time.monotonic() + 20
+    codes = {name: proc.wait(max(0.1, deadline - time.monotonic()))
+             for name, proc in procs.items()}
+    assert codes == dict.fromkeys(procs, 0), cluster.dump()
+    for proc in (*procs.values(), dead_broker):
+        assert "Traceback" not in proc.output(), proc.output()
 
 
 def test_a_restarted_broker_resets_workers_into_the_runs_epoch_with_its_options(

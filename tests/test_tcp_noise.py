@@ -298,18 +298,8 @@ def test_noise_on_every_bound_tcp_port_leaves_processes_serving_and_memory_flat(
     procs: dict[str, Proc] = {role: cluster.start(role) for role in BINDERS}
     wait_for(lambda: {"broker", "assembler"} <= set(rows_by_role(cluster)), 30,
              "broker and assembler registered with the controller")
-    configured = {(urlsplit(url).hostname, urlsplit(url).port)
-                  for name, url in cluster.endpoints.items()
-                  if name not in ONLY_WHEN_RELAYING}
-    ports: dict[str, list[int]] = {}
-    for role, proc in procs.items():
-        found = listening(proc.pid)
-        assert found and found <= configured, f"{role} listens on {found - configured}"
-        assert {address for address, _ in found} == {"127.0.0.1"}
-        ports[role] = sorted(port for _, port in found)
-    all_ports = sorted(port for role_ports in ports.values() for port in role_ports)
-    assert all_ports == sorted(port for _, port in configured), \
-        "every configured endpoint is bound by one of the three"
+    ports = bound_ports(cluster, procs)
+    all_ports = every_port(ports)
     before = rejected_figures(rows_by_role(cluster))
     assert before == {role: {"rejected": 0} for role in ("controller", *BINDERS[1:])}
 
@@ -319,6 +309,41 @@ def test_noise_on_every_bound_tcp_port_leaves_processes_serving_and_memory_flat(
         send_quietly(raw, bytes([LONG_FRAME]) + (1 << 62).to_bytes(8, "big"))
         assert closed_by_peer(raw, 2.0), f"port {port} kept a frame declared as 4 EiB"
         raw.close()
+    noise_is_refused_and_memory_stays_flat(cluster, procs, ports, rnd, before)
+    one_undecodable_message_is_counted_by_each_process(cluster, procs)
+    a_persistent_offender_is_counted_and_logged_once_a_second(cluster, procs)
+    learning_goes_on_through_raw_connections(cluster, procs["assembler"], all_ports)
+
+
+def every_port(ports: dict[str, list[int]]) -> list[int]:
+    return sorted(port for role_ports in ports.values() for port in role_ports)
+
+
+def bound_ports(cluster: Cluster, procs: dict[str, Proc]) -> dict[str, list[int]]:
+    """The TCP ports each process listens on: configured endpoints alone, on loopback alone,
+    and together every configured endpoint."""
+    configured = {(urlsplit(url).hostname, urlsplit(url).port)
+                  for name, url in cluster.endpoints.items()
+                  if name not in ONLY_WHEN_RELAYING}
+    ports: dict[str, list[int]] = {}
+    for role, proc in procs.items():
+        found = listening(proc.pid)
+        assert found and found <= configured, f"{role} listens on {found - configured}"
+        assert {address for address, _ in found} == {"127.0.0.1"}
+        ports[role] = sorted(port for _, port in found)
+    all_ports = every_port(ports)
+    assert all_ports == sorted(port for _, port in configured), \
+        "every configured endpoint is bound by one of the three"
+    return ports
+
+
+def noise_is_refused_and_memory_stays_flat(cluster: Cluster, procs: dict[str, Proc],
+                                           ports: dict[str, list[int]], rnd: random.Random,
+                                           before: dict[str, dict]) -> None:
+    """A burst of NOISE_CONNECTIONS over every port (`ports`, by role), after a warm-up one:
+    libzmq hangs up on what it must, no process dies, the rejected counts stay `before` and
+    no process's RSS grows by RSS_GROWTH_KIB."""
+    all_ports = every_port(ports)
     blast(all_ports, 300, rnd)  # warm-up: first use of libzmq's and malloc's buffers
     time.sleep(0.5)
     rss_before = {role: rss_kib(proc.pid) for role, proc in procs.items()}
@@ -343,8 +368,11 @@ def test_noise_on_every_bound_tcp_port_leaves_processes_serving_and_memory_flat(
         growth = rss_after[role] - rss_before[role]
         assert growth < RSS_GROWTH_KIB, f"{role} grew by {growth} KiB on {received[role]} bytes"
 
-    # The control: a ZeroMQ peer by hand sending one undecodable message to each process is
-    # counted at once, so the unchanged counts above mean no message got through.
+
+def one_undecodable_message_is_counted_by_each_process(cluster: Cluster,
+                                                       procs: dict[str, Proc]) -> None:
+    """The control: a ZeroMQ peer by hand sending one undecodable message to each process is
+    counted at once, so unchanged counts after the noise mean no message got through."""
     for endpoint in ("controller", "steps", "experience"):
         raw = handshake(urlsplit(cluster.endpoints[endpoint]).port)
         raw.sendall(b"\x00\x01\xc1")
@@ -358,7 +386,10 @@ def test_noise_on_every_bound_tcp_port_leaves_processes_serving_and_memory_flat(
     assert logs.count("dropped message from") == 3 and "Traceback" not in logs
     assert "dropped message from 127.0.0.1 on tcp://127.0.0.1:" in procs["assembler"].output()
 
-    # A persistent offender: counted by reason and by its name, logged once per second.
+
+def a_persistent_offender_is_counted_and_logged_once_a_second(cluster: Cluster,
+                                                              procs: dict[str, Proc]) -> None:
+    """A persistent offender: counted by reason and by its name, logged once per second."""
     noisy = zmq.Context.instance().socket(zmq.DEALER)
     noisy.setsockopt(zmq.IDENTITY, b"noisy")
     noisy.connect(cluster.endpoints["steps"])
@@ -374,8 +405,6 @@ def test_noise_on_every_bound_tcp_port_leaves_processes_serving_and_memory_flat(
     assert broker["rejected_from"].startswith("noisy:300, ")
     lines = procs["broker"].output().count("dropped message from noisy")
     assert 1 <= lines <= 1 + math.ceil(elapsed), f"{lines} lines in {elapsed:.1f} s"
-
-    learning_goes_on_through_raw_connections(cluster, procs["assembler"], all_ports)
 
 
 # ---------------------------------------------------------------------------------------------
