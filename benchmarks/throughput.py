@@ -311,13 +311,13 @@ class Pipeline:
         from stepbus.bus import protocol as p
         from stepbus.cli import STATUS_REPLY_MAX_BYTES
 
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context = zmq.Context.instance()
         sock = wiring.socket(ctx, zmq.DEALER, connect=self.endpoints["controller"])
         try:
             node.send(sock, p.StatusRequest())
             deadline = time.monotonic() + timeout_s
             while (left := deadline - time.monotonic()) > 0:
-                if sock.poll(left * 1000):
+                if sock.poll(int(left * 1000) + 1):
                     msg = p.decode(sock.recv_multipart(copy=False),
                                    max_header_bytes=STATUS_REPLY_MAX_BYTES)
                     if isinstance(msg, p.StatusReply):
@@ -341,7 +341,9 @@ class Pipeline:
     def check_alive(self) -> None:
         dead = [proc for proc in self.group.procs if proc.poll() is not None]
         if dead:
-            raise RuntimeError(f"{' '.join(map(str, dead[0].args[3:5]))} exited "
+            args = dead[0].args
+            what = ' '.join(map(str, args[3:5])) if isinstance(args, list) else str(args)
+            raise RuntimeError(f"{what} exited "
                                f"{dead[0].returncode}\n{self.logs()}")
 
     def logs(self) -> str:
@@ -439,8 +441,8 @@ def stepbus_row(setup: Setup, start: Edge, end: Edge, other: float) -> Row:
     rates = {role: (c1[role][1] - c0[role][1]) / max(c1[role][0] - c0[role][0], 1e-9)
              for role in c0.keys() & c1.keys()}
     window = end.t - start.t
-    cpu = {k: round(100 * (end.cpu[k] - start.cpu[k]) / window)
-           for k in start.cpu if start.cpu[k] is not None and end.cpu[k] is not None}
+    cpu = {k: round(100 * (e - s) / window) for k in start.cpu
+           if (s := start.cpu[k]) is not None and (e := end.cpu[k]) is not None}
     # of which libzmq's I/O threads (the rest is the Python thread)
     zmq_io = {k: round(100 * (end.zmq[k] - start.zmq[k]) / window) for k in cpu}
     # The assembler's count; the learner's if the assembler's row was missing both times.
@@ -585,7 +587,7 @@ def _timed(step: Callable[[], None], per_call: int, seconds: float,
     return calls * per_call / (t - t0), meter.other_percent()
 
 
-def _timed_actions(send: Callable[[np.ndarray], None], actions: np.ndarray, per_call: int,
+def _timed_actions(send: Callable[[np.ndarray], object], actions: np.ndarray, per_call: int,
                    seconds: float, warmup: float) -> tuple[float, float]:
     """`_timed` for a vectorizer that takes one row of `actions` per call, cycling through
     them (random actions drawn once, so drawing them is not what is measured)."""
@@ -597,8 +599,9 @@ def _timed_actions(send: Callable[[np.ndarray], None], actions: np.ndarray, per_
     return _timed(step, per_call, seconds, warmup)
 
 
-def _action_n(env: Any) -> int:
-    return int(env.action_space.n)
+def _action_n(space: Any) -> int:
+    """How many actions a Discrete space has (any space object: the peers' own types)."""
+    return int(space.n)
 
 
 def peer_main(spec: dict[str, Any]) -> int:
@@ -630,7 +633,7 @@ def _loop_peer(make: Callable[[], Any], rng: np.random.Generator, seconds: float
                warmup: float) -> tuple[float, float]:
     """One process stepping one env in a loop: the per-core ceiling."""
     env = make()
-    actions = rng.integers(_action_n(env), size=4096).tolist()
+    actions = rng.integers(_action_n(env.action_space), size=4096).tolist()
     env.reset(seed=0)
     counter = itertools.count()
 
@@ -650,7 +653,7 @@ def _async_peer(make: Callable[[], Any], n: int, method: str, shared: bool,
     try:
         vec.reset(seed=0)
         return _timed_actions(
-            vec.step, rng.integers(int(vec.single_action_space.n), size=(256, n)), n,
+            vec.step, rng.integers(_action_n(vec.single_action_space), size=(256, n)), n,
             seconds, warmup)
     finally:
         vec.close(terminate=True)
@@ -664,7 +667,7 @@ def _sb3_peer(make: Callable[[], Any], n: int, method: str, rng: np.random.Gener
     try:
         vec.reset()
         return _timed_actions(
-            vec.step, rng.integers(int(vec.action_space.n), size=(256, n)), n, seconds,
+            vec.step, rng.integers(_action_n(vec.action_space), size=(256, n)), n, seconds,
             warmup)
     finally:
         vec.close()
