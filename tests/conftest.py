@@ -13,11 +13,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pluggy
 import pytest
 import zmq
 
@@ -102,7 +103,7 @@ class Cluster:
         return procs
 
     def socket(self, kind: int, endpoint: str, *, bind: bool = False) -> zmq.Socket:
-        sock = zmq.Context.instance().socket(kind)
+        sock: zmq.Socket = zmq.Context.instance().socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         if kind == zmq.SUB:
             sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -184,7 +185,9 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
 
 
 @pytest.hookimpl(tryfirst=True, hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Iterator[None]:
+def pytest_runtest_makereport(
+        item: pytest.Item, call: pytest.CallInfo[None],
+) -> Generator[None, pluggy.Result[pytest.TestReport], None]:
     outcome = yield
     rep = outcome.get_result()
     setattr(item, f"rep_{rep.when}", rep)
@@ -225,7 +228,9 @@ def honcho(cluster: Cluster, *args: str, target: str | None = None) -> subproces
 def never_taken_in(assembler_log: str) -> int:
     """From the assembler's last line: trajectories no learner ever took in."""
     line = [ln for ln in assembler_log.splitlines() if "assembler stopping" in ln][-1]
-    return int(re.search(r"(\d+) never taken in by a learner", line).group(1))
+    found = re.search(r"(\d+) never taken in by a learner", line)
+    assert found is not None, line
+    return int(found.group(1))
 
 
 def interrupt_honcho(cluster: Cluster, proc: subprocess.Popen) -> str:
@@ -243,7 +248,7 @@ def interrupt_honcho(cluster: Cluster, proc: subprocess.Popen) -> str:
     return out
 
 
-def act_as_trainer(cluster: Cluster, obs_dim: int) -> tuple[zmq.Socket, zmq.Socket]:
+def act_as_trainer(cluster: Cluster, obs_dim: int) -> tuple[zmq.Socket, TrajectoryInbox]:
     """The test in the trainer's place: it publishes weights for a 2-action policy (so the
     broker steps) and takes the assembler's trajectories. Returns (weights, trajectories)."""
     trainer = cluster.socket(zmq.DEALER, cluster.endpoints["policy"])

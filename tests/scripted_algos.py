@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from stepbus.trainer.ppo import PPO
+from stepbus.trainer.ppo import PPO, Trajectory
 
 
 class NoUpdatePPO(PPO):
     """Publishes new versions without changing the policy: proves `--algo` took effect (its
     updates report `no_update` in metrics.jsonl) while the run goes on."""
 
-    def update(self, batch, tick=None):  # type: ignore[no-untyped-def]
+    def update(self, batch: Sequence[Trajectory],
+               tick: Callable[[], object] | None = None) -> dict[str, float]:
         return {"no_update": 1.0}
 
 
@@ -51,7 +53,8 @@ class RecordsLearned(PPO):
         self.learned = np.zeros(0, np.int64)
         self.log_path = os.environ.get("STEPBUS_TEST_LEARNED_LOG", "")
 
-    def update(self, batch, tick=None):  # type: ignore[no-untyped-def]
+    def update(self, batch: Sequence[Trajectory],
+               tick: Callable[[], object] | None = None) -> dict[str, float]:
         time.sleep(self.UPDATE_S)
         seqs = np.array([t.seq for t in batch], np.int64)
         self.learned = np.concatenate([self.learned, seqs])

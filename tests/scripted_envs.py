@@ -181,7 +181,8 @@ class Pair:
 
     def __init__(self, keys: list, end: str) -> None:
         self.possible_agents, self.end = keys, end
-        self.t, self.agents = 0, []
+        self.t = 0
+        self.agents: list = []
 
     def observation_space(self, agent) -> gym.spaces.Box:
         return gym.spaces.Box(-1e6, 1e6, (2,), np.float32)

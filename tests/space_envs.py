@@ -74,6 +74,8 @@ class Masked(gym.Env):
     reports: a run that ever takes one shows an env error. The mask is in `info` (Gymnasium's
     convention) or in a Dict observation (PettingZoo's), as `in_obs` says."""
 
+    action_space: spaces.Discrete
+
     def __init__(self, in_obs: bool) -> None:
         self.in_obs = in_obs
         n = 6

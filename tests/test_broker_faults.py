@@ -59,8 +59,10 @@ def test_the_run_survives_the_broker_being_killed_and_restarted(cluster: Cluster
     try:
         wait_for(lambda: len(cluster.metrics()) >= 3, 60, "training under way")
         for w in ("w0", "w1"):
-            wait_for(lambda w=w: (status.figure("worker", "env_steps", name=w) or 0) > 0, 20,
-                     f"worker {w} stepping")
+            def stepping(name: str = w) -> bool:
+                return (status.figure("worker", "env_steps", name=name) or 0) > 0
+
+            wait_for(stepping, 20, f"worker {w} stepping")
         old_pid = procs["broker"].pid
         version_before = status.known("broker", "policy_version", pid=old_pid)
         closed_before = status.known("assembler", "closed_truncated")
@@ -119,9 +121,13 @@ def figures_once_settled(status: Status) -> tuple[int, ...]:
                 status.known("assembler", "steps"))
 
     looks = [idle_figures()]
+
+    def settled() -> bool:
+        looks.append(idle_figures())
+        return looks[-1] == looks[-2]
+
     time.sleep(0.6)  # the next look is a heartbeat later
-    wait_for(lambda: looks.append(idle_figures()) or looks[-1] == looks[-2], 10,
-             "the figures to settle while no broker runs", interval=0.6)
+    wait_for(settled, 10, "the figures to settle while no broker runs", interval=0.6)
     return looks[-1]
 
 
@@ -252,15 +258,19 @@ def test_a_broker_resumed_after_a_freeze_takes_its_stale_hellos_once_and_loses_n
     status = Status(cluster)
     try:
         for w in ("w0", "w1"):
-            wait_for(lambda w=w: (status.figure("worker", "env_steps", name=w) or 0) > 0, 60,
-                     f"worker {w} stepping")
+            def stepping(name: str = w) -> bool:
+                return (status.figure("worker", "env_steps", name=name) or 0) > 0
+
+            wait_for(stepping, 60, f"worker {w} stepping")
         procs["broker"].signal(signal.SIGSTOP)
         time.sleep(FREEZE_S)  # the fault under test is the freeze's length itself
         procs["broker"].signal(signal.SIGCONT)
         steps = {w: status.known("worker", "env_steps", name=w) for w in ("w0", "w1")}
         for w in ("w0", "w1"):
-            wait_for(lambda w=w: status.figure("worker", "env_steps", name=w) > steps[w], 20,
-                     f"worker {w} stepping again after the freeze")
+            def stepping_again(name: str = w) -> bool:
+                return status.figure("worker", "env_steps", name=name) > steps[name]
+
+            wait_for(stepping_again, 20, f"worker {w} stepping again after the freeze")
         assert status.known("broker", "workers_lost") == 0, "no worker was really lost"
     finally:
         status.close()

@@ -61,7 +61,10 @@ def pauses(c: Cluster, procs: dict[str, Proc]) -> None:
     1.5 s after which a worker counts as lost). Without --deterministic the broker would act
     with other policy versions meanwhile."""
     for name, after in (("learner", 3), ("worker", 10)):
-        wait_for(lambda after=after: len(c.metrics()) >= after, 30, f"{after} updates")
+        def updated(n: int = after) -> bool:
+            return len(c.metrics()) >= n
+
+        wait_for(updated, 30, f"{after} updates")
         procs[name].signal(signal.SIGSTOP)
         time.sleep(0.4)
         procs[name].signal(signal.SIGCONT)

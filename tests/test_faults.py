@@ -21,13 +21,21 @@ def test_the_run_survives_the_assembler_being_killed_and_restarted_twice(cluster
     procs = cluster.start_all(trainer_args=EVERY_UPDATE)  # records counted as updates
     for round_ in range(2):
         records = len(cluster.metrics())
-        wait_for(lambda n=records: len(cluster.metrics()) >= n + 3, 60, "three more updates")
+
+        def three_more_updates(n: int = records) -> bool:
+            return len(cluster.metrics()) >= n + 3
+
+        wait_for(three_more_updates, 60, "three more updates")
         procs["assembler"].signal(signal.SIGKILL)
         procs["assembler"].wait(5)
         procs["assembler"] = cluster.start("assembler", name=f"assembler-restart{round_}")
         pid = procs["assembler"].pid
-        wait_for(lambda p=pid: any(r["pid"] == p and r.get("joined_mid_episode", 0) > 0
-                                   for r in status_rows(cluster)), 30,
+
+        def counts_joined_mid_episode(p: int = pid) -> bool:
+            return any(r["pid"] == p and r.get("joined_mid_episode", 0) > 0
+                       for r in status_rows(cluster))
+
+        wait_for(counts_joined_mid_episode, 30,
                  "the new assembler to count the agents whose earlier steps died with the old")
     codes = {name: proc.wait(90) for name, proc in procs.items()}
     assert codes == dict.fromkeys(procs, 0), cluster.dump()
@@ -127,7 +135,7 @@ def test_a_late_reply_from_a_worker_the_broker_still_knows_is_dropped_as_stale(
     hello = p.WorkerHello(worker="scripted", incarnation="s1", env_id="CartPole-v1",
                           num_envs=1, seed=0, spec=spec, seq=0)
 
-    def result(msg: p.Message, first: bool) -> p.StepResult:
+    def result(msg: p.Reset | p.Step, first: bool) -> p.StepResult:
         return p.StepResult(incarnation="s1", epoch=msg.epoch, seq=msg.seq, first=first,
                             obs=np.zeros((1, 4), np.float32), reward=np.ones(1, np.float32),
                             terminated=np.zeros(1, bool), truncated=np.zeros(1, bool),

@@ -18,10 +18,10 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from conftest import REPO, Cluster, status_rows, wait_for
+from test_readme import command_flags
 
 from stepbus.bus import wiring
-from tests.conftest import REPO, Cluster, status_rows, wait_for
-from tests.test_readme import command_flags
 
 K8S = REPO / "deploy" / "kubernetes"
 KUBERNETES_VERSION = "1.30.0"  # the oldest release the manifests promise to fit

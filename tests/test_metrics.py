@@ -149,7 +149,8 @@ def test_progress_lines_come_on_a_steady_five_second_beat_with_the_rate_over_the
     now = [0.0]
     progress = metrics.ProgressLog(logging.getLogger("test.progress"), steps=1000,
                                    clock=lambda: now[0])
-    logged_at, steps = [], 1000
+    logged_at: list[float] = []
+    steps = 1000
     with caplog.at_level(logging.INFO, logger="test.progress"):
         while now[0] < 21.0:  # a loop waking every 0.3 s, with one 2.9 s update at 9.0 s
             now[0] = round(now[0] + (2.9 if now[0] == 9.0 else 0.3), 6)

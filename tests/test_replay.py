@@ -37,6 +37,7 @@ def test_a_recorded_episode_replays_alone_bit_for_bit(cluster: Cluster):
     assert np.array_equal(replay.obs, np.concatenate([t.obs for t in episode]))
     assert np.array_equal(replay.rewards, np.concatenate([t.rewards for t in episode]))
     assert replay.terminated == episode[-1].terminated
+    assert isinstance(episode[-1].bootstrap_obs, np.ndarray)  # CartPole's Box
     assert np.array_equal(replay.final_obs, episode[-1].bootstrap_obs)
     # A wrong seed gives another episode: the check above can fail.
     other = replay_episode("CartPole-v1", episode[0].episode_seed + 1, actions)

@@ -20,7 +20,7 @@ INBOUND = {"controller": zmq.DEALER, "steps": zmq.DEALER, "policy": zmq.DEALER,
 
 def keyed_socket(kind: int, endpoint: str, *, server: bytes | None = None,
                  client: tuple[bytes, bytes] | None = None) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(kind)
+    sock: zmq.Socket = zmq.Context.instance().socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     if server is not None and client is not None:
         sock.curve_serverkey = server
@@ -79,7 +79,9 @@ def test_with_keys_only_authorized_clients_that_know_the_server_get_through(
              and r["trainer"].get("env_steps", 0) > 0 and r, 60,
              "the keyed pipeline to step and learn")
     server_public, _ = zmq.auth.load_certificate(keyed / "server.key")
-    allowed = zmq.auth.load_certificate(keyed / "client.key_secret")
+    client_public, client_secret = zmq.auth.load_certificate(keyed / "client.key_secret")
+    assert client_secret is not None, "the client's key file holds its secret key"
+    allowed = (client_public, client_secret)
     strangers: dict[str, dict] = {
         "no keys": {},
         "an unlisted key": {"server": server_public, "client": zmq.curve_keypair()},

@@ -24,8 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from tests.conftest import REPO, wait_for
+from conftest import REPO, wait_for
 
 SBATCH = REPO / "deploy" / "slurm" / "stepbus.sbatch"
 WORKERS_SBATCH = REPO / "deploy" / "slurm" / "stepbus-workers.sbatch"

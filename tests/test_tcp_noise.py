@@ -53,6 +53,12 @@ def zmtp1_message(body: bytes) -> bytes:
     return b"\x01\x00" + bytes([len(body) + 1, 0]) + body
 
 
+def tcp_port(endpoint: str) -> int:
+    port = urlsplit(endpoint).port
+    assert port is not None, f"{endpoint} names no port"
+    return port
+
+
 def connect(port: int, timeout: float = 2.0) -> socket.socket:
     return socket.create_connection(("127.0.0.1", port), timeout=timeout)
 
@@ -97,14 +103,14 @@ def send_quietly(sock: socket.socket, data: bytes) -> None:
 @contextlib.contextmanager
 def bound(kind: int, *, ours: bool) -> Iterator[tuple[zmq.Socket, int]]:
     """A socket bound on a free loopback port: through wiring.socket, or a plain one."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     if ours:
         sock = wiring.socket(ctx, kind, bind="tcp://127.0.0.1:0")
     else:
         sock = ctx.socket(kind)
         sock.bind("tcp://127.0.0.1:0")
     try:
-        yield sock, int(sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+        yield sock, int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
     finally:
         sock.close(0)
 
@@ -322,7 +328,7 @@ def every_port(ports: dict[str, list[int]]) -> list[int]:
 def bound_ports(cluster: Cluster, procs: dict[str, Proc]) -> dict[str, list[int]]:
     """The TCP ports each process listens on: configured endpoints alone, on loopback alone,
     and together every configured endpoint."""
-    configured = {(urlsplit(url).hostname, urlsplit(url).port)
+    configured = {(urlsplit(url).hostname, tcp_port(url))
                   for name, url in cluster.endpoints.items()
                   if name not in ONLY_WHEN_RELAYING}
     ports: dict[str, list[int]] = {}
@@ -374,7 +380,7 @@ def one_undecodable_message_is_counted_by_each_process(cluster: Cluster,
     """The control: a ZeroMQ peer by hand sending one undecodable message to each process is
     counted at once, so unchanged counts after the noise mean no message got through."""
     for endpoint in ("controller", "steps", "experience"):
-        raw = handshake(urlsplit(cluster.endpoints[endpoint]).port)
+        raw = handshake(tcp_port(cluster.endpoints[endpoint]))
         raw.sendall(b"\x00\x01\xc1")
         raw.close()
     rows = wait_for(lambda: (r := rows_by_role(cluster)) and all(
@@ -390,7 +396,7 @@ def one_undecodable_message_is_counted_by_each_process(cluster: Cluster,
 def a_persistent_offender_is_counted_and_logged_once_a_second(cluster: Cluster,
                                                               procs: dict[str, Proc]) -> None:
     """A persistent offender: counted by reason and by its name, logged once per second."""
-    noisy = zmq.Context.instance().socket(zmq.DEALER)
+    noisy: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
     noisy.setsockopt(zmq.IDENTITY, b"noisy")
     noisy.connect(cluster.endpoints["steps"])
     started = time.monotonic()
