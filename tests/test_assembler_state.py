@@ -117,6 +117,7 @@ def test_a_running_episode_is_cut_at_the_horizon_and_bootstraps_from_the_next_ob
         assert isinstance(traj, p.Trajectory)
         assert traj.agent == "w/0"
         assert not traj.terminated and not traj.truncated
+        assert isinstance(traj.obs, np.ndarray) and isinstance(traj.bootstrap_obs, np.ndarray)
         assert traj.obs[:, 1].tolist() == [start, start + 1, start + 2, start + 3]
         assert traj.bootstrap_obs.tolist() == [0, start + 4]
         assert traj.rewards.tolist() == [1, 1, 1, 1]
@@ -202,6 +203,9 @@ def test_trajectories_cut_together_go_out_in_one_message_and_each_keeps_its_fiel
     assert isinstance(msg, p.Trajectories) and msg.agents == ["w/0", "w/2"]
     first, second = msg.split()
     assert (first.seq, second.seq) == (1, 2) and msg.lengths == [4, 4]
+    assert isinstance(first.obs, np.ndarray) and isinstance(second.obs, np.ndarray)
+    assert isinstance(first.bootstrap_obs, np.ndarray)
+    assert isinstance(second.bootstrap_obs, np.ndarray)
     assert first.obs[:, 0].tolist() == [0] * 4 and second.obs[:, 0].tolist() == [2] * 4
     assert first.rewards.tolist() == [1, 1, 1, 5] and second.rewards.tolist() == [1, 1, 3, 7]
     assert first.bootstrap_obs.tolist() == [0, 4] and second.bootstrap_obs.tolist() == [2, 4]

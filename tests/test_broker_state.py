@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import types
+from typing import cast
 
 import gymnasium as gym
 import numpy as np
@@ -67,12 +69,13 @@ class Bench:
     def later(self, seconds: float) -> None:
         self.clock.t += seconds
 
-    def commands_to(self, ident: bytes, kind: type = p.Reset | p.Step) -> list[p.Message]:
+    def commands_to(self, ident: bytes, kind: type | types.UnionType = p.Reset | p.Step
+                    ) -> list[p.Reset | p.Step]:
         """The commands of `kind` sent to a worker since the last look."""
         self.collect()
         taken = [s for s in self.unread if s.to == ident and isinstance(s.msg, kind)]
         self.unread = [s for s in self.unread if not any(s is t for t in taken)]
-        return [s.msg for s in taken]
+        return [cast("p.Reset | p.Step", s.msg) for s in taken]  # all `collect` keeps
 
     def collect(self) -> None:
         """Move what went to workers out of the outbox, remembering each worker's last
@@ -182,7 +185,7 @@ def test_a_barrier_resets_every_worker_and_is_done_only_when_all_reset_counting_
     bench.deliver(b"", p.Barrier(epoch=1, options={"level": 3}))
     [reset] = bench.commands_to(w0)
     assert reset == p.Reset(epoch=1, seq=reset.seq, options={"level": 3})
-    [experience] = [s.msg for s in bench.out.take_sent(p.Experience)]
+    [experience] = bench.out.take(p.Experience)
     assert experience.worker == "w0" and experience.action is None, \
         "the waiting observation goes to the assembler as a bootstrap, without an action"
     assert bench.commands_to(w1) == [] and bench.commands_to(w2) == [], "in flight: not yet"
@@ -247,9 +250,10 @@ def test_a_silent_worker_is_forgotten_and_the_assembler_told_and_its_seq_remembe
     bench.later(worker_table.LIVENESS_S - 1.0 + 0.1)
     bench.tick()
     sent = bench.out.take_sent(p.WorkerLost)
-    assert [(s.port, s.msg.worker, s.msg.incarnation) for s in sent] == [
+    lost = [cast(p.WorkerLost, s.msg) for s in sent]
+    assert [(s.port, m.worker, m.incarnation) for s, m in zip(sent, lost, strict=True)] == [
         ("experience", "w0", "i1")]
-    assert sent[0].msg.reason == f"silent for {worker_table.LIVENESS_S + 0.1:.1f}s"
+    assert lost[0].reason == f"silent for {worker_table.LIVENESS_S + 0.1:.1f}s"
     assert bench.figure("workers") == 1 and bench.figure("workers_lost") == 1
     late = bench.result(w0)  # its reply to its first reset, too late: it is not known any more
     bench.commands_to(w0)
@@ -347,6 +351,7 @@ def test_each_policy_acts_on_its_own_rows_and_stepping_waits_for_every_policys_w
     [step] = bench.steps_to(w)
     assert step.actions.tolist() == [1, 0, 1, 0] * 2, "a and c act with red's weights"
     [experience] = bench.out.take(p.Experience)
+    assert experience.policy_versions is not None
     assert experience.policy_versions.tolist() == [7, 3, 7, 3] * 2
     assert experience.agent_policies == ["red", "default", "red", "default"]
     figures = bench.broker.figures()
@@ -503,8 +508,7 @@ def test_a_worker_unreachable_for_the_liveness_timeout_is_lost_once_even_if_hell
         bench.later(worker_table.LIVENESS_S / 3)
         bench.join("w0")  # it is heard from, yet every send to it fails
         bench.tick()
-    sent = bench.out.take_sent(p.WorkerLost)
-    assert [s.msg.reason for s in sent] == [
+    assert [m.reason for m in bench.out.take(p.WorkerLost)] == [
         f"unreachable for {worker_table.LIVENESS_S * 4 / 3:.1f}s"]
     assert bench.figure("workers_lost") == 1
 

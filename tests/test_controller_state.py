@@ -82,9 +82,9 @@ def test_a_heartbeat_registers_is_answered_with_the_run_state_and_leaving_deregi
         role="assembler", name="assembler", host="h", pid=2, leaving=False, figures={},
         binds={"experience": "tcp://*:5557", "bogus": "tcp://*:1", "trajectories": "x"}),
         now=T0)
-    (state,) = bench.to(b"assembler")
-    assert isinstance(state, p.RunState)
-    assert state.endpoints == {"controller": "ipc:///sb/controller",
+    (assembler_state,) = bench.to(b"assembler")
+    assert isinstance(assembler_state, p.RunState)
+    assert assembler_state.endpoints == {"controller": "ipc:///sb/controller",
                                "broadcast": "ipc:///sb/broadcast",
                                "experience": "tcp://*:5557"}
     bench.beat(b"broker", "broker", T0 + 0.5, leaving=True)

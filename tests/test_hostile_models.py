@@ -17,9 +17,11 @@ from stepbus import policy
 from stepbus.bus import checks, shm
 from stepbus.bus import protocol as p
 
-torch = pytest.importorskip("torch")
-from stepbus.models import torch_policy  # noqa: E402
-from stepbus.trainer import ppo  # noqa: E402
+pytest.importorskip("torch")
+import torch
+
+from stepbus.models import torch_policy
+from stepbus.trainer import ppo
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

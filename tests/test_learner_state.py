@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import gymnasium as gym
@@ -310,6 +310,7 @@ def test_the_target_return_flag_defaults_to_the_envs_and_says_so_in_its_help() -
     assert parser.parse_args(["--target-return", "-100"]).target_return == -100.0
     assert parser.parse_args(["--max-env-steps", "5000"]).max_env_steps == 5000
     (action,) = [a for a in parser._actions if "--target-return" in a.option_strings]
+    assert action.help is not None
     assert action.help.endswith("[default: the env's reward_threshold; none: run until stopped "
                                 "or --max-env-steps]")
 
@@ -319,7 +320,8 @@ class NumberedPPO(ppo.PPO):
 
     updates = 0
 
-    def update(self, batch, tick=None):  # type: ignore[no-untyped-def]
+    def update(self, batch: Sequence[ppo.Trajectory],
+               tick: Callable[[], object] | None = None) -> dict[str, float]:
         self.updates += 1
         return {"loss": float(self.updates)}
 

@@ -6,6 +6,7 @@ from as its value, so each row's value says which state the broker acted with.""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from test_broker_state import OBS_DIM, Bench
@@ -45,7 +46,7 @@ class Counter(Policy):
         return ""
 
 
-def bench(**cfg: object) -> Bench:
+def bench(**cfg: Any) -> Bench:
     made = Bench(models=ModelConfig(model="test_memory:Counter"), **cfg)
     return made
 

@@ -206,6 +206,7 @@ def test_gae_matches_reference_loop_on_random_data() -> None:
     adv, _ = compute_gae(trajs, params, cfg)
     expected = []
     for t in trajs:
+        assert isinstance(t.obs, np.ndarray) and isinstance(t.bootstrap_obs, np.ndarray)
         _, values = forward(params, t.obs)
         next_v = 0.0 if t.terminated else forward(params, t.bootstrap_obs[None])[1][0]
         a, out = 0.0, []

@@ -33,14 +33,16 @@ def test_a_number_taken_in_is_refused_while_in_a_batch_and_long_after_it_was_lea
     # One counter across policies: this learner's numbers have gaps (another's are odd).
     cycle(r, range(0, 2 * 64 * 100, 2))
     assert not r.take("a1", 0) and not r.take("a1", 2 * 64 * 100 - 2), "learned, receipted"
-    assert r.message("t", "i", "default", 0.0).learned.tolist() == [0, 2 * 64 * 100 - 2], (
+    receipt = r.message("t", "i", "default", 0.0)
+    assert receipt is not None and receipt.learned.tolist() == [0, 2 * 64 * 100 - 2], (
         "and receipted again: the assembler that sent them again may have missed it")
     r.delivered()
     assert r.take("a1", 20_000) and not r.take("a1", 20_000), "taken in, in a batch"
     r.learn([("a1", 20_000)])
     assert not r.take("a1", 20_000), "learned, not yet checkpointed"
     r.checkpointed()
-    assert r.message("t", "i", "default", 0.0).learned.tolist() == [20_000]
+    receipt = r.message("t", "i", "default", 0.0)
+    assert receipt is not None and receipt.learned.tolist() == [20_000]
     assert not r.take("a1", 20_000), "learned, receipt not yet delivered"
     r.delivered()
     assert not r.take("a1", 20_000), "learned and receipted"

@@ -22,9 +22,11 @@ from stepbus.bus.memory import Memory
 from stepbus.processor.buffers import WorkerTrack
 from stepbus.workers.worker import Config, EnvSet
 
-torch = pytest.importorskip("torch")
-from stepbus.models import torch_policy  # noqa: E402
-from stepbus.trainer import ppo, torch_ppo, torch_recurrent  # noqa: E402
+pytest.importorskip("torch")
+import torch
+
+from stepbus.models import torch_policy
+from stepbus.trainer import ppo, torch_ppo, torch_recurrent
 
 TASK = "stepbus.workers.tasks:cartpole_no_velocity"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -47,7 +49,9 @@ class NoBatch(BatchFirst):
 
 
 def test_the_state_layout_is_told_from_initial_state_whatever_the_batch_axis() -> None:
-    lstm = torch_policy.StateLayout(policy.make_policy("torch-lstm", envset(TASK).spec).module)
+    made = policy.make_policy("torch-lstm", envset(TASK).spec)
+    assert isinstance(made, torch_policy.TorchPolicy)
+    lstm = torch_policy.StateLayout(made.module)
     assert lstm.nested and lstm.axes == [1, 1], "an LSTM's (layers, B, hidden), twice"
     first = torch_policy.StateLayout(BatchFirst())
     rows = first.rows(BatchFirst().initial_state(4))
@@ -122,9 +126,9 @@ def test_replaying_trajectories_from_their_first_states_gives_the_log_probs_acte
     actions = torch.from_numpy(torch_recurrent.padded([r.actions for r in records],
                                                       seq.length))
     with torch.no_grad():
-        _, logp, _, _, _ = model.module.get_action_and_value(seq.obs, seq.state, seq.done,
-                                                             actions)
-    logp = logp.reshape(seq.length, -1).numpy()
+        _, logp_t, _, _, _ = torch_policy.recurrent_agent(model.module).get_action_and_value(
+            seq.obs, seq.state, seq.done, actions)
+    logp = logp_t.reshape(seq.length, -1).numpy()
     for j, r in enumerate(records):
         assert np.allclose(logp[:len(r), j], r.logp, atol=1e-5), j
 

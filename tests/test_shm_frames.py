@@ -61,6 +61,7 @@ class Checker:
         assert seed != -1 and start >= 0, t.agent
         for j, frame in enumerate(t.obs):
             assert np.array_equal(frame, stamp(seed, start + j)), (t.agent, seed, start + j)
+        assert isinstance(t.bootstrap_obs, np.ndarray), t.agent
         assert np.array_equal(t.bootstrap_obs, stamp(seed, start + len(t.obs)))
         expected = self.next_step.get(t.agent)
         if expected is not None and expected[0] == seed:  # nothing of the episode lost
@@ -109,11 +110,14 @@ def test_observations_arrive_intact_through_shared_memory_and_a_stopped_assemble
         # slots (the worker sends rows), and nothing is lost once it goes on.
         assembler = next(proc for proc in cluster.procs if proc.name.startswith("assembler"))
         assembler.signal(signal.SIGSTOP)
+        def batches_on_the_socket() -> bool:
+            checker.credit(checker.steps, starving=True)
+            return figures(cluster, "worker").get("shm_full", 0) + figures(
+                cluster, "broker").get("shm_rows_forwarded", 0) > 0
+
         try:  # starving, we are granted steps beyond the window (queued for the assembler)
-            wait_for(lambda: checker.credit(checker.steps, starving=True) or figures(
-                cluster, "worker").get("shm_full", 0) + figures(cluster, "broker").get(
-                "shm_rows_forwarded", 0) > 0, 20,
-                "batches on the socket while the assembler is stopped")
+            wait_for(batches_on_the_socket, 20,
+                     "batches on the socket while the assembler is stopped")
         finally:
             assembler.signal(signal.SIGCONT)
         checker.run_until(checker.steps + 3000)

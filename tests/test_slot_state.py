@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import select
 import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 
@@ -70,7 +71,9 @@ class Bench:
 
     def wait_beat(self, t: float) -> None:
         """Wait (really) until the learner has written its beat, then let the slot read it."""
-        assert select.select([self.learner().beats], [], [], 10)[0], "the learner beat"
+        beats = self.learner().beats
+        assert beats is not None, "the learner beats through a pipe"
+        assert select.select([beats], [], [], 10)[0], "the learner beat"
         self.clock.t = T0 + t
         self.slot.tick(self.clock.t)
         assert self.learner().last_beat == T0 + t
@@ -228,7 +231,9 @@ def test_a_swapped_in_learner_that_exits_in_probation_is_reverted_and_a_refused_
     assert reply.detail == ("the new learner exit code 5 after 0.5s (its log is above); back "
                             "to the previous settings")
     bench.at(1.6)
-    assert "--bad" not in bench.learner().popen.args, "the previous settings are back"
+    popen = bench.learner().popen
+    assert isinstance(popen, subprocess.Popen) and isinstance(popen.args, list)
+    assert "--bad" not in popen.args, "the previous settings are back"
     bench.at(10.0)
     assert bench.replies() == [], "no probation reply for a reverted swap"
     counts = bench.slot.counts

@@ -13,8 +13,9 @@ import pytest
 import vector_envs
 from vector_envs import Made
 
-torch = pytest.importorskip("torch")
-from torch import nn  # noqa: E402
+pytest.importorskip("torch")
+import torch
+from torch import nn
 
 NUM_ENVS, NUM_STEPS, ITERATIONS, SEED = 4, 64, 3, 1
 
@@ -46,6 +47,8 @@ def ppo(envs: gym.vector.VectorEnv) -> tuple[list[float], list[float]]:
     loss."""
     torch.manual_seed(SEED)
     envs = gym.wrappers.vector.RecordEpisodeStatistics(envs)
+    assert isinstance(envs.single_observation_space, gym.spaces.Box)
+    assert isinstance(envs.single_action_space, gym.spaces.Discrete)
     agent = Agent(int(np.prod(envs.single_observation_space.shape)),
                   int(envs.single_action_space.n))
     optimizer = torch.optim.Adam(agent.parameters(), lr=2.5e-3, eps=1e-5)

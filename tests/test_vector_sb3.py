@@ -30,13 +30,16 @@ def test_same_seeds_and_actions_give_dummy_vec_env_results(make: Made) -> None:
     theirs = DummyVecEnv([lambda: gym.make("CartPole-v1")] * 4)
     for venv in (ours, theirs):
         venv.seed(21)
-    assert np.array_equal(ours.reset(), theirs.reset())
+    first, theirs_first = ours.reset(), theirs.reset()
+    assert isinstance(first, np.ndarray) and isinstance(theirs_first, np.ndarray)
+    assert np.array_equal(first, theirs_first)
     rng = np.random.default_rng(2)
     ended = 0
     for _ in range(200):
         actions = rng.integers(0, 2, 4)
         got, expected = ours.step(actions), theirs.step(actions)
         for a, b in zip(got[:3], expected[:3], strict=True):
+            assert isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
             assert np.array_equal(a, b) and a.dtype == b.dtype
         for a, b in zip(got[3], expected[3], strict=True):
             assert a.keys() == b.keys()
@@ -51,6 +54,7 @@ def test_ppo_trains_on_it(make: Made) -> None:
     venv = VecMonitor(VecEnv(make("CartPole-v1", 8, workers=2, autoreset_mode="SameStep")))
     model = PPO("MlpPolicy", venv, n_steps=32, batch_size=256, n_epochs=2, seed=0, device="cpu")
     model.learn(total_timesteps=512)
+    assert model.ep_info_buffer is not None
     assert model.num_timesteps >= 512 and len(model.ep_info_buffer) > 0
 
 

@@ -32,6 +32,8 @@ def test_workers_with_the_same_seed_and_index_see_the_same_first_observations():
     other = EnvSet(Config(seed=3, worker_index=2, envs_per_worker=4), errors.append,
                    log).reset({})
     assert errors == []
+    assert isinstance(first, np.ndarray) and isinstance(again, np.ndarray)
+    assert isinstance(other, np.ndarray)
     assert np.array_equal(first, again)
     assert not np.array_equal(first, other)
     assert len({row.tobytes() for row in first}) == 4, "envs of one worker differ"
@@ -54,6 +56,7 @@ def test_stepbus_env_is_every_workers_env_unless_a_flag_says_otherwise(
     assert parser.parse_args(["worker", "--env", "Pendulum-v1"]).env == "Pendulum-v1"
     worker = clidoc.subcommands(parser)["worker"]
     help_text = next(a.help for a in worker._actions if "--env" in a.option_strings)
+    assert help_text is not None
     assert "(env STEPBUS_ENV)" in help_text and "[default: Acrobot-v1]" in help_text
 
 
@@ -122,14 +125,14 @@ def test_more_env_restarts_within_a_minute_than_the_bound_raise_one_clear_failur
 def test_restarts_older_than_a_minute_and_rejected_reset_options_do_not_count():
     log = logging.getLogger("t")
     envs = EnvSet(Config(env="scripted_envs:broken_cartpole", envs_per_worker=1,
-                         max_env_restarts_per_minute=2), [].append, log)
+                         max_env_restarts_per_minute=2), lambda error: None, log)
     envs.reset({})
     envs.restarts.extend([time.monotonic() - 61] * 5)  # an error storm more than a minute ago
     for _ in range(6):  # two errors, each 3 steps apart: within the bound
         envs.step(np.zeros(1, np.int64), {})
     assert envs.errors == 2 and len(envs.restarts) == 2
     picky = EnvSet(Config(env="scripted_envs:picky_cartpole", envs_per_worker=3,
-                          max_env_restarts_per_minute=0), [].append, log)
+                          max_env_restarts_per_minute=0), lambda error: None, log)
     picky.reset({"level": 9})  # every env rejects the options: reported, not a failure
     assert picky.errors == 3 and picky.without_options == {0, 1, 2}
 

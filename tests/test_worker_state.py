@@ -9,6 +9,7 @@ import os
 import signal
 import uuid
 from collections.abc import Iterator
+from typing import cast
 
 import numpy as np
 import pytest
@@ -60,14 +61,16 @@ def test_a_reset_then_steps_reply_once_per_batch_with_the_brokers_epoch_and_seq(
     (first,) = bench.reset(epoch=3, seq=5)
     assert (first.first, first.epoch, first.seq) == (True, 3, 5)
     assert first.incarnation == bench.worker.incarnation
+    assert isinstance(first.obs, np.ndarray) and isinstance(first.final_obs, np.ndarray)
     assert first.obs.shape == (2, 4) and first.final_obs.shape == (0, 4)
     assert not first.reward.any() and not first.terminated.any() and not first.truncated.any()
-    assert list(first.episode) == [0, 0]
+    assert first.episode is not None and list(first.episode) == [0, 0]
     assert bench.worker.phase is Phase.STEPPING
     for seq in (6, 7, 8):
         (result,) = bench.step(epoch=3, seq=seq, version=11)
         assert (result.first, result.epoch, result.seq) == (False, 3, seq)
         assert result.incarnation == bench.worker.incarnation
+        assert isinstance(result.obs, np.ndarray)
         assert result.obs.shape == (2, 4) and (result.reward == 1).all()
     figures = bench.worker.figures()
     assert figures["env_steps"] == 6 and figures["policy_version"] == 11
@@ -106,14 +109,15 @@ def test_a_reset_resets_every_env_with_the_options_and_the_next_epoch_steps_on()
         bench.reset(epoch=0, seq=1)
         bench.step(0, 2)
         (first,) = bench.reset(epoch=1, seq=3, options={"level": 2})
-        assert first.first and first.epoch == 1 and list(first.episode) == [1, 1]
+        assert first.first and first.epoch == 1
+        assert first.episode is not None and list(first.episode) == [1, 1]
         assert bench.out.take(p.RemoteError) == [], "level 2 exists"
         (first,) = bench.reset(epoch=2, seq=4, options={"level": 9})
         assert first.first and first.epoch == 2
         errors = bench.out.take_sent(p.RemoteError)
         assert sorted(s.port for s in errors) == ["controller"] * 2 + ["steps"] * 2, \
             "each rejection reported to the controller and to the broker's barrier"
-        assert {s.msg.error_type for s in errors} == {"ValueError"}
+        assert {cast(p.RemoteError, s.msg).error_type for s in errors} == {"ValueError"}
         assert bench.worker.envs.without_options == {0, 1}
         (result,) = bench.step(2, 5)
         assert result.epoch == 2 and result.seq == 5
@@ -130,6 +134,7 @@ def test_an_env_that_raises_is_reported_with_its_traceback_and_recreated():
         assert bench.out.take(p.RemoteError) == []
         (result,) = bench.step(0, 4)  # its 3rd step raises
         assert result.truncated[0] and not result.terminated[0], "the episode is cut"
+        assert isinstance(result.final_obs, np.ndarray) and result.episode is not None
         assert result.final_obs.shape == (1, 4) and result.episode[0] == 1, "a new episode"
         sent = bench.out.take_sent(p.RemoteError)
         assert sorted(s.port for s in sent) == ["controller", "steps"]
@@ -254,15 +259,18 @@ def test_with_shm_frames_observations_go_through_the_segment_once_the_broker_map
         assert hello.shm == w.segment.name and hello.shm_nonce == w.segment.nonce.hex()
         bench.reset(epoch=0, seq=1)
         (result,) = bench.step(0, 2)
+        assert isinstance(result.obs, np.ndarray)
         assert result.obs_slot == -1 and result.obs.shape == (2, 32, 32, 4), \
             "the broker has not mapped the segment: rows on the socket"
         reader = shm.Reader(hello.shm, hello.shm_nonce)
         reader.mark()  # the broker maps it, then resets the worker
         bench.reset(epoch=0, seq=3)
         (result,) = bench.step(0, 4)
+        assert isinstance(result.obs, np.ndarray)
         assert result.obs.shape == (0, 32, 32, 4) and result.obs_slot >= 0
         rows = reader.view(result.obs_slot, np.dtype(np.uint8), (32, 32, 4))
         assert rows is not None and reader.holds(result.obs_slot, 4)
+        assert isinstance(w.envs.last_obs, np.ndarray)
         assert np.array_equal(rows, w.envs.last_obs)
         figures = w.figures()
         assert (figures["shm_batches"], figures["shm_full"], figures["shm_reclaimed"]) == (1, 0, 0)
