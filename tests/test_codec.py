@@ -101,9 +101,15 @@ def strategy_for(hint: Any) -> st.SearchStrategy[Any]:
     raise NotImplementedError(f"no strategy for {hint!r}: teach test_codec the new field type")
 
 
+def message_fields(cls: type[p.Message]) -> tuple[dataclasses.Field[Any], ...]:
+    """The fields of a message class: each is a dataclass (their base class is not)."""
+    assert dataclasses.is_dataclass(cls), cls
+    return dataclasses.fields(cls)
+
+
 def messages(cls: type[p.Message]) -> st.SearchStrategy[p.Message]:
     hints = typing.get_type_hints(cls)
-    fields = {f.name: strategy_for(hints[f.name]) for f in dataclasses.fields(cls)}
+    fields = {f.name: strategy_for(hints[f.name]) for f in message_fields(cls)}
     return st.builds(cls, **fields)
 
 
@@ -140,7 +146,7 @@ def assert_same(expected: Any, got: Any, where: str) -> None:
 
 def assert_same_message(expected: p.Message, got: p.Message) -> None:
     assert type(got) is type(expected)
-    for f in dataclasses.fields(expected):  # type: ignore[arg-type]
+    for f in message_fields(type(expected)):
         assert_same(getattr(expected, f.name), getattr(got, f.name), f.name)
 
 
@@ -182,6 +188,8 @@ def test_zero_dimensional_arrays_keep_their_shape() -> None:
                        policy_versions=np.zeros((), np.int64), bootstrap_obs=np.array(True),
                        assembler="a1", seq=0)
     got = p.decode(p.encode(msg))
+    assert isinstance(got, p.Trajectory) and isinstance(got.obs, np.ndarray)
+    assert isinstance(got.bootstrap_obs, np.ndarray)
     assert got.obs.shape == () and got.obs.dtype == np.float32 and got.obs == 1.5
     assert got.actions.shape == () and got.bootstrap_obs.shape == ()
 
@@ -200,6 +208,7 @@ def test_trajectories_travel_together_and_split_back_exactly() -> None:
 
     trajs = [one(4, 5, None), one(5, 1, 2.5), one(9, 3, None)]
     batch = p.decode([bytes(f) for f in p.encode(p.Trajectories.of(trajs))])
+    assert isinstance(batch, p.Trajectories)
     spec = p.SpaceSpec([3], "<f4", "discrete", action_n=2)
     assert checks.trajectories_problem(batch, spec, ActionSpace("discrete", n=2)) == ""
     for got, want in zip(batch.split(), trajs, strict=True):
@@ -226,22 +235,25 @@ def test_a_batch_holds_at_most_max_trajectories_per_message() -> None:
 
 
 def test_optional_arrays_may_be_absent_or_present() -> None:
-    base = dict(worker="w", incarnation="i", epoch=0, seq=1, first=True, policy_version=-1,
-                obs=np.zeros((2, 3), np.float32), reward=np.zeros(2, np.float32),
-                terminated=np.zeros(2, bool), truncated=np.zeros(2, bool),
-                final_obs=np.zeros((0, 3), np.float32))
+    base: dict[str, Any] = dict(
+        worker="w", incarnation="i", epoch=0, seq=1, first=True, policy_version=-1,
+        obs=np.zeros((2, 3), np.float32), reward=np.zeros(2, np.float32),
+        terminated=np.zeros(2, bool), truncated=np.zeros(2, bool),
+        final_obs=np.zeros((0, 3), np.float32))
     absent = p.Experience(**base)
-    assert p.decode(p.encode(absent)).action is None
+    decoded = p.decode(p.encode(absent))
+    assert isinstance(decoded, p.Experience) and decoded.action is None
     present = p.Experience(**base, action=np.array([1, 0]), logp=np.zeros(2), value=np.ones(2))
     assert_same_message(present, p.decode(p.encode(present)))
     only_logp = p.Experience(**base, logp=np.zeros(2))
     got = p.decode(p.encode(only_logp))
+    assert isinstance(got, p.Experience)
     assert got.action is None and got.value is None and got.logp is not None
 
 
 def test_array_maps_round_trip_with_dotted_keys_and_when_empty() -> None:
-    params = {"pi.w": np.ones((4, 2), np.float32), "v": np.zeros(0, np.float16),
-              "b.c.d": np.array(3, np.int8)}
+    params: dict[str, np.ndarray] = {"pi.w": np.ones((4, 2), np.float32),
+                                     "v": np.zeros(0, np.float16), "b.c.d": np.array(3, np.int8)}
     for value in (params, {}):
         msg = p.Weights(trainer="t", incarnation="i", policy="p", version=7, consumed_steps=0,
                         batch_steps=1, starving=False, params=value)
@@ -250,8 +262,8 @@ def test_array_maps_round_trip_with_dotted_keys_and_when_empty() -> None:
 
 def test_the_limits_themselves_are_accepted() -> None:
     params = {str(i): np.array([i], np.int16) for i in range(p.MAX_ARRAYS)}
-    msg = p.Weights(trainer="t", incarnation="i", policy="p", version=1, consumed_steps=0,
-                    batch_steps=1, starving=True, params=params)
+    msg: p.Message = p.Weights(trainer="t", incarnation="i", policy="p", version=1,
+                               consumed_steps=0, batch_steps=1, starving=True, params=params)
     assert_same_message(msg, p.decode(p.encode(msg)))
     deepest = {"a": [[{"b": [1.5]}]], "c": {"d": {"e": {"f": None}}}}  # scalars at MAX_JSON_DEPTH
     msg = p.Reset(epoch=3, seq=0, options=deepest)
@@ -325,7 +337,7 @@ def test_a_hello_spec_reads_back_as_the_space_spec_the_worker_declared() -> None
     assert_same_record(PIXELS, got.spec)
 
 
-RECORD_REFUSALS = [
+RECORD_REFUSALS: list[tuple[str, Any, str]] = [
     ("nil", None, "SpaceSpec: None"),
     ("a list", [84, 84, 4], "SpaceSpec: [84, 84, 4]"),
     ("an empty map", {}, "missing ['obs_shape', 'obs_dtype'"),
@@ -980,7 +992,7 @@ def test_mutated_messages_decode_or_raise_protocol_error(msg: p.Message,
 
 FRAME_OPS = ("truncate", "extend", "drop", "duplicate", "swap")
 ODD_STRINGS = ["", "|O", "O", "<U1", "|V0", "|S0", ">i8", "<f16", "params.", "params.w", "obs",
-               "actions.x", "bogus", *(f.name for cls in CLASSES for f in dataclasses.fields(cls))]
+               "actions.x", "bogus", *(f.name for cls in CLASSES for f in message_fields(cls))]
 
 
 def positions(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -1038,7 +1050,7 @@ def mutate_structure(frames: list[bytes], rnd: random.Random) -> list[bytes]:
     array frames or their count."""
     header = msgpack.unpackb(frames[0], raw=False)
     required = [i for i, desc in enumerate(header[3]) if desc[0].split(".")[0] in {
-        f.name for f in dataclasses.fields(p.MESSAGE_TYPES[p.Kind(header[1])])
+        f.name for f in message_fields(p.MESSAGE_TYPES[p.Kind(header[1])])
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}]
     if header[3] and rnd.random() < 0.1:  # an array left out altogether: descriptor and frame
         # Mostly a required one: leaving out an optional array is a valid message.
@@ -1079,7 +1091,7 @@ def sample(cls: type[Any]) -> Any:
               p.ArrayMap: {"w": np.ones((2, 3), np.float32), "b": np.zeros(3, np.int8)}}
     hints = typing.get_type_hints(cls)
     fields = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for f in dataclasses.fields(cls):
         hint = hints[f.name]
         origin, args = typing.get_origin(hint), typing.get_args(hint)
         if hint == p.ArrayMap:
@@ -1135,7 +1147,7 @@ def near_valid_frames(draw: st.DrawFn) -> list[bytes]:
     """Headers of the right outline whose parts are often right and sometimes anything."""
     kind = draw(st.sampled_from(list(p.Kind)))
     cls = p.MESSAGE_TYPES[kind]
-    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    names = [f.name for f in message_fields(cls)]
     names += ["params.w", "params.", "bogus", ""]
     fields = draw(st.dictionaries(st.sampled_from(names) | st.text(max_size=4), MSGPACK,
                                   max_size=len(names)))

@@ -8,6 +8,7 @@ import logging
 import pickle
 import signal
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import msgpack_numpy
@@ -90,7 +91,7 @@ def well_formed_lies(cluster: Cluster) -> None:
     trainer.close(linger=1000)
     # A squatter with a routing id of its own, saying hello in the real worker's name: its
     # refusals are counted against its id, never against w0.
-    squatter = zmq.Context.instance().socket(zmq.DEALER)
+    squatter: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
     squatter.setsockopt(zmq.IDENTITY, b"squatter")
     squatter.connect(cluster.endpoints["steps"])
     for _ in range(SQUATTER_HELLOS):
@@ -140,13 +141,14 @@ def test_hostile_messages_on_every_bound_socket_are_refused_and_learning_goes_on
     assert "Traceback" not in cluster.dump()
 
 
-def trajectory(n: int = 32, **changes) -> p.Trajectory:
-    fields = dict(agent="w/0", epoch=0, terminated=False, truncated=False, episode_return=None,
-                  episode_length=None, obs=np.zeros((n, 4), np.float32),
-                  actions=np.zeros(n, np.int64), logp=np.full(n, -0.69, np.float32),
-                  values=np.zeros(n, np.float32), rewards=np.ones(n, np.float32),
-                  policy_versions=np.ones(n, np.int64), bootstrap_obs=np.zeros(4, np.float32),
-                  assembler="", seq=-1)
+def trajectory(n: int = 32, **changes: Any) -> p.Trajectory:
+    fields: dict[str, Any] = dict(
+        agent="w/0", epoch=0, terminated=False, truncated=False, episode_return=None,
+        episode_length=None, obs=np.zeros((n, 4), np.float32),
+        actions=np.zeros(n, np.int64), logp=np.full(n, -0.69, np.float32),
+        values=np.zeros(n, np.float32), rewards=np.ones(n, np.float32),
+        policy_versions=np.ones(n, np.int64), bootstrap_obs=np.zeros(4, np.float32),
+        assembler="", seq=-1)
     fields.update(changes)
     return p.Trajectory(**fields)
 
@@ -163,7 +165,7 @@ def test_the_trainer_refuses_trajectories_it_cannot_train_on_and_keeps_learning(
     assert isinstance(p.decode(frames), p.TrainerHello)
     broker.send_multipart([ident, *p.encode(p.EnvSpec(env_id="CartPole-v1", spec=CARTPOLE_SPEC,
                                                       policy_version=-1))])
-    bad = [
+    bad: list[p.Trajectory | p.Trajectories] = [
         trajectory(policy_versions=np.ones(0, np.int64)),
         trajectory(bootstrap_obs=np.zeros(5, np.float32)),
         trajectory(actions=np.full(32, 2, np.int64)),
@@ -307,13 +309,13 @@ def test_reject_figures_are_few_short_scalars() -> None:
 def test_recv_names_the_sender_of_a_refused_message(kind: int) -> None:
     """ROUTER: the routing id; otherwise, over TCP, the peer's address (it cannot choose it)."""
     rejects, lines, _ = reject_log()
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     sock = wiring.socket(ctx, kind, bind="tcp://127.0.0.1:0")
     peer = ctx.socket(zmq.DEALER if kind == zmq.ROUTER else zmq.PUSH)
     try:
         peer.setsockopt(zmq.LINGER, 0)
         peer.setsockopt(zmq.IDENTITY, b"liar")
-        peer.connect(sock.getsockopt(zmq.LAST_ENDPOINT).decode())
+        peer.connect(sock.getsockopt_string(zmq.LAST_ENDPOINT))
         peer.send(b"\xc1 not msgpack")
         assert sock.poll(5000)
         assert node.recv(sock, rejects, routed=kind == zmq.ROUTER)[1] is None
@@ -340,10 +342,10 @@ def test_a_handler_refusal_names_the_tcp_peer_that_sent_it_not_the_name_inside()
     """A well-formed receipt the assembler cannot use, from a PUSH over TCP: refused by its
     handler, counted against the connection's peer address, the trainer it names only
     claimed."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     sock = wiring.socket(ctx, zmq.PULL, bind="tcp://127.0.0.1:0")
     peer = ctx.socket(zmq.PUSH)
-    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     asm = assembler.Assembler(assembler.Config(), node.Outbox(), logging.getLogger("test.asm"),
                               outlet_endpoints={"default": "tcp://127.0.0.1:1"},
                               incarnation="a1")

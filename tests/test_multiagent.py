@@ -22,16 +22,19 @@ def test_a_parallel_env_steps_one_row_per_agent_with_alive_and_done_per_agent():
     acts = np.zeros(8, np.int64)
 
     r1 = envs.step(acts, {})  # c appears
+    assert r1.alive is not None and isinstance(r1.obs, np.ndarray)
     assert r1.alive.tolist() == [True] * 8
     assert r1.reward.tolist() == [1, 1, 0, 1] * 2, "only agents that acted are rewarded"
     assert r1.obs[2].tolist() == [2, 1], "c's first observation"
 
     r2 = envs.step(acts, {})  # b terminates, the others go on
+    assert r2.alive is not None and isinstance(r2.final_obs, np.ndarray)
     assert r2.terminated.tolist() == [False, True, False, False] * 2
     assert r2.alive.tolist() == [True, False, True, True] * 2
     assert r2.final_obs.tolist() == [[1, 2], [1, 2]], "one final row per ended agent, in order"
 
     r3 = envs.step(acts, {})  # d vanishes (leaves without a done flag): cut as truncated
+    assert r3.alive is not None and isinstance(r3.final_obs, np.ndarray)
     assert r3.alive.tolist() == [True, False, True, False] * 2
     assert r3.truncated.tolist() == [False, False, False, True] * 2
     assert not r3.terminated.any()
@@ -40,6 +43,8 @@ def test_a_parallel_env_steps_one_row_per_agent_with_alive_and_done_per_agent():
 
     envs.step(acts, {})
     r5 = envs.step(acts, {})  # a and c reach the time limit: the env resets in the same step
+    assert r5.alive is not None
+    assert isinstance(r5.obs, np.ndarray) and isinstance(r5.final_obs, np.ndarray)
     assert r5.truncated.tolist() == [True, False, True, False] * 2
     assert r5.final_obs.tolist() == [[0, 5], [2, 5]] * 2
     assert r5.alive.tolist() == [True, True, False, True] * 2, "the next episode's agents"
@@ -67,6 +72,8 @@ def test_agents_that_appear_finish_and_vanish_get_their_own_trajectories(relay):
         assert isinstance(traj, p.Trajectory)
         first.setdefault(traj.agent, traj)
     a, b, c, d = (first[f"w/0/{name}"] for name in "abcd")
+    assert isinstance(a.bootstrap_obs, np.ndarray) and isinstance(c.obs, np.ndarray)
+    assert isinstance(d.bootstrap_obs, np.ndarray)
     # a: the whole episode, cut by the time limit; its return is the episode's.
     assert (len(a.rewards), a.truncated, a.terminated, a.episode_return) == (5, True, False, 5)
     assert a.bootstrap_obs.tolist() == [0, 5]
@@ -84,7 +91,7 @@ def random_return(episodes: int = 100) -> float:
     """Mean per-agent episode return of uniformly random actions on simple_spread."""
     spread = pytest.importorskip("mpe2.simple_spread_v3")
     env = spread.parallel_env()
-    returns = []
+    returns: list[float] = []
     for episode in range(episodes):
         env.reset(seed=episode)
         total = dict.fromkeys(env.agents, 0.0)
@@ -124,6 +131,8 @@ def test_an_agent_that_vanishes_as_the_episode_ends_is_cut_not_carried_into_the_
     envs.step(np.zeros(2, np.int64), {})
     envs.step(np.zeros(2, np.int64), {})
     last = envs.step(np.zeros(2, np.int64), {})
+    assert isinstance(last.obs, np.ndarray) and isinstance(last.final_obs, np.ndarray)
+    assert last.alive is not None and last.episode is not None
     assert last.truncated.tolist() == [True, True], "b's episode ends too, as truncated"
     assert last.final_obs.tolist() == [[0, 3], [1, 3]]
     assert last.alive.tolist() == [True, True] and last.obs[:, 1].tolist() == [0, 0]
@@ -135,6 +144,7 @@ def test_an_env_that_keeps_done_agents_listed_is_reset_anyway():
     envs.reset({})
     for _ in range(3):
         result = envs.step(np.zeros(2, np.int64), {})
+    assert isinstance(result.obs, np.ndarray) and result.episode is not None
     assert result.truncated.all() and result.obs[:, 1].tolist() == [0, 0]
     assert result.episode.tolist() == [1, 1]
 
@@ -143,4 +153,5 @@ def test_agents_keyed_by_integers_work():
     envs = envset("scripted_envs:int_keys")
     assert envs.agents == ["0", "1"]
     envs.reset({})
-    assert envs.step(np.zeros(2, np.int64), {}).alive.tolist() == [True, True]
+    alive = envs.step(np.zeros(2, np.int64), {}).alive
+    assert alive is not None and alive.tolist() == [True, True]

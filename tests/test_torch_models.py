@@ -104,13 +104,16 @@ def test_the_built_in_torch_model_acts_on_vectors_and_channels_last_frames(
 
 def test_frames_under_36_pixels_a_side_get_the_minatar_papers_small_torso() -> None:
     small = loaded(MINATAR).module.network
+    assert isinstance(small, nn.Sequential)
     assert [type(m) for m in small] == [nn.Conv2d, nn.ReLU, nn.Flatten, nn.Linear, nn.ReLU]
     assert (small[0].out_channels, small[0].kernel_size, small[3].in_features,
             small[3].out_features) == (16, (3, 3), 16 * 8 * 8, 128)
     nature = loaded(ATARI).module.network
+    assert isinstance(nature, nn.Sequential)
     assert [m.out_channels for m in nature if isinstance(m, nn.Conv2d)] == [32, 64, 64]
     lstm = policy.make_policy("torch-lstm", MINATAR)
     assert isinstance(lstm, torch_policy.TorchPolicy)
+    assert isinstance(lstm.module.encoder, torch_agents.Frames)
     assert lstm.module.encoder.width == torch_agents.SMALL_CNN_FEATURES
 
 
@@ -160,6 +163,7 @@ def test_a_torch_broker_refuses_a_foreign_models_weights_in_one_line_and_acts_wi
     b.deliver(b"w0", p.WorkerHello(worker="w0", incarnation="i1", env_id="CartPole-v1",
                                    num_envs=2, seed=0, spec=spec, seq=0), now=clock.t)
     [reset] = out.take_sent(p.Reset)
+    assert isinstance(reset.msg, p.Reset)
 
     def weights(params: dict[str, np.ndarray], version: int) -> p.Weights:
         return p.Weights(trainer="t", incarnation="t1", policy="default", version=version,
@@ -184,6 +188,7 @@ def test_a_torch_broker_refuses_a_foreign_models_weights_in_one_line_and_acts_wi
     b.deliver(b"t", p.decode(p.encode(weights(torch_policy.state_arrays(own), 2))), now=clock.t)
     b.tick(clock.t)
     [step] = out.take_sent(p.Step)
+    assert isinstance(step.msg, p.Step)
     assert step.msg.policy_version == 2 and step.msg.actions.shape == (2,)
 
 
@@ -286,6 +291,8 @@ def test_a_torch_checkpoint_is_safetensors_and_resumes_weights_and_adam_exactly(
     assert again.resume(path) == {"version": 7}
     for key, value in model.weights().items():
         assert np.array_equal(again.weights()[key], value), key
+    assert isinstance(model.torch_algo, torch_ppo.TorchPPO)
+    assert isinstance(again.torch_algo, torch_ppo.TorchPPO)
     ours, theirs = model.torch_algo.optimizer_state(), again.torch_algo.optimizer_state()
     assert ours.keys() == theirs.keys() and ours
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
