@@ -292,8 +292,15 @@ MAX_MESSAGE_BYTES = 256 << 20  # bound sockets refuse a peer declaring a larger 
 HWM = 10_000
 RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 2_000  # reconnect backoff ceiling
-TCP_HEARTBEAT_IVL_MS = 1_000
-TCP_HEARTBEAT_TIMEOUT_MS = 3_000
+# A TCP peer that vanished (its host down, the network cut) is found by the kernel's
+# keepalive probes: after 1 s idle, one a second, 3 unanswered. Not by ZeroMQ's own heartbeats
+# (ZMQ_HEARTBEAT_IVL): libzmq 4.3.5 aborts the whole process when a heartbeat timer fires on a
+# connection whose input was stopped (a full receive queue, or a socket being closed) and whose
+# peer then hung up (`!_io_error` in stream_engine_base.cpp), as a broker did at shutdown and
+# as tests/test_wiring.py reproduces.
+TCP_KEEPALIVE_IDLE_S = 1
+TCP_KEEPALIVE_INTERVAL_S = 1
+TCP_KEEPALIVE_PROBES = 3
 # With a ZAP domain set libzmq refuses ZMTP 1.0 and 2.0 peers, whose framing any TCP client
 # can produce without a handshake, so raw bytes never become messages. ZMTP 3.0 peers still
 # pass (no ZAP handler runs): they are ZeroMQ peers, and the decoder refuses what they send.
@@ -320,8 +327,10 @@ def socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str
     sock.setsockopt(zmq.RCVHWM, rcvhwm)
     sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, TCP_HEARTBEAT_IVL_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, TCP_HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)  # TCP links only; ipc peers' deaths close the socket
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, TCP_KEEPALIVE_IDLE_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, TCP_KEEPALIVE_INTERVAL_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, TCP_KEEPALIVE_PROBES)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     if kind == zmq.ROUTER:
