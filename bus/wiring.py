@@ -296,8 +296,8 @@ RECONNECT_IVL_MAX_MS = 2_000  # reconnect backoff ceiling
 # keepalive probes: after 1 s idle, one a second, 3 unanswered. Not by ZeroMQ's own heartbeats
 # (ZMQ_HEARTBEAT_IVL): libzmq 4.3.5 aborts the whole process when a heartbeat timer fires on a
 # connection whose input was stopped (a full receive queue, or a socket being closed) and whose
-# peer then hung up (`!_io_error` in stream_engine_base.cpp), as a broker did at shutdown and
-# as tests/test_wiring.py reproduces.
+# peer then hung up (`!_io_error` in stream_engine_base.cpp): a broker shutting down while
+# workers still send meets exactly that, and tests/test_wiring.py makes it happen.
 TCP_KEEPALIVE_IDLE_S = 1
 TCP_KEEPALIVE_INTERVAL_S = 1
 TCP_KEEPALIVE_PROBES = 3
