@@ -246,7 +246,7 @@ def test_a_restarted_broker_resets_workers_into_the_runs_epoch_with_its_options(
         status.close()
 
 
-FREEZE_S = 5.0  # past the 3 s ZeroMQ heartbeat timeout: the workers' connections are replaced
+FREEZE_S = 5.0  # over 3x the 1.5 s liveness: the broker must not take its own stall for theirs
 
 
 def test_a_broker_resumed_after_a_freeze_keeps_its_links_and_loses_no_worker(
