@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, overload
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -349,12 +349,15 @@ class ControllerLink:
 # sockets; an in-process test runs one on an `Outbox` and feeds it decoded messages.
 
 
+M = TypeVar("M", bound=p.Message)
+
+
 @dataclass(frozen=True)
-class Sent:
+class Sent(Generic[M]):
     """One message a process sent: the port it went out on, and the ROUTER peer it went to."""
 
     port: str
-    msg: p.Message
+    msg: M
     to: bytes | None = None
 
 
@@ -373,7 +376,7 @@ class Outbox:
     in `blocked` takes nothing (sends return False) and is not writable, like a full queue."""
 
     def __init__(self, blocked: set[str] | None = None) -> None:
-        self.sent: list[Sent] = []
+        self.sent: list[Sent[p.Message]] = []
         self.blocked: set[str] = blocked if blocked is not None else set()
 
     def send(self, port: str, msg: p.Message, *, to: bytes | None = None,
@@ -393,19 +396,23 @@ class Outbox:
         self.sent = [s for s in self.sent if not _among(s, taken)]
         return [s.msg for s in taken]  # type: ignore[misc]
 
-    def take_sent(self, kind: type | None = None) -> list[Sent]:
+    @overload
+    def take_sent(self, kind: type[M]) -> list[Sent[M]]: ...
+
+    @overload
+    def take_sent(self, kind: None = None) -> list[Sent[p.Message]]: ...
+
+    def take_sent(self, kind: type[M] | None = None
+                  ) -> list[Sent[M]] | list[Sent[p.Message]]:
         """Like `take`, with each message's port and peer."""
         taken = [s for s in self.sent if kind is None or isinstance(s.msg, kind)]
         self.sent = [s for s in self.sent if not _among(s, taken)]
         return taken
 
 
-def _among(sent: Sent, taken: list[Sent]) -> bool:
+def _among(sent: Sent[p.Message], taken: list[Sent[p.Message]]) -> bool:
     """By identity: messages that hold arrays cannot be compared with `==`."""
     return any(sent is t for t in taken)
-
-
-M = TypeVar("M", bound=p.Message)
 
 
 @dataclass

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import types
-from typing import cast
 
 import gymnasium as gym
 import numpy as np
@@ -54,7 +53,8 @@ class Bench:
                                     rules=broker.policies.parse_map(policy_map),
                                     clock=self.clock)
         self.commands: dict[bytes, p.Reset | p.Step] = {}  # the last one each worker got
-        self.unread: list[node.Sent] = []  # sent to workers, not yet looked at by the test
+        # sent to workers, not yet looked at by the test
+        self.unread: list[node.Sent[p.Reset] | node.Sent[p.Step]] = []
         self.incarnations: dict[bytes, str] = {}
         if run_state:
             self.deliver(b"", p.RunState(run_id="r", epoch=0, options={},
@@ -75,14 +75,14 @@ class Bench:
         self.collect()
         taken = [s for s in self.unread if s.to == ident and isinstance(s.msg, kind)]
         self.unread = [s for s in self.unread if not any(s is t for t in taken)]
-        return [cast("p.Reset | p.Step", s.msg) for s in taken]  # all `collect` keeps
+        return [s.msg for s in taken]
 
     def collect(self) -> None:
         """Move what went to workers out of the outbox, remembering each worker's last
         command (what `answer` answers)."""
         for s in self.out.take_sent(p.Reset) + self.out.take_sent(p.Step):
             assert s.port == "steps" and s.to is not None
-            self.commands[s.to] = s.msg  # type: ignore[assignment]
+            self.commands[s.to] = s.msg
             self.unread.append(s)
 
     def join(self, name: str, num_envs: int = 2, incarnation: str = "i1", seq: int = 0,
@@ -250,10 +250,9 @@ def test_a_silent_worker_is_forgotten_and_the_assembler_told_and_its_seq_remembe
     bench.later(worker_table.LIVENESS_S - 1.0 + 0.1)
     bench.tick()
     sent = bench.out.take_sent(p.WorkerLost)
-    lost = [cast(p.WorkerLost, s.msg) for s in sent]
-    assert [(s.port, m.worker, m.incarnation) for s, m in zip(sent, lost, strict=True)] == [
+    assert [(s.port, s.msg.worker, s.msg.incarnation) for s in sent] == [
         ("experience", "w0", "i1")]
-    assert lost[0].reason == f"silent for {worker_table.LIVENESS_S + 0.1:.1f}s"
+    assert sent[0].msg.reason == f"silent for {worker_table.LIVENESS_S + 0.1:.1f}s"
     assert bench.figure("workers") == 1 and bench.figure("workers_lost") == 1
     late = bench.result(w0)  # its reply to its first reset, too late: it is not known any more
     bench.commands_to(w0)
@@ -536,7 +535,7 @@ def test_a_trainer_that_said_hello_before_any_worker_gets_the_spec_when_the_firs
     assert bench.out.take(p.EnvSpec, port="policy") == [], "no spec to give yet"
     bench.join("w1")
     told = bench.out.take_sent(p.EnvSpec)
-    assert told[0].to == b"trainer-ident" and told[0].msg.spec == SPEC  # type: ignore[attr-defined]
+    assert told[0].to == b"trainer-ident" and told[0].msg.spec == SPEC
     assert len(told) == broker.MAX_AWAITING_SPEC, "the rest say hello again"
     bench.deliver(b"trainer-ident", p.TrainerHello(trainer="t-default", policy="default"))
     assert [s.to for s in bench.out.take_sent(p.EnvSpec)] == [b"trainer-ident"]

@@ -151,7 +151,7 @@ def test_a_trajectory_keeps_the_state_of_its_first_step_across_a_horizon_cut() -
     for _ in range(7):
         answer(b, w)
     msgs = [s.msg for s in b.out.take_sent(p.Experience)]
-    track = WorkerTrack.start(msgs[0], horizon=3)  # type: ignore[arg-type]
+    track = WorkerTrack.start(msgs[0], horizon=3)
     trajs = []
     for m in msgs:
         assert isinstance(m, p.Experience)
