@@ -488,7 +488,7 @@ class Broker(node.Process):
                 self.refuse("bad weights", problem, claims=msg.trainer)
                 return
         connected = slot.credit.report(msg.incarnation, msg.consumed_steps, msg.batch_steps,
-                                       msg.starving)
+                                       msg.starving, msg.checkpointed_steps)
         if newer:
             slot.newest = msg.version
             if not self.cfg.deterministic:

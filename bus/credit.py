@@ -61,6 +61,7 @@ class Credit:
     start: int = 0  # our count of steps where the trainer's count is 0: baseline without top-ups
     granted: int = 0  # baseline - start: steps top-ups took as lost
     first_consumed: int = 0  # the current incarnation's count when it connected
+    checkpointed: int = 0  # the count the current incarnation's newest checkpoint holds
     starving: bool = False  # what the trainer's latest WEIGHTS message said
     # A trainer reported more steps than we stepped beyond its scale and the top-ups: a
     # restarted broker's first trainer, a trainer of another run, or steps counted twice.
@@ -83,13 +84,14 @@ class Credit:
         return self.start + consumed_steps
 
     def report(self, incarnation: str, consumed_steps: int, batch_steps: int,
-               starving: bool) -> str:
+               starving: bool, checkpointed_steps: int = 0) -> str:
         """Take in what a trainer's WEIGHTS message says. Returns how a trainer incarnation
         not heard before was connected ("continues", "afresh"; "" for a known one)."""
         connected = ""
         if incarnation != self.trainer:
             connected = self.connect(incarnation, consumed_steps)
         self.consumed, self.batch_steps, self.starving = consumed_steps, batch_steps, starving
+        self.checkpointed = checkpointed_steps
         if self.outstanding() < 0:
             self.settle_overshoot()
         if starving and self.full():
@@ -98,11 +100,13 @@ class Credit:
 
     def connect(self, incarnation: str, consumed_steps: int) -> str:
         """A new trainer incarnation continues the last one's scale if its count fits it: at
-        least where the last one started (it resumed the run's checkpoint, which only grows)
-        and at most what we stepped. Otherwise (the first trainer we hear, or one of another
-        run) its count starts where we are now."""
+        least where the last one started and what the last one's newest checkpoint held (it
+        resumed that checkpoint, which only grows), and at most what we stepped. Otherwise (the
+        first trainer we hear, one of another run, or one that started a run of its own, at 0,
+        while its predecessor had checkpointed) its count starts where we are now."""
         continues = bool(self.trainer) and (
-            self.first_consumed <= consumed_steps <= self.produced - self.start)
+            max(self.first_consumed, self.checkpointed) <= consumed_steps
+            <= self.produced - self.start)
         if not continues:
             if self.trainer:
                 self.rebases += 1

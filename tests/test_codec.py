@@ -492,7 +492,8 @@ STEP_FIELDS = {"epoch": 1, "seq": 2, "policy_version": 3, "worker": ""}
 RESET_VECTOR_FIELDS = {"rows": [], "seeds": [], "seeding": "episode", "autoreset": "same_step",
                        "worker": ""}
 WEIGHT_FIELDS = {"trainer": "t", "incarnation": "i", "policy": "p", "version": 1,
-                 "consumed_steps": 0, "batch_steps": 1, "starving": False}
+                 "consumed_steps": 0, "batch_steps": 1, "starving": False,
+                 "checkpointed_steps": 0}
 TRAJ_FIELDS = {"agent": "a", "epoch": 0, "terminated": False, "truncated": False,
                "episode_return": None, "episode_length": None, "assembler": "", "seq": 0,
                "episode": -1, "episode_seed": -1, "episode_step": -1, "policy": "default"}

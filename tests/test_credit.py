@@ -54,6 +54,23 @@ def test_a_trainer_whose_count_does_not_fit_counts_afresh() -> None:
     assert credit.outstanding() == 0 and credit.rebases == 2
 
 
+def test_a_trainer_at_0_after_its_predecessor_checkpointed_started_a_run_of_its_own() -> None:
+    """A learner started on a fresh run directory counts from 0, as a successor of a learner
+    that never checkpointed does; only the predecessor's checkpoint tells them apart. Taken for
+    a successor, its 0 would leave everything the predecessor learned outstanding forever:
+    stepping would wait for top-ups."""
+    credit = Credit(max_steps_ahead=300)
+    assert credit.report("l1", 0, 100, False, checkpointed_steps=0) == "afresh"
+    credit.produced = 1000
+    credit.report("l1", 900, 100, False, checkpointed_steps=800)
+    assert credit.report("fresh", 0, 100, False) == "afresh"
+    assert credit.outstanding() == 0 and credit.rebases == 1
+    credit.produced = 1200
+    credit.report("fresh", 150, 100, False, checkpointed_steps=0)
+    assert credit.report("its-successor", 0, 100, False) == "continues", "it never checkpointed"
+    assert credit.outstanding() == 200 and credit.rebases == 1
+
+
 def test_steps_taken_as_lost_by_a_top_up_that_arrive_after_all_are_taken_back_first() -> None:
     credit = Credit(max_steps_ahead=300)
     credit.report("l1", 0, 100, False)

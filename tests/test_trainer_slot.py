@@ -172,6 +172,28 @@ def test_a_swap_whose_slot_is_killed_fails_once_the_slot_falls_silent(cluster: C
     assert "before answering the swap" in out, out
 
 
+def test_a_learner_on_a_run_directory_of_its_own_gets_a_credit_scale_of_its_own(
+        cluster: Cluster):
+    """After a learner that checkpointed, one started on a fresh run directory counts from 0,
+    as no successor would: the broker starts a new scale for it. Taken for a successor, its 0
+    left everything the first had learned outstanding, and stepping waited for top-ups (16 s
+    here after 50,000 steps)."""
+    procs = cluster.start_all(trainer="learner", trainer_args=(
+        "--target-return", "0", *EVERY_UPDATE, "--checkpoint-interval-s", "0.2"))
+    wait_for(lambda: len(cluster.metrics()) >= 5, 60, "five updates, so checkpoints behind them")
+    procs["trainer"].popen.kill()
+    procs["trainer"].popen.wait(10)
+    fresh = cluster.start("learner", "--target-return", "0", "--run-dir", str(cluster.dir / "own"))
+    afresh = "its count of 0 steps received starts where stepping is now"
+    wait_for(lambda: procs["broker"].output().count(afresh) == 2, 30,
+             "the broker to give the fresh learner a scale of its own")
+    assert "continues the last trainer's" not in procs["broker"].output()
+    steps = row(cluster, "worker")["env_steps"]
+    wait_for(lambda: row(cluster, "worker").get("env_steps", 0) > steps + 5000, 30,
+             "stepping to go on for the fresh learner")
+    fresh.popen.kill()
+
+
 def test_a_learner_killed_with_the_assembler_at_its_bound_does_not_stall_the_run(
         cluster: Cluster):
     """The assembler pauses at --max-buffered; what the dead learner never learned from is

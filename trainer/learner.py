@@ -440,6 +440,7 @@ class Learner(node.Process):
         # Env steps of the run taken in: the checkpoint's, then every one taken in (the
         # broker's credit). What the checkpoint did not hold comes again and counts then.
         self.steps_taken = progress.env_steps
+        self.checkpointed_steps = progress.env_steps  # what the newest checkpoint holds
         self.counts, self.receipts, self.digest = Counts(), Receipts(), RunDigest()
         self.receipts.resume(progress.assembler, progress.learned)
         self.unsaved = Unsaved(cfg.checkpoint_interval_s)
@@ -627,7 +628,7 @@ class Learner(node.Process):
             trainer=self.name, incarnation=self.incarnation, policy=self.cfg.policy_name,
             version=self.progress.version, consumed_steps=self.steps_taken,
             batch_steps=self.cfg.ppo.batch_steps, starving=starving,
-            params=self.model.weights()))
+            params=self.model.weights(), checkpointed_steps=self.checkpointed_steps))
         self.last_publish = self.clock()
         if self.phase is not Phase.DRAINING:
             self.at("republish", self.last_publish + QUIET_S, self.republish)
@@ -717,6 +718,7 @@ class Learner(node.Process):
         progress.recent_returns = list(self.returns)
         progress.assembler, progress.learned = self.receipts.assembler, self.receipts.kept()
         self.model.save(self.ckpt_path, dataclasses.asdict(progress))
+        self.checkpointed_steps = progress.env_steps  # goes out with the next weights
         self.receipts.checkpointed()
         for record in self.unsaved.wrote(began, self.clock()):
             self.metrics.write(record)
