@@ -1,9 +1,8 @@
 """The project's socket options with real processes: a bound socket whose receive queue is full
-when its peer hangs up stays alive (libzmq's own heartbeats aborted it: see bus/wiring.py)."""
+when its peer hangs up stays alive (libzmq's own heartbeats would abort it: see bus/wiring.py)."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,10 +10,12 @@ from pathlib import Path
 import pytest
 import zmq
 
+from stepbus.bus import wiring
+
 # The bound side, in a process of its own, since the failure is an abort(). It answers the
 # peer's first message and then holds what the peer sends without reading, as a busy broker or
-# learner does, until told the peer has gone; then waits past two intervals of the heartbeats
-# libzmq used to send, and reads it all.
+# learner does, until told the peer has gone; then waits past two intervals of the 1 s
+# heartbeats libzmq would send if they were on, and reads it all.
 BOUND = """
 import sys, time, zmq
 from stepbus.bus import wiring
@@ -37,12 +38,6 @@ ctx.term()
 PAYLOAD = b"x" * 100_000  # a few fill the kernel's buffers, so the receiver's queue is what stops
 
 
-def free_tcp_endpoint() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
-
-
 def fill_and_hang_up(endpoint: str) -> int:
     """Send to `endpoint` until the receiver takes no more, then close at once; how many sent."""
     ctx: zmq.Context = zmq.Context.instance()
@@ -63,7 +58,8 @@ def fill_and_hang_up(endpoint: str) -> int:
 
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
 def test_a_full_receiver_outlives_its_peer_hanging_up(tmp_path: Path, transport: str) -> None:
-    endpoint = f"ipc://{tmp_path}/bound" if transport == "ipc" else free_tcp_endpoint()
+    endpoint = (f"ipc://{tmp_path}/bound" if transport == "ipc"
+                else f"tcp://127.0.0.1:{wiring.free_tcp_ports(1)[0]}")
     bound = subprocess.Popen([sys.executable, "-c", BOUND, endpoint], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
