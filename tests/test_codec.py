@@ -1191,9 +1191,10 @@ def rejection_cost(cases: list[tuple[str, list[Any]]], rounds: int = 7) -> dict[
     CPU time, not wall time: the bound is on the decoder's own work, and wall time on a
     2-core machine running other tests measured 4x the CPU time for the same call. Over the
     reference, because a VM's CPU time moves with its host: the slowest case here took 2.5 ms
-    in one run and 6 ms in the next with the machine otherwise idle, and CI once measured
-    11.6 ms, while its ratio to the reference stayed between 2.9 and 3.8. The least of rounds
-    spread over the whole test, because a burst of load can last several runs in a row.
+    in one run and 6 ms in the next with the machine otherwise idle, and a median of 11.6 ms
+    on a loaded CI machine, while its ratio to the reference stayed between 2.9 and 3.8. The
+    least of rounds spread over the whole test, because a burst of load can last several runs
+    in a row.
     """
     ratios: dict[str, float] = {}
     for _ in range(rounds):

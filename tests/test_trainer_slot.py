@@ -176,8 +176,8 @@ def test_a_learner_on_a_run_directory_of_its_own_gets_a_credit_scale_of_its_own(
         cluster: Cluster):
     """After a learner that checkpointed, one started on a fresh run directory counts from 0,
     as no successor would: the broker starts a new scale for it. Taken for a successor, its 0
-    left everything the first had learned outstanding, and stepping waited for top-ups (16 s
-    here after 50,000 steps)."""
+    would leave everything the first had learned outstanding, and stepping would wait for
+    top-ups (16 s here after 50,000 steps)."""
     procs = cluster.start_all(trainer="learner", trainer_args=(
         "--target-return", "0", *EVERY_UPDATE, "--checkpoint-interval-s", "0.2"))
     wait_for(lambda: len(cluster.metrics()) >= 5, 60, "five updates, so checkpoints behind them")
