@@ -58,7 +58,7 @@ def test_minatar_and_atari_frames_are_channels_last_as_the_built_in_cnns_take_th
     assert (obs.shape, obs.dtype) == ((84, 84, 4), np.uint8) and obs.flags.c_contiguous
     assert atari.observation_space.contains(obs)
     assert space_spec(atari).obs_shape == [84, 84, 4]
-    stack = np.arange(4 * 2 * 3).reshape(4, 2, 3)  # frames on axis 0, oldest first
+    stack = np.arange(4 * 2 * 3, dtype=np.uint8).reshape(4, 2, 3)  # frames on axis 0, oldest first
     moved = games.channels_last(stack)
     assert moved.shape == (2, 3, 4) and all(np.array_equal(moved[..., k], stack[k])
                                             for k in range(4))
