@@ -71,13 +71,14 @@ class Config:
     experience: str = wiring.endpoint("experience", "assembler endpoint to PUSH experience to")
     controller: str = wiring.endpoint("controller", "controller endpoint to connect")
     broadcast: str = wiring.endpoint("broadcast", "controller broadcast endpoint to connect")
-    batch_wait_ms: float = field(default=0.0, metadata={
+    batch_wait_ms: float = field(default=0.0, metadata={"min": 0,
         "help": "longest wait for more workers to fill one inference batch (only for "
                 "workers expected back within it; 0: act on whoever is ready)"})
-    max_steps_ahead: int = field(default=0, metadata={
+    max_steps_ahead: int = field(default=0, metadata={"min": 0,
         "help": "credit window in env steps beyond what the trainer received "
                 "(0: two trainer batches + the horizon + 2 per env)"})
-    seed: int = field(default=0, metadata={"help": "seeds the policy's action sampling"})
+    seed: int = field(default=0, metadata={"min": 0,
+                                           "help": "seeds the policy's action sampling"})
     deterministic: bool = field(default=False, metadata={
         "help": "reproducible runs (with one worker): wait for every worker's reply and batch "
                 "them by name, no batch wait; act at step count S with the newest policy "

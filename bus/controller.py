@@ -29,9 +29,9 @@ from stepbus.bus import protocol as p
 class Config:
     controller: str = wiring.endpoint("controller", "ROUTER endpoint to bind")
     broadcast: str = wiring.endpoint("broadcast", "PUB endpoint to bind")
-    barrier_timeout_s: float = field(default=10.0, metadata={
+    barrier_timeout_s: float = field(default=10.0, metadata={"above": 0,
         "help": "a reset barrier the broker has not completed by then fails with an error"})
-    shutdown_grace_s: float = field(default=3.0, metadata={
+    shutdown_grace_s: float = field(default=3.0, metadata={"min": 0,
         "help": "after a shutdown broadcast, wait this long for processes to leave"})
     security: wiring.Security = field(default_factory=wiring.Security)
 

@@ -51,9 +51,9 @@ class Config:
     receipts: str = wiring.endpoint("receipts", "PULL endpoint to bind for trainers' receipts")
     controller: str = wiring.endpoint("controller", "controller endpoint to connect")
     broadcast: str = wiring.endpoint("broadcast", "controller broadcast endpoint to connect")
-    horizon: int = field(default=credit.DEFAULT_HORIZON, metadata={
+    horizon: int = field(default=credit.DEFAULT_HORIZON, metadata={"min": 1,
         "help": "longest trajectory, in steps (the broker's credit window allows for it)"})
-    max_buffered: int = field(default=10_000, metadata={
+    max_buffered: int = field(default=10_000, metadata={"min": 1,
         "help": "trajectories no learner has taken in yet (unsent, or queued toward one); at "
                 "this bound, intake and so stepping pause"})
     policy_endpoints: str = field(default="", metadata={

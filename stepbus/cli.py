@@ -1,7 +1,9 @@
 """The `stepbus` command: one subcommand per process, plus the controller's client commands.
 
 Flags are generated from each process's Config dataclass (field name -> --field-name, the field's
-help as help, its default as default), so `--help` cannot drift from the code.
+help as help, its default as default), so `--help` cannot drift from the code. A number field's
+metadata may bound it ("min", "max": inclusive; "above": exclusive): a value outside, or a float
+that is not finite, is refused by the parser, naming the flag (exit 2), before anything starts.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import inspect
 import io
 import itertools
 import json
+import math
 import os
 import sys
 import textwrap
@@ -113,17 +116,58 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         if wiring.ENV_VAR in f.metadata:
             doc += f" (env {f.metadata[wiring.ENV_VAR]})"
         shown = f.metadata.get("default_help", default)
-        kwargs: dict[str, Any] = {"default": default, "dest": f.name,
-                                  "help": f"{doc} [default: {shown}]".strip()}
+        if typing.get_origin(hint) is tuple:
+            shown = ",".join(map(str, default))
+        bounds = _bounds_text(f.metadata)
+        kwargs: dict[str, Any] = {"default": default, "dest": f.name, "help": (
+            f"{doc}{f' ({bounds})' if bounds else ''} [default: {shown}]").strip()}
         if hint is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(hint) is tuple:
-            kwargs["type"] = lambda s: tuple(int(x) for x in s.split(",") if x)
+            item = _number(int, f.metadata)
+            kwargs["type"] = lambda s, item=item: tuple(item(x) for x in s.split(",") if x)
             kwargs["metavar"] = "N,N"
-            kwargs["help"] = f"{doc} [default: {','.join(map(str, default))}]"
         else:  # `float | None`: a float when given
-            kwargs["type"] = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+            kind = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+            kwargs["type"] = _number(kind, f.metadata) if kind in (int, float) else kind
         parser.add_argument(_flag(f.name), **kwargs)
+
+
+def _bounds_text(bounds: typing.Mapping[str, Any]) -> str:
+    """A field's bounds as its --help says them: "0 to 1", "at least 1", "above 0" or ""."""
+    low, high, above = bounds.get("min"), bounds.get("max"), bounds.get("above")
+    if low is not None and high is not None:
+        return f"{low} to {high}"
+    parts = [f"at least {low}" if low is not None else "",
+             f"above {above}" if above is not None else "",
+             f"at most {high}" if high is not None else ""]
+    return ", ".join(part for part in parts if part)
+
+
+def _number(kind: type, bounds: typing.Mapping[str, Any]) -> Callable[[str], Any]:
+    """An argparse type for an int or float flag within the field's bounds (module docstring)."""
+    low, high, above = bounds.get("min"), bounds.get("max"), bounds.get("above")
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{'an integer' if kind is int else 'a number'} is needed, not {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"a finite number is needed, not {text!r}")
+        if low is not None and high is not None and not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be {low} to {high}, not {text}")
+        if low is not None and value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, not {text}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, not {text}")
+        if above is not None and value <= above:
+            raise argparse.ArgumentTypeError(f"must be above {above}, not {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def _build_config(cls: type, args: argparse.Namespace) -> Any:
@@ -251,13 +295,15 @@ def build_parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=doc, description=doc, allow_abbrev=False)
         cmd.add_argument("--controller", default=wiring.ENDPOINTS["controller"].resolve(),
                          help="controller endpoint (env STEPBUS_CONTROLLER)")
-        cmd.add_argument("--timeout", type=float, default=15.0 if name == "reset" else 5.0,
+        cmd.add_argument("--timeout", type=_number(float, {"above": 0}),
+                         default=15.0 if name == "reset" else 5.0,
                          help="seconds to wait for the controller's answer")
         _add_keys_flag(cmd)
         if name == "status":
             cmd.add_argument("--json", action="store_true",
                              help="print JSON for scripts: every figure of every process")
-            cmd.add_argument("--watch", nargs="?", type=float, const=2.0, default=None,
+            cmd.add_argument("--watch", nargs="?", type=_number(float, {"above": 0}), const=2.0,
+                             default=None,
                              metavar="SECONDS",
                              help="refresh in place every SECONDS (default 2) until Ctrl-C; "
                                   "with --json, one JSON document per line")
@@ -285,7 +331,8 @@ def _add_supervise_parser(sub: Any) -> None:
                           "trainer slot supervises its learners itself)")
     cmd.add_argument("flags", nargs=argparse.REMAINDER, metavar="ROLE FLAGS",
                      help="the role's own flags, checked before anything starts")
-    cmd.add_argument("--quick-deaths", type=int, default=supervisor.QUICK_DEATHS_LIMIT,
+    cmd.add_argument("--quick-deaths", type=_number(int, {"min": 1}),
+                     default=supervisor.QUICK_DEATHS_LIMIT,
                      metavar="N", help="give up after N deaths in a row of children that ran "
                      f"under 30 s each [default: {supervisor.QUICK_DEATHS_LIMIT}]")
     cmd.add_argument("--on-give-up", choices=[g.value for g in supervisor.GiveUp], default=None,
@@ -316,7 +363,7 @@ def swap_parser() -> argparse.ArgumentParser:
                         help="name of the trainer slot (default: the only one registered)")
     parser.add_argument("--controller", default=wiring.ENDPOINTS["controller"].resolve(),
                         help="controller endpoint (env STEPBUS_CONTROLLER)")
-    parser.add_argument("--timeout", type=float, default=30.0,
+    parser.add_argument("--timeout", type=_number(float, {"above": 0}), default=30.0,
                         help="seconds to wait for the swap to be done")
     _add_keys_flag(parser)
     return parser

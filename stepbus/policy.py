@@ -60,7 +60,7 @@ class ModelConfig:
     device: str = field(default="cpu", metadata={
         "help": "torch models: where they run, cpu or cuda[:N] (refused at start if CUDA is "
                 "not available)"})
-    torch_threads: int = field(default=1, metadata={
+    torch_threads: int = field(default=1, metadata={"min": 1,
         "help": "torch models: threads torch may use in this process (torch.set_num_threads); "
                 "one keeps a broker's inference from competing with the workers for cores"})
 

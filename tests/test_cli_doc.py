@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import subprocess
 import sys
+
+import pytest
 
 from stepbus import cli, clidoc
 
@@ -43,3 +46,42 @@ def test_the_page_does_not_depend_on_the_machine_or_the_environment():
     assert made == clidoc.render()
     assert "10.9.9.9" not in made and "worker.7" not in made
     assert "`worker-HOST-PID`" in made
+
+
+BAD_NUMBERS = [("assembler", "--horizon", "0", "must be at least 1, not 0"),
+               ("learner", "--lr", "-1", "must be above 0, not -1"),
+               ("trainer", "--gamma", "1.5", "must be 0 to 1, not 1.5"),
+               ("learner", "--batch-steps", "nan", "an integer is needed, not 'nan'"),
+               ("learner", "--max-grad-norm", "inf", "a finite number is needed, not 'inf'"),
+               ("learner", "--hidden", "64,0", "must be at least 1, not 0"),
+               ("broker", "--batch-wait-ms", "-5", "must be at least 0, not -5"),
+               ("broker", "--torch-threads", "0", "must be at least 1, not 0"),
+               ("controller", "--barrier-timeout-s", "0", "must be above 0, not 0"),
+               ("worker", "--seed", "-1", "must be at least 0, not -1"),
+               ("status", "--watch", "0", "must be above 0, not 0"),
+               ("supervise", "--quick-deaths", "0", "must be at least 1, not 0")]
+
+
+def test_a_number_flag_out_of_its_bounds_is_refused_naming_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Before the process connects to anything: argparse's exit 2 and one line naming it."""
+    for command, flag, value, why in BAD_NUMBERS:
+        with pytest.raises(SystemExit) as exit_info:
+            cli.build_parser().parse_args([command, flag, value])
+        assert exit_info.value.code == 2
+        assert f"error: argument {flag}: {why}" in capsys.readouterr().err, (command, flag)
+
+
+def test_every_bounded_flag_default_is_within_its_bounds_and_help_says_them() -> None:
+    parsers = clidoc.subcommands(cli.build_parser())
+    bounded = 0
+    for parser in parsers.values():
+        for action in parser._actions:
+            if callable(action.type) and action.default is not None and "[default:" in str(
+                    action.help):
+                text = ",".join(map(str, action.default)) if isinstance(
+                    action.default, tuple) else str(action.default)
+                action.type(text)  # raises if the default itself is out of bounds
+                bounded += bool(re.search(r"\((at least|above|at most|-?[\d.]+ to) [^)]*\) "
+                                          r"\[default:", str(action.help)))
+    assert bounded >= 45, bounded  # 52 are

@@ -94,26 +94,28 @@ class Config:
                 "--target-episodes episodes reaches this (0: never)",
         "default_help": "the env's reward_threshold; none: run until stopped or "
                         "--max-env-steps"})
-    target_episodes: int = field(default=20, metadata={"help": "episodes in the mean"})
-    max_policy_lag: int = field(default=8, metadata={
+    target_episodes: int = field(default=20, metadata={"min": 1,
+                                                       "help": "episodes in the mean"})
+    max_policy_lag: int = field(default=8, metadata={"min": 0,
         "help": "trajectories acted by a policy more than this many versions old are dropped "
                 "(counted)"})
-    max_updates: int = field(default=0, metadata={
+    max_updates: int = field(default=0, metadata={"min": 0,
         "help": "stop the whole pipeline once the run has made this many policy updates "
                 "(0: never)"})
-    max_env_steps: int = field(default=0, metadata={
+    max_env_steps: int = field(default=0, metadata={"min": 0,
         "help": "stop the whole pipeline once the run has learned from this many env steps "
                 "(0: no limit)"})
-    checkpoint_interval_s: float = field(default=CHECKPOINT_INTERVAL_S, metadata={
+    checkpoint_interval_s: float = field(default=CHECKPOINT_INTERVAL_S, metadata={"min": 0,
         "help": "checkpoint what was learned at most this often (0: after every update); "
                 "receipts of learned trajectories and metrics records wait for the checkpoint "
                 "that holds them, so a killed learner loses nothing it confirmed"})
-    metrics_interval_s: float = field(default=RECORD_INTERVAL_S, metadata={
+    metrics_interval_s: float = field(default=RECORD_INTERVAL_S, metadata={"min": 0,
         "help": "write a metrics record (metrics.jsonl, TensorBoard) at most this often, with "
                 "the algorithm's figures averaged over the updates since the last one (0: one "
                 "record per update), so a long run's files grow with time, not with the update "
                 "rate"})
-    seed: int = field(default=0, metadata={"help": "seeds initial weights and minibatches"})
+    seed: int = field(default=0, metadata={"min": 0,
+                                           "help": "seeds initial weights and minibatches"})
     policy_name: str = field(default=policies.DEFAULT, metadata={
         "help": "the policy this learner trains (see the broker's --policy-map); pull its "
                 "trajectories from the assembler's endpoint for it (--trajectories); a policy "

@@ -9,7 +9,7 @@ params before GAE, because data on a bus can be a few policy versions old.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,28 +29,28 @@ from stepbus.policy import ActionSpace, Params
 class PPOConfig:
     """Hyperparameters; defaults are rl-zoo's SB3 PPO settings for CartPole-v1."""
 
-    gamma: float = 0.98
+    gamma: float = field(default=0.98, metadata={"min": 0, "max": 1})
     """Discount factor."""
-    gae_lambda: float = 0.8
+    gae_lambda: float = field(default=0.8, metadata={"min": 0, "max": 1})
     """GAE bias/variance trade-off (1 = Monte Carlo, 0 = one-step TD)."""
-    clip_range: float = 0.2
+    clip_range: float = field(default=0.2, metadata={"above": 0})
     """PPO ratio clip, constant (rl-zoo's linear decay to 0 measured no better here)."""
-    ent_coef: float = 0.0
+    ent_coef: float = field(default=0.0, metadata={"min": 0})
     """Entropy bonus weight."""
-    vf_coef: float = 0.5
+    vf_coef: float = field(default=0.5, metadata={"min": 0})
     """Value loss weight in the shared loss (the nets are separate, so it scales critic lr)."""
-    lr: float = 1e-3
+    lr: float = field(default=1e-3, metadata={"above": 0})
     """Adam learning rate, constant (rl-zoo's linear decay to 0 measured no better here)."""
-    n_epochs: int = 20
+    n_epochs: int = field(default=20, metadata={"min": 1})
     """Passes over each batch."""
-    minibatch_size: int = 256
+    minibatch_size: int = field(default=256, metadata={"min": 1})
     """Target samples per gradient step; a batch of n is split into round(n / this) equal
     minibatches, so with batch_steps equal to it each epoch is one full-batch step."""
-    batch_steps: int = 256
+    batch_steps: int = field(default=256, metadata={"min": 1})
     """Env steps collected per update (rl-zoo: 8 envs x n_steps 32)."""
-    max_grad_norm: float = 0.5
+    max_grad_norm: float = field(default=0.5, metadata={"above": 0})
     """Global L2 grad-norm clip."""
-    hidden: tuple[int, ...] = (64, 64)
+    hidden: tuple[int, ...] = field(default=(64, 64), metadata={"min": 1})
     """Hidden widths of both the policy and value MLPs."""
 
 

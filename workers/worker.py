@@ -69,10 +69,10 @@ class Config:
         "STEPBUS_ENV", "CartPole-v1", "Gymnasium id, or module:callable returning a Gymnasium "
         "env or a PettingZoo ParallelEnv (e.g. mpe2.simple_spread_v3:parallel_env)")
     envs_per_worker: int = field(default=8, metadata={"help": "environments hosted (K)"})
-    seed: int = field(default=0, metadata={
+    seed: int = field(default=0, metadata={"min": 0,
         "help": "base seed; episode e of env i of worker w is reset with a seed derived from "
                 "(seed, w, i, e)"})
-    worker_index: int = field(default_factory=_default_index, metadata={
+    worker_index: int = field(default_factory=_default_index, metadata={"min": 0,
         "help": "w in the seed derivation (default: from honcho's worker.N, else 0)"})
     name: str = field(default_factory=_default_name, metadata={
         "help": "unique worker name (default: honcho's process name, else host and pid)"})
@@ -81,7 +81,7 @@ class Config:
     controller: str = wiring.endpoint("controller", "controller endpoint to connect")
     broadcast: str = wiring.discovered("broadcast", "controller broadcast endpoint to connect "
                                        "(default: where the controller says it bound it)")
-    max_env_restarts_per_minute: int = field(default=10, metadata={
+    max_env_restarts_per_minute: int = field(default=10, metadata={"min": 0,
         "help": "env recreations (after an env raised) allowed within 60 s; one more makes the "
                 "worker exit 1, since an env that keeps raising needs fixing, not retrying"})
     shm_frames: bool = field(default=False, metadata={
