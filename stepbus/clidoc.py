@@ -34,7 +34,9 @@ Generated from the parsers in `stepbus/cli.py` by `{REGENERATE}`; do not edit by
 (`tests/test_cli_doc.py` fails when this page is out of date). `stepbus COMMAND --help` prints
 the same flags. Defaults are those of a shell with no `STEPBUS_*` variable set: where a flag
 names an environment variable, that variable's value is the default when it is set (honcho reads
-`.env`; see [operations](operations.md#configuration)).
+`.env`; see [operations](operations.md#configuration)). A number flag's bounds are in
+parentheses after its meaning: a value outside them, or a float that is not finite, is refused
+naming the flag, with exit 2, before the process connects to anything.
 """
 
 
