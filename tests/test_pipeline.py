@@ -200,7 +200,7 @@ def test_a_worker_with_an_unknown_env_or_bad_flags_exits_2_at_once_with_one_clea
     assert "cannot create environment 'NoSuchEnv-v0'" in out and "Traceback" not in out
     proc = cluster.start("worker", "--envs-per-worker", "0", env=no_broker)
     assert proc.wait(30) == 2
-    assert "--envs-per-worker must be 1 to 65536, not 0" in proc.output()
+    assert "argument --envs-per-worker: must be 1 to 65536, not 0" in proc.output()
     proc = cluster.start("worker", "--envs", "4", env=no_broker)  # abbreviations are typos
     assert proc.wait(30) == 2
     assert "unrecognized arguments: --envs 4" in proc.output()

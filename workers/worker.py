@@ -68,7 +68,8 @@ class Config:
     env: str = wiring.from_env(
         "STEPBUS_ENV", "CartPole-v1", "Gymnasium id, or module:callable returning a Gymnasium "
         "env or a PettingZoo ParallelEnv (e.g. mpe2.simple_spread_v3:parallel_env)")
-    envs_per_worker: int = field(default=8, metadata={"help": "environments hosted (K)"})
+    envs_per_worker: int = field(default=8, metadata={
+        "min": 1, "max": checks.MAX_ENVS_PER_WORKER, "help": "environments hosted (K)"})
     seed: int = field(default=0, metadata={"min": 0,
         "help": "base seed; episode e of env i of worker w is reset with a seed derived from "
                 "(seed, w, i, e)"})
