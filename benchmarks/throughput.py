@@ -681,12 +681,11 @@ def _puffer_peer(make: Callable[[], Any], n: int, workers: int, rng: np.random.G
     def creator(**kwargs: Any) -> Any:
         return pufferlib.emulation.GymnasiumPufferEnv(env_creator=make)
 
-    vec = pufferlib.vector.make(creator, num_envs=n, num_workers=workers,
-                                batch_size=n // 2 or 1,
+    batch = n // 2 or 1
+    vec = pufferlib.vector.make(creator, num_envs=n, num_workers=workers, batch_size=batch,
                                 backend=pufferlib.vector.Multiprocessing)
     try:
         vec.async_reset(0)
-        batch = n // 2 or 1
 
         def recv_send(actions: np.ndarray) -> None:
             vec.recv()
@@ -702,10 +701,10 @@ def _envpool_peer(env_id: str, n: int, rng: np.random.Generator, seconds: float,
                   warmup: float) -> tuple[float, float]:
     import envpool
 
-    pool = envpool.make_gymnasium(env_id, num_envs=n, batch_size=n // 2 or 1)
+    batch = n // 2 or 1
+    pool = envpool.make_gymnasium(env_id, num_envs=n, batch_size=batch)
     try:
         pool.async_reset()
-        batch = n // 2 or 1
         return _timed_actions(
             lambda actions: pool.send(actions, pool.recv()[-1]["env_id"]),
             rng.integers(2, size=(256, batch)), batch, seconds, warmup)

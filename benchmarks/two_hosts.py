@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,9 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import throughput  # process groups: every process started is ended
 
 CONSUME = "stepbus.trainer.consume:ConsumeOnly"
 ROLES_A = ("controller", "broker", "assembler", "trainer")
@@ -62,7 +64,7 @@ def two_namespaces() -> Iterator[tuple[tuple[str, ...], tuple[str, ...], str]]:
 def measure(label: str, args: argparse.Namespace, address: str, on_a: tuple[str, ...],
             on_b: tuple[str, ...], keys: bool) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="sb-2h-"))
-    procs: list[subprocess.Popen] = []
+    group = throughput.Group()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STEPBUS_", "HONCHO_"))}
     env |= {"STEPBUS_LOG_LEVEL": "WARNING", "STEPBUS_RUNS_DIR": str(workdir / "runs")}
     endpoints = {f"STEPBUS_{name}": f"tcp://{address}:{7340 + i}" for i, name in enumerate(
@@ -72,11 +74,11 @@ def measure(label: str, args: argparse.Namespace, address: str, on_a: tuple[str,
         for role in ROLES_A:
             flags = ("--algo", CONSUME, "--target-return", "0", "--batch-steps", "2048",
                      "--checkpoint-interval-s", "1") if role == "trainer" else ()
-            start_role(procs, workdir, on_a, role, *flags, env=host_env)
+            start_role(group, workdir, on_a, role, *flags, env=host_env)
         for i in range(args.workers):
-            start_role(procs, workdir, on_b, "worker", "--name", f"b{i}", "--worker-index",
+            start_role(group, workdir, on_b, "worker", "--name", f"b{i}", "--worker-index",
                        str(i), "--envs-per-worker", str(args.envs_per_worker), env=worker_env)
-        wait_until_stepping(label, procs, workdir, on_a, host_env)
+        wait_until_stepping(label, group.procs, workdir, on_a, host_env)
         time.sleep(args.warmup)
         start_t = assembler_steps(on_a, host_env)
         time.sleep(args.seconds)
@@ -86,7 +88,7 @@ def measure(label: str, args: argparse.Namespace, address: str, on_a: tuple[str,
         rate = (end_t[1] - start_t[1]) / (end_t[0] - start_t[0])
         return {"setup": label, "steps_per_s": round(rate)}
     finally:
-        stop(procs)
+        group.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -108,13 +110,12 @@ def host_and_worker_envs(workdir: Path, env: dict[str, str], endpoints: dict[str
     return host_env, worker_env
 
 
-def start_role(procs: list[subprocess.Popen], workdir: Path, prefix: tuple[str, ...],
+def start_role(group: throughput.Group, workdir: Path, prefix: tuple[str, ...],
                role: str, *flags: str, env: dict[str, str]) -> None:
-    """Each process in a session of its own, so `stop` reaches its children too."""
-    with open(workdir / f"{role}-{len(procs)}.log", "wb") as log:
-        procs.append(subprocess.Popen([*prefix, *STEPBUS, role, *flags], env=env,
-                                      cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
+    """`role` on the host `prefix` runs commands on, its output in a log of its own."""
+    with open(workdir / f"{role}-{len(group.procs)}.log", "wb") as log:
+        group.start([*prefix, *STEPBUS, role, *flags], env=env, cwd=workdir, stdout=log,
+                    stderr=subprocess.STDOUT)
 
 
 def assembler_steps(on_a: tuple[str, ...], host_env: dict[str, str]) -> tuple[float, int] | None:
@@ -141,20 +142,6 @@ def wait_until_stepping(label: str, procs: list[subprocess.Popen], workdir: Path
             logs = "\n".join(p.read_text()[-800:] for p in workdir.glob("*.log"))
             raise RuntimeError(f"{label}: the pipeline did not start stepping\n{logs}")
         time.sleep(0.3)  # a benchmark waiting for start-up, not a test's synchronisation
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM to every process group started, then SIGKILL to any not gone within 5 s."""
-    for proc in procs:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
 
 
 def main(argv: list[str] | None = None) -> int:

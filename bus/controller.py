@@ -367,28 +367,25 @@ class Controller(node.Process):
             self.refuse("unexpected kind", "REPLY",
                         claims=registered.name if registered is not None else "")
             return
-        self.send("router", msg, to=self.pending_swap.requester)
+        self.answer_swap(msg)
+
+    def answer_swap(self, reply: p.Reply) -> None:
+        """The pending swap's answer goes to whoever asked for it, and the swap is over."""
+        assert self.pending_swap is not None
+        self.send("router", reply, to=self.pending_swap.requester)
         self.pending_swap = None
         self.cancel("swap")
 
     def fail_swap_of_gone_slot(self, what: str) -> None:
         """A swap whose slot is gone fails now: no answer can come, and the CLI would wait
         out SWAP_TIMEOUT_S for nothing (a slot killed with SIGKILL says no goodbye)."""
-        pending = self.pending_swap
-        if pending is None or pending.slot in self.peers.by_id:
-            return
-        self.send("router", p.Reply(ok=False, detail=(
-            f"{what} before answering the swap")), to=pending.requester)
-        self.pending_swap = None
-        self.cancel("swap")
+        if self.pending_swap is not None and self.pending_swap.slot not in self.peers.by_id:
+            self.answer_swap(p.Reply(ok=False, detail=f"{what} before answering the swap"))
 
     def swap_timed_out(self, now: float) -> None:
-        if (pending := self.pending_swap) is None:
-            return
-        self.send("router", p.Reply(ok=False, detail=(
-            f"the trainer slot did not answer within {SWAP_TIMEOUT_S:g}s")),
-            to=pending.requester)
-        self.pending_swap = None
+        if self.pending_swap is not None:
+            self.answer_swap(p.Reply(ok=False, detail=(
+                f"the trainer slot did not answer within {SWAP_TIMEOUT_S:g}s")))
 
     # -- shutdown
     def on_shutdown_request(self, peer: bytes, msg: p.ShutdownRequest) -> None:
