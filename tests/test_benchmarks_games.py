@@ -64,6 +64,35 @@ def test_minatar_and_atari_frames_are_channels_last_as_the_built_in_cnns_take_th
                                             for k in range(4))
 
 
+def test_atari_frames_are_those_of_a_base_env_that_draws_every_screen() -> None:
+    """`UnreadScreen` spares ale-py drawing the screens AtariPreprocessing drops: the frames,
+    rewards and episode ends are those of the same stack on a base env drawing every frame."""
+    for module in ("ale_py", "cv2"):
+        pytest.importorskip(module)
+    import gymnasium as gym
+    from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation
+
+    drawn = gym.make("ALE/Breakout-v5", frameskip=1, obs_type="grayscale")
+    reference = FrameStackObservation(AtariPreprocessing(
+        games.SeedWithoutReload(drawn), noop_max=30, frame_skip=4, grayscale_obs=True), 4)
+    ours = games.atari_breakout()
+    rng = np.random.default_rng(0)
+    episodes, seed = 0, 7
+    theirs, _ = reference.reset(seed=seed)
+    obs, _ = ours.reset(seed=seed)
+    for _ in range(600):
+        assert np.array_equal(obs, games.channels_last(theirs))
+        action = int(rng.integers(4))
+        theirs, r_ref, term_ref, trunc_ref, _ = reference.step(action)
+        obs, r, term, trunc, _ = ours.step(action)
+        assert (r, term, trunc) == (r_ref, term_ref, trunc_ref)
+        if term or trunc:
+            episodes, seed = episodes + 1, seed + 1
+            theirs, _ = reference.reset(seed=seed)
+            obs, _ = ours.reset(seed=seed)
+    assert episodes >= 1, "600 random steps end a Breakout episode; the reset was not compared"
+
+
 def test_minatar_smoke_learns_with_both_models_and_prints_their_ratio() -> None:
     pytest.importorskip("minatar")
     pytest.importorskip("torch")
