@@ -1,16 +1,19 @@
 """Atari Breakout frames per second with the built-in Nature CNN acting: the stepbus pipeline
 next to gymnasium's AsyncVectorEnv stepping the same envs with the same CNN in its loop.
 
-    python benchmarks/atari.py                          # 2 workers x 32 envs, 30 s windows
-    python benchmarks/atari.py --workers 4 --envs-per-worker 16 --shm-frames
+    python benchmarks/atari.py --shm-frames             # 4 workers x 32 envs, 30 s windows
+    python benchmarks/atari.py --workers 2 --envs-per-worker 32 --shm-frames
     python benchmarks/atari.py --smoke                  # ~20 s: proves it still works
 
 Env: `stepbus.workers.games:atari_breakout` (ALE/Breakout-v5, frameskip 1, AtariPreprocessing,
 FrameStackObservation(4) moved to channels last: 84x84x4 uint8; one step is 4 emulator frames).
 The figure is env steps per second; Atari frames per second are 4 times that.
 
-stepbus: the five roles as real processes on ipc endpoints (throughput.py's Pipeline), the
-broker acting with `--model torch` (the Nature CNN, one torch thread), the learner with
+stepbus: the five roles as real processes on ipc endpoints (throughput.py's Pipeline), with
+four workers by default. On two cores, two workers often both wait for actions at once, while
+the broker runs the CNN on one batch at a time, and a core sits idle (6-14% of the two went
+unused); with four, two more step meanwhile (5-8% unused; docs/performance.md). The
+broker acts with `--model torch` (the Nature CNN, one torch thread), the learner with
 `--model torch --algo atari:TorchConsumeOnly`: it takes every batch in, receipts and
 checkpoints it, publishes the CNN's weights and learns nothing, so acting and stepping are what
 is measured, not a CPU-bound PPO update. The assembler cuts trajectories at PPO's Atari
@@ -150,7 +153,7 @@ def measure_async(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      allow_abbrev=False)
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--envs-per-worker", type=int, default=32)
     parser.add_argument("--shm-frames", action="store_true", help="workers with --shm-frames")
     parser.add_argument("--seconds", type=float, default=30.0, help="measured window")
