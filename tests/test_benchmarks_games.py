@@ -72,10 +72,10 @@ def test_atari_frames_are_those_of_a_base_env_that_draws_every_screen() -> None:
     import gymnasium as gym
     from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation
 
+    ours = games.atari_breakout()  # registers ale-py's envs with gymnasium
     drawn = gym.make("ALE/Breakout-v5", frameskip=1, obs_type="grayscale")
     reference = FrameStackObservation(AtariPreprocessing(
         games.SeedWithoutReload(drawn), noop_max=30, frame_skip=4, grayscale_obs=True), 4)
-    ours = games.atari_breakout()
     rng = np.random.default_rng(0)
     episodes, seed = 0, 7
     theirs, _ = reference.reset(seed=seed)

@@ -14,14 +14,13 @@ when the env is made.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, cast
 
 import gymnasium as gym
 import numpy as np
 
 ATARI_FRAME_SIDE = 84
 ATARI_STACK = 4
-ATARI_SCREEN = (210, 160)  # the emulator's screen, rows x columns
 
 
 def minatar_breakout() -> gym.Env:
@@ -93,7 +92,8 @@ def atari_breakout() -> gym.Env:
 
     gym.register_envs(importlib.import_module("ale_py"))
     base = gym.make("ALE/Breakout-v5", frameskip=1, obs_type="ram")
-    env: gym.Env = UnreadScreen(SeedWithoutReload(base), ATARI_SCREEN)
+    rows, columns = cast(Any, base.unwrapped).ale.getScreenDims()  # ale-py's env, untyped
+    env: gym.Env = UnreadScreen(SeedWithoutReload(base), (rows, columns))
     env = AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=ATARI_FRAME_SIDE,
                              grayscale_obs=True)
     stacked = FrameStackObservation(env, ATARI_STACK)
