@@ -156,14 +156,9 @@ def _number(kind: type, bounds: typing.Mapping[str, Any]) -> Callable[[str], Any
                 f"{'an integer' if kind is int else 'a number'} is needed, not {text!r}") from None
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"a finite number is needed, not {text!r}")
-        if low is not None and high is not None and not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be {low} to {high}, not {text}")
-        if low is not None and value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, not {text}")
-        if high is not None and value > high:
-            raise argparse.ArgumentTypeError(f"must be at most {high}, not {text}")
-        if above is not None and value <= above:
-            raise argparse.ArgumentTypeError(f"must be above {above}, not {text}")
+        if ((low is not None and value < low) or (high is not None and value > high)
+                or (above is not None and value <= above)):
+            raise argparse.ArgumentTypeError(f"must be {_bounds_text(bounds)}, not {text}")
         return value
 
     parse.__name__ = kind.__name__
