@@ -180,7 +180,11 @@ def test_a_learner_on_a_run_directory_of_its_own_gets_a_credit_scale_of_its_own(
     top-ups (16 s here after 50,000 steps)."""
     procs = cluster.start_all(trainer="learner", trainer_args=(
         "--target-return", "0", *EVERY_UPDATE, "--checkpoint-interval-s", "0.2"))
-    wait_for(lambda: len(cluster.metrics()) >= 5, 60, "five updates, so checkpoints behind them")
+    seen = wait_for(lambda: (n := len(cluster.metrics())) >= 5 and n, 60,
+                    "five updates, so checkpoints behind them")
+    # The broker hears of a checkpoint with the next update's weights, and one checkpoint may
+    # write all five records: a record made after it means those weights went out.
+    wait_for(lambda: len(cluster.metrics()) > seen, 30, "a record of a later checkpoint")
     procs["trainer"].popen.kill()
     procs["trainer"].popen.wait(10)
     fresh = cluster.start("learner", "--target-return", "0", "--run-dir", str(cluster.dir / "own"))
