@@ -22,7 +22,7 @@ kept too. Peers run in a child process each, with random actions: gymnasium's As
 (best over env counts and start methods), Stable-Baselines3's SubprocVecEnv, PufferLib's
 multiprocessing backend and EnvPool when importable (never required), and one process stepping
 one env in a loop (the per-core ceiling). Every process started is in a process group of its
-own, killed on every way out.
+own, killed on every way out (`stepbus.bus.launch`).
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from stepbus.bus import launch
 
 CONSUME = "stepbus.trainer.consume:ConsumeOnly"
 ENVS = {"cartpole": "CartPole-v1",
@@ -162,38 +164,6 @@ class Row:
 
 # ----------------------------------------------------------------------------- process groups
 
-class Group:
-    """Processes each in a session (process group) of its own, so a kill reaches their
-    children too; `close` ends them all: SIGTERM, then SIGKILL for what is left."""
-
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, argv: list[str], **kwargs: Any) -> subprocess.Popen:
-        proc = subprocess.Popen(argv, start_new_session=True, **kwargs)
-        self.procs.append(proc)
-        return proc
-
-    def close(self, grace_s: float = 5.0) -> None:
-        for proc in self.procs:
-            _killpg(proc, signal.SIGCONT)  # a profiler may have paused one
-            _killpg(proc, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(max(0.05, deadline - time.monotonic()))
-        for proc in self.procs:  # also the group's children that outlived their leader
-            _killpg(proc, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(5)
-        self.procs.clear()
-
-
-def _killpg(proc: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)
-
-
 def _stat(pid: int | str) -> list[str] | None:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -266,7 +236,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 class Pipeline:
     """The five stepbus roles as real processes on ipc:// (or TCP loopback) endpoints."""
 
-    def __init__(self, group: Group, env: str, setup: Setup, transport: str,
+    def __init__(self, group: launch.Group, env: str, setup: Setup, transport: str,
                  batch_steps: int, flags: dict[str, list[str]] | None = None) -> None:
         from stepbus.bus import wiring
 
@@ -278,11 +248,8 @@ class Pipeline:
                                                                               strict=True)}
         else:  # ipc paths must stay short (108 bytes): a short temp dir
             self.endpoints = {n: f"ipc://{self.dir}/{n}" for n in names}
-        env_vars = dict(os.environ)
-        env_vars.pop("HONCHO_PROCESS_NAME", None)
-        env_vars.update({spec.env_var: self.endpoints[n] for n, spec in wiring.ENDPOINTS.items()})
-        env_vars["STEPBUS_RUNS_DIR"] = str(self.dir / "runs")
-        env_vars["STEPBUS_LOG_LEVEL"] = "WARNING"
+        env_vars = launch.environment(self.endpoints, self.dir / "runs",
+                                      {"STEPBUS_LOG_LEVEL": "WARNING"})
         self.group, self.env_vars, self.workers = group, env_vars, setup.workers
         self.flags = flags or {}
         self.start("controller")
@@ -297,22 +264,21 @@ class Pipeline:
                    *(("--hidden", setup.hidden) if setup.hidden else ()))
 
     def start(self, role: str, *args: str) -> None:
-        log = open(self.dir / f"{role}-{len(self.group.procs)}.log", "wb")  # noqa: SIM115
-        with log:
-            self.group.start([sys.executable, "-m", "stepbus", role, *args,
-                              *self.flags.get(role, [])], stdout=log,
-                             stderr=subprocess.STDOUT, env=self.env_vars, cwd=self.dir)
+        name = f"{role}-{len(self.group.procs)}"
+        self.group.start_role(role, *args, *self.flags.get(role, []), name=name,
+                              log=self.dir / f"{name}.log", env=self.env_vars, cwd=self.dir)
 
     def status(self, timeout_s: float = 3.0) -> tuple[float, list[dict]]:
         """(when the reply came, monotonic; status rows) from the controller."""
         import zmq
 
-        from stepbus.bus import node, wiring
+        from stepbus.bus import node, topology
         from stepbus.bus import protocol as p
+        from stepbus.bus.topology import PortName, Role
         from stepbus.cli import STATUS_REPLY_MAX_BYTES
 
         ctx: zmq.Context = zmq.Context.instance()
-        sock = wiring.socket(ctx, zmq.DEALER, connect=self.endpoints["controller"])
+        sock = topology.open_role(ctx, Role.CLIENT, self.endpoints)[PortName.CONTROLLER]
         try:
             node.send(sock, p.StatusRequest())
             deadline = time.monotonic() + timeout_s
@@ -341,10 +307,7 @@ class Pipeline:
     def check_alive(self) -> None:
         dead = [proc for proc in self.group.procs if proc.poll() is not None]
         if dead:
-            args = dead[0].args
-            what = ' '.join(map(str, args[3:5])) if isinstance(args, list) else str(args)
-            raise RuntimeError(f"{what} exited "
-                               f"{dead[0].returncode}\n{self.logs()}")
+            raise RuntimeError(f"{dead[0].name} exited {dead[0].poll()}\n{self.logs()}")
 
     def logs(self) -> str:
         return "\n".join(f"--- {path.name}\n{path.read_text(errors='replace')[-1500:]}"
@@ -404,7 +367,7 @@ def measure_stepbus(env: str, setup: Setup, args: argparse.Namespace,
                     on_running: Callable[[list[dict]], Callable[[], None]] | None = None) -> Row:
     """One stepbus figure; `on_running(status rows)` is called as the window opens (a profiler)
     and what it returns as the window closes."""
-    group = Group()
+    group = launch.Group()
     pipeline = None
     try:
         pipeline = Pipeline(group, env, setup, args.transport, args.batch_steps, args.flags)
@@ -429,7 +392,7 @@ def measure_stepbus(env: str, setup: Setup, args: argparse.Namespace,
                    None, f"failed: {str(exc).splitlines()[0]}",
                    {"logs": pipeline.logs() if pipeline else ""})
     finally:
-        group.close()
+        group.stop()
         if pipeline is not None:
             pipeline.close()
 
@@ -483,7 +446,7 @@ def profile(args: argparse.Namespace, label: str, rows: list[dict]) -> Callable[
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     args.profile.mkdir(parents=True, exist_ok=True)
     name = "".join(c if c.isalnum() or c in "-." else "_" for c in label)
-    group, outputs = Group(), {}
+    group, outputs = launch.Group(), {}
     for role in PROFILED:
         row = _row(rows, role)
         if row is None:
@@ -500,7 +463,7 @@ def profile(args: argparse.Namespace, label: str, rows: list[dict]) -> Callable[
         for proc in group.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(max(0.05, deadline - time.monotonic()))
-        group.close()
+        group.stop()
         text = "\n\n".join(summarise(role, path) for role, path in outputs.items())
         (args.profile / f"{name}.summary.txt").write_text(text + "\n")
         print(text, file=sys.stderr, flush=True)
@@ -556,20 +519,20 @@ def summarise(role: str, path: Path, top: int = 12) -> str:
 def run_peer(spec: dict[str, Any], timeout_s: float = PEER_TIMEOUT_S) -> dict[str, Any]:
     """One peer measurement in a child process (its own process group, killed on the way
     out), so the peers' subprocesses can never outlive the benchmark."""
-    group = Group()
+    group = launch.Group()
     try:
         proc = group.start([sys.executable, __file__, "--peer", json.dumps(spec)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            out, err = proc.communicate(timeout=timeout_s)
+            out, err = proc.popen.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return {"error": f"no result within {timeout_s:.0f}s"}
         lines = [line for line in out.splitlines() if line.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            return {"error": (err.strip().splitlines() or [f"exit {proc.returncode}"])[-1]}
+        if proc.poll() != 0 or not lines:
+            return {"error": (err.strip().splitlines() or [f"exit {proc.poll()}"])[-1]}
         return json.loads(lines[-1])
     finally:
-        group.close(grace_s=2.0)
+        group.stop(grace_s=2.0)
 
 
 def _timed(step: Callable[[], None], per_call: int, seconds: float,

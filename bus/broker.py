@@ -43,11 +43,12 @@ import numpy as np
 import zmq
 
 from stepbus import policy
-from stepbus.bus import checks, node, policies, relay, rows, wiring
+from stepbus.bus import checks, node, policies, relay, rows, topology, wiring
 from stepbus.bus import protocol as p
 from stepbus.bus.barrier import ResetBarrier
 from stepbus.bus.credit import Credit, DueVersions, Weights
 from stepbus.bus.memory import Memory
+from stepbus.bus.topology import PortName, Role
 from stepbus.bus.worker_table import Worker, WorkerTable
 from stepbus.policy import ModelConfig, Policy, State
 
@@ -56,7 +57,6 @@ from stepbus.policy import ModelConfig, Policy, State
 # barrier's options (and step them) before it knows them. Deferred hellos are answered as soon as
 # the run state is in (one controller round trip); without a controller, after this grace.
 RUN_STATE_GRACE_S = 2 * node.HEARTBEAT_INTERVAL_S * node.LIVENESS_INTERVALS
-EXPERIENCE_HWM = 1000  # messages (one per worker step) queued toward the assembler
 IDLE_RESET_S = 2 * node.HEARTBEAT_INTERVAL_S  # a worker idle this long while we wait: reset it
 RATE_INTERVAL_S = 2.0  # steps_per_s is measured over this long
 MAX_AWAITING_SPEC = 64  # trainers answered once the first worker brings the spec; others retry
@@ -223,6 +223,7 @@ class Broker(node.Process):
     reset, and dispatches the ready results."""
 
     role = "broker"
+    sockets = Role.BROKER
 
     def __init__(self, cfg: Config, ports: node.Ports, log: logging.Logger, *,
                  rules: list[tuple[str, str]],
@@ -376,7 +377,7 @@ class Broker(node.Process):
         """A failed send does not lose the worker at once: after a freeze its hellos queued on
         a connection that is gone come before the one that replaces it. Its next hello retries
         a RESET; unreachable for the liveness timeout, it is lost (`tick`)."""
-        if self.send("steps", msg, to=w.ident):
+        if self.send(PortName.STEPS, msg, to=w.ident):
             w.unreachable_since = None
         elif w.unreachable_since is None:
             w.unreachable_since = self.now
@@ -402,7 +403,7 @@ class Broker(node.Process):
         if self.memory is not None:
             self.memory.drop(w.name)
         self.log.warning("worker %s %s; serving the others", w.name, why)
-        self.send("experience", p.WorkerLost(worker=w.name, incarnation=w.incarnation,
+        self.send(PortName.EXPERIENCE, p.WorkerLost(worker=w.name, incarnation=w.incarnation,
                                              reason=why))
 
     def count_rows(self) -> None:
@@ -432,7 +433,7 @@ class Broker(node.Process):
                            obs_slot=slot, shm=segment.name if segment is not None else "",
                            shm_nonce=w.shm_nonce if segment is not None else "",
                            state=state or {})
-        if not self.send("experience", msg):
+        if not self.send(PortName.EXPERIENCE, msg):
             self.counts.experience_dropped += 1
             # Not the worker's fault: counted against the socket it could not go out on.
             self.rejects.refuse(f"assembler at {self.cfg.experience}", p.ProtocolError(
@@ -469,7 +470,7 @@ class Broker(node.Process):
             if len(self.awaiting_spec) < MAX_AWAITING_SPEC or peer in self.awaiting_spec:
                 self.awaiting_spec[peer] = msg
             return
-        self.send("policy", p.EnvSpec(env_id=self.env_id, spec=self.spec,
+        self.send(PortName.POLICY, p.EnvSpec(env_id=self.env_id, spec=self.spec,
                                       policy_version=slot.newest), to=peer)
 
     def on_weights(self, peer: bytes, msg: p.Weights) -> None:
@@ -550,9 +551,9 @@ class Broker(node.Process):
         if done is not None:
             self.log.info("barrier epoch %d complete: %d workers reset, %d lost during it",
                           done.epoch, done.workers_reset, done.workers_lost)
-            self.send("controller", done)
+            self.send(PortName.CONTROLLER, done)
         look_again = self.dispatch(now) if self.barrier.running else math.inf
-        self.wake_on_writable = {"experience"} if self.assembler_blocked else set()
+        self.wake_on_writable = {PortName.EXPERIENCE} if self.assembler_blocked else set()
         return look_again
 
     def dispatch(self, now: float) -> float:
@@ -569,7 +570,7 @@ class Broker(node.Process):
             (f"{slot.name}: credit window" for slot in acting if slot.credit.full()), "")
         if self.held_by:
             return math.inf  # that trainer's next WEIGHTS message wakes us
-        self.assembler_blocked = not self.ports.writable("experience")
+        self.assembler_blocked = not self.ports.writable(PortName.EXPERIENCE)
         if self.assembler_blocked:
             return math.inf  # no assembler connected (or it is full): stepping would lose data
         waiting = self.table.in_flight()
@@ -724,21 +725,19 @@ def run(cfg: Config) -> int:
     link = node.ControllerLink(ctx, role="broker", name="broker", controller=cfg.controller,
                                broadcast=cfg.broadcast, log=log,
                                binds={"steps": cfg.steps, "policy": cfg.policy})
-    steps = wiring.socket(ctx, zmq.ROUTER, bind=cfg.steps)
-    steps.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a departed worker is an error, not a silent drop
-    trainers = wiring.socket(ctx, zmq.ROUTER, bind=cfg.policy)
-    # No assembler connected: not writable, so dispatch holds instead of queueing into the void.
-    # A short queue: when the assembler stops taking experience in, stepping stops soon after.
-    experience = wiring.socket(ctx, zmq.PUSH, connect=cfg.experience, immediate=True,
-                               sndhwm=EXPERIENCE_HWM)
     try:
-        broker = Broker(cfg, node.SocketPorts({"steps": steps, "policy": trainers,
-                                               "experience": experience,
-                                               "controller": link.dealer}), log, rules=rules)
-        ports = {"steps": node.Port(steps, (p.WorkerHello, p.StepResult, p.Heartbeat,
-                                            p.RemoteError), routed=True),
-                 "policy": node.Port(trainers, (p.TrainerHello, p.Weights), routed=True),
-                 "experience": node.Port(experience)}
-        return node.Loop(broker, ports, link, stop).run()
+        sockets = topology.open_role(ctx, Role.BROKER, topology.endpoints_of(cfg))
+        broker = Broker(cfg, node.SocketPorts({**sockets, PortName.CONTROLLER: link.dealer}),
+                        log, rules=rules)
+        return node.Loop(broker, broker_ports(sockets), link, stop).run()
     finally:
-        wiring.destroy(ctx, wiring.LINGER_MS)
+        wiring.destroy(ctx, topology.LINGER_MS)
+
+
+def broker_ports(sockets: dict[str, zmq.Socket]) -> dict[str, node.Port]:
+    """What the broker receives where (anything else is refused as bad input)."""
+    return {PortName.STEPS: node.Port(sockets[PortName.STEPS], (
+                p.WorkerHello, p.StepResult, p.Heartbeat, p.RemoteError), routed=True),
+            PortName.POLICY: node.Port(sockets[PortName.POLICY], (p.TrainerHello, p.Weights),
+                                       routed=True),
+            PortName.EXPERIENCE: node.Port(sockets[PortName.EXPERIENCE])}

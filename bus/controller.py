@@ -21,8 +21,9 @@ from typing import Any, TypeGuard
 
 import zmq
 
-from stepbus.bus import node, wiring
+from stepbus.bus import node, topology, wiring
 from stepbus.bus import protocol as p
+from stepbus.bus.topology import PortName, Role
 
 
 @dataclass
@@ -180,6 +181,7 @@ class Controller(node.Process):
     left after a shutdown, or its grace is over."""
 
     role = "controller"
+    sockets = Role.CONTROLLER
 
     def __init__(self, cfg: Config, ports: node.Ports, log: logging.Logger, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -249,7 +251,7 @@ class Controller(node.Process):
         broker_epoch = known.figures.get("epoch") if msg.role == "broker" else None
         if isinstance(broker_epoch, int) and broker_epoch > self.epoch:
             self.epoch = broker_epoch  # this controller restarted: continue the run's epochs
-        self.send("router", self.state(), to=peer)
+        self.send(PortName.ROUTER, self.state(), to=peer)
 
     def adopt_run(self, peer: Peer) -> None:
         """A controller restarted under a running pipeline hears the run's id in its first
@@ -287,7 +289,7 @@ class Controller(node.Process):
                         "pid": self.pid, "uptime_s": round(now - self.started, 1),
                         "last_heartbeat_s": 0.0, "processes": len(self.peers.by_id),
                         **self.rejects.figures()})
-        self.send("router", p.StatusReply(run_id=self.run_id, epoch=self.epoch, processes=rows),
+        self.send(PortName.ROUTER, p.StatusReply(run_id=self.run_id, epoch=self.epoch, processes=rows),
                   to=peer)
 
     def on_remote_error(self, peer: bytes, msg: p.RemoteError) -> None:
@@ -297,18 +299,18 @@ class Controller(node.Process):
     # -- reset barrier
     def on_reset_request(self, peer: bytes, msg: p.ResetRequest) -> None:
         if not any(q.role == "broker" for q in self.peers.by_id.values()):
-            self.send("router", p.Reply(ok=False, detail="no broker is registered"), to=peer,
+            self.send(PortName.ROUTER, p.Reply(ok=False, detail="no broker is registered"), to=peer,
                       block=True)
             return
         if self.pending_reset is not None:
-            self.send("router", p.Reply(ok=False, detail="a reset barrier is already running"),
+            self.send(PortName.ROUTER, p.Reply(ok=False, detail="a reset barrier is already running"),
                       to=peer, block=True)
             return
         self.epoch, self.options = self.epoch + 1, msg.options
         self.pending_reset = PendingReset(peer, self.epoch, self.now + self.cfg.barrier_timeout_s)
         self.at("barrier", self.pending_reset.deadline, self.barrier_timed_out)
         self.log.info("reset barrier: epoch %d, options %s", self.epoch, self.options)
-        self.send("pub", p.Barrier(epoch=self.epoch, options=self.options))
+        self.send(PortName.PUB, p.Barrier(epoch=self.epoch, options=self.options))
 
     def on_barrier_done(self, peer: bytes, msg: p.BarrierDone) -> None:
         pending = self.pending_reset
@@ -322,14 +324,14 @@ class Controller(node.Process):
             detail += "; environments raised on reset (reset again without the options):\n"
             detail += "\n".join(msg.errors)
         self.log.info("reset barrier %s, %s", "complete" if ok else "failed", detail)
-        self.send("router", p.Reply(ok=ok, detail=detail), to=pending.requester, block=True)
+        self.send(PortName.ROUTER, p.Reply(ok=ok, detail=detail), to=pending.requester, block=True)
         self.pending_reset = None
         self.cancel("barrier")
 
     def barrier_timed_out(self, now: float) -> None:
         if (pending := self.pending_reset) is None:
             return
-        self.send("router", p.Reply(ok=False, detail=(
+        self.send(PortName.ROUTER, p.Reply(ok=False, detail=(
             f"reset barrier epoch {pending.epoch} not completed within "
             f"{self.cfg.barrier_timeout_s}s")), to=pending.requester)
         self.pending_reset = None
@@ -339,14 +341,14 @@ class Controller(node.Process):
         slots = [ident for ident, q in self.peers.by_id.items()
                  if q.role == "slot" and msg.slot in ("", q.name)]
         if problem := self.swap_problem(msg.slot, len(slots)):
-            self.send("router", p.Reply(ok=False, detail=problem), to=peer)
+            self.send(PortName.ROUTER, p.Reply(ok=False, detail=problem), to=peer)
             return
         (ident,) = slots
         self.pending_swap = PendingSwap(peer, ident, self.now + SWAP_TIMEOUT_S)
         self.at("swap", self.pending_swap.deadline, self.swap_timed_out)
         self.log.info("trainer swap in slot %s: %s", self.peers.by_id[ident].name,
                       " ".join(msg.args))
-        self.send("router", msg, to=ident)
+        self.send(PortName.ROUTER, msg, to=ident)
 
     def swap_problem(self, slot: str, matching: int) -> str:
         """Why a swap for `slot` ("": the only one) cannot go ahead ("" if it can)."""
@@ -372,7 +374,7 @@ class Controller(node.Process):
     def answer_swap(self, reply: p.Reply) -> None:
         """The pending swap's answer goes to whoever asked for it, and the swap is over."""
         assert self.pending_swap is not None
-        self.send("router", reply, to=self.pending_swap.requester)
+        self.send(PortName.ROUTER, reply, to=self.pending_swap.requester)
         self.pending_swap = None
         self.cancel("swap")
 
@@ -390,7 +392,7 @@ class Controller(node.Process):
     # -- shutdown
     def on_shutdown_request(self, peer: bytes, msg: p.ShutdownRequest) -> None:
         self.begin_shutdown(msg.reason, self.now)
-        self.send("router", p.Reply(ok=True, detail="shutting down"), to=peer)
+        self.send(PortName.ROUTER, p.Reply(ok=True, detail="shutting down"), to=peer)
 
     def on_signal(self, reason: str) -> None:
         self.begin_shutdown(f"controller received {reason}", self.clock())
@@ -402,10 +404,10 @@ class Controller(node.Process):
             self.phase, self.shutdown_started = Phase.SHUTTING_DOWN, now
             self.log.info("shutdown: %s", reason)
             self.every("rebroadcast", REBROADCAST_S, self.rebroadcast, first_due=now)
-        self.send("pub", p.Shutdown(reason=reason))
+        self.send(PortName.PUB, p.Shutdown(reason=reason))
 
     def rebroadcast(self, now: float) -> None:
-        self.send("pub", p.Shutdown(reason="shutdown"))
+        self.send(PortName.PUB, p.Shutdown(reason="shutdown"))
 
     def tick(self, now: float) -> float:
         if self.phase is Phase.SHUTTING_DOWN:
@@ -422,14 +424,15 @@ def run(cfg: Config) -> int:
     stop = node.StopFlag()
     ctx = wiring.context(cfg.security)
     try:
-        # Control messages carry no arrays: a peer may not make us hold more than this for it.
-        router = wiring.socket(ctx, zmq.ROUTER, bind=cfg.controller, max_message_bytes=1 << 20)
-        pub = wiring.socket(ctx, zmq.PUB, bind=cfg.broadcast)
-        controller = Controller(cfg, node.SocketPorts({"router": router, "pub": pub}), log)
-        ports = {"router": node.Port(router, KINDS, routed=True)}
-        return node.Loop(controller, ports, None, stop).run()
+        sockets = topology.open_role(ctx, Role.CONTROLLER, topology.endpoints_of(cfg))
+        controller = Controller(cfg, node.SocketPorts(sockets), log)
+        return node.Loop(controller, controller_ports(sockets), None, stop).run()
     finally:
-        wiring.destroy(ctx, wiring.LINGER_MS)
+        wiring.destroy(ctx, topology.LINGER_MS)
+
+
+def controller_ports(sockets: dict[str, zmq.Socket]) -> dict[str, node.Port]:
+    return {PortName.ROUTER: node.Port(sockets[PortName.ROUTER], KINDS, routed=True)}
 
 
 def _status_row(q: Peer, now: float, versions: VersionHistory) -> dict:

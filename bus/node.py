@@ -21,7 +21,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from stepbus import entry
 from stepbus.bus import protocol as p
-from stepbus.bus import wiring
+from stepbus.bus import topology, wiring
+from stepbus.bus.topology import AnyPort, PortName, Role
 
 HEARTBEAT_INTERVAL_S = 0.5
 LIVENESS_INTERVALS = 3  # a peer silent for this many heartbeat intervals is dead
@@ -139,7 +140,7 @@ def send(sock: zmq.Socket, msg: p.Message, *, to: bytes | None = None,
         frames = [to, *frames]
     # Zero-copy only pays for big frames (observation frames): pyzmq copies small ones anyway,
     # after building a Frame object for each, which costs more than the copy.
-    copy = all(memoryview(f).nbytes < wiring.ZERO_COPY_FROM for f in frames)
+    copy = all(memoryview(f).nbytes < topology.ZERO_COPY_FROM for f in frames)
     try:
         sock.send_multipart(frames, copy=copy, flags=0 if block else zmq.NOBLOCK)
     except zmq.Again:
@@ -237,10 +238,9 @@ class ControllerLink:
                  ) -> None:
         self.role, self.name, self.log = role, name, log
         self.controller, self.binds = controller, binds or {}
-        self.dealer = wiring.socket(ctx, zmq.DEALER, connect=controller, sndhwm=10)
-        self.sub = wiring.socket(ctx, zmq.SUB)
-        if broadcast:
-            self.sub.connect(broadcast)
+        sockets = topology.open_role(ctx, Role.LINK, {"controller": controller,
+                                                       "broadcast": broadcast})
+        self.dealer, self.sub = sockets[PortName.CONTROLLER], sockets[PortName.BROADCAST]
         self.broadcast = broadcast
         self.rejects = RejectLog(log)
         self.state: p.RunState | None = None
@@ -365,7 +365,7 @@ class Ports(Protocol):
     """Where a process's sends go, by port name: sockets in a real process, an outbox in a
     test."""
 
-    def send(self, port: str, msg: p.Message, *, to: bytes | None = None,
+    def send(self, port: AnyPort, msg: p.Message, *, to: bytes | None = None,
              block: bool = False) -> bool: ...
 
     def writable(self, port: str) -> bool: ...
@@ -373,14 +373,22 @@ class Ports(Protocol):
 
 class Outbox:
     """Ports that record instead of sending, so a test reads back what a process sent. A port
-    in `blocked` takes nothing (sends return False) and is not writable, like a full queue."""
+    in `blocked` takes nothing (sends return False) and is not writable, like a full queue. A
+    port the process's role does not have (`topology.ROLES`) is refused with ValueError, as a
+    real process would fail on it: the `Process` tells the outbox its role."""
 
     def __init__(self, blocked: set[str] | None = None) -> None:
         self.sent: list[Sent[p.Message]] = []
         self.blocked: set[str] = blocked if blocked is not None else set()
+        self.role: Role | None = None
 
-    def send(self, port: str, msg: p.Message, *, to: bytes | None = None,
+    def attach(self, role: Role) -> None:
+        self.role = role
+
+    def send(self, port: AnyPort, msg: p.Message, *, to: bytes | None = None,
              block: bool = False) -> bool:
+        if self.role is not None:
+            topology.check_port(self.role, port)
         if port in self.blocked:
             return False
         self.sent.append(Sent(port, msg, to))
@@ -430,7 +438,7 @@ class SocketPorts:
     def __init__(self, sockets: dict[str, zmq.Socket]) -> None:
         self.sockets = sockets
 
-    def send(self, port: str, msg: p.Message, *, to: bytes | None = None,
+    def send(self, port: AnyPort, msg: p.Message, *, to: bytes | None = None,
              block: bool = False) -> bool:
         return send(self.sockets[port], msg, to=to, block=block)
 
@@ -456,10 +464,13 @@ class Process:
     refuses what it cannot use with `refuse`, which names the sender as the transport does."""
 
     role: ClassVar[str] = ""
+    sockets: ClassVar[Role] = Role.LINK  # its sockets, as `topology.ROLES` declares them
 
     def __init__(self, ports: Ports, log: logging.Logger, *, name: str = "",
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.ports, self.log, self.clock = ports, log, clock
+        if isinstance(ports, Outbox):
+            ports.attach(self.sockets)
         self.name = name or self.role
         self.rejects = RejectLog(log, clock)
         self.sender: Sender | str = UNNAMED_SENDER  # of the message being handled
@@ -475,7 +486,7 @@ class Process:
         self.wake_on_readable_fds: set[int] = set()
 
     # -- sending and refusing
-    def send(self, port: str, msg: p.Message, *, to: bytes | None = None,
+    def send(self, port: AnyPort, msg: p.Message, *, to: bytes | None = None,
              block: bool = False) -> bool:
         return self.ports.send(port, msg, to=to, block=block)
 

@@ -26,8 +26,9 @@ from typing import Any
 
 import zmq
 
-from stepbus.bus import checks, node, wiring
+from stepbus.bus import checks, node, topology, wiring
 from stepbus.bus import protocol as p
+from stepbus.bus.topology import PortName, Role
 from stepbus.bus.worker_table import Worker, WorkerTable
 
 CLIENT_BEAT_S = node.HEARTBEAT_INTERVAL_S
@@ -47,6 +48,7 @@ class Relay(node.Process):
     """Workers on "steps", the vector client on "vector", run state from "controller"."""
 
     role = "broker"
+    sockets = Role.RELAY
 
     def __init__(self, ports: node.Ports, log: logging.Logger, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -145,7 +147,7 @@ class Relay(node.Process):
             self.to_client(p.WorkerLost(worker=msg.worker, incarnation="",
                                         reason="not connected to this broker"))
         else:
-            self.send("steps", msg, to=w.ident)
+            self.send(PortName.STEPS, msg, to=w.ident)
 
     def asked(self, peer: bytes, name: str) -> Worker | None:
         """The worker a client request names, if it can take one now; else the client hears
@@ -162,7 +164,7 @@ class Relay(node.Process):
 
     def ask(self, w: Worker, msg: p.Message) -> None:
         w.in_flight, w.sent_at = True, self.now
-        if not self.send("steps", msg, to=w.ident):
+        if not self.send(PortName.STEPS, msg, to=w.ident):
             self.forget(w, "unreachable")
 
     def by_name(self, name: str) -> Worker | None:
@@ -170,7 +172,7 @@ class Relay(node.Process):
 
     def to_client(self, msg: p.Message) -> None:
         if self.client is not None:
-            self.send("vector", msg, to=self.client)
+            self.send(PortName.VECTOR, msg, to=self.client)
 
     def tell_spec(self) -> None:
         if self.spec is None:
@@ -233,17 +235,18 @@ def run(steps: str, vector: str, controller: str, broadcast: str,
     link = node.ControllerLink(ctx, role="broker", name="broker", controller=controller,
                                broadcast=broadcast, log=log,
                                binds={"steps": steps, "vector": vector})
-    workers = wiring.socket(ctx, zmq.ROUTER, bind=steps)
-    workers.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    client = wiring.socket(ctx, zmq.ROUTER, bind=vector)
     try:
-        relay = Relay(node.SocketPorts({"steps": workers, "vector": client,
-                                        "controller": link.dealer}), log)
+        sockets = topology.open_role(ctx, Role.RELAY, {"steps": steps, "vector": vector})
+        relay = Relay(node.SocketPorts({**sockets, PortName.CONTROLLER: link.dealer}), log)
         log.info("broker (external): workers on %s, the vector client on %s", steps, vector)
-        ports = {"steps": node.Port(workers, (p.WorkerHello, p.StepResult, p.Heartbeat,
-                                              p.RemoteError, p.EnvCallResult), routed=True),
-                 "vector": node.Port(client, (p.VectorHello, p.Reset, p.Step, p.EnvCall),
-                                     routed=True)}
-        return node.Loop(relay, ports, link, stop).run()
+        return node.Loop(relay, relay_ports(sockets), link, stop).run()
     finally:
-        wiring.destroy(ctx, wiring.LINGER_MS)
+        wiring.destroy(ctx, topology.LINGER_MS)
+
+
+def relay_ports(sockets: dict[str, zmq.Socket]) -> dict[str, node.Port]:
+    return {PortName.STEPS: node.Port(sockets[PortName.STEPS], (
+                p.WorkerHello, p.StepResult, p.Heartbeat, p.RemoteError, p.EnvCallResult),
+                routed=True),
+            PortName.VECTOR: node.Port(sockets[PortName.VECTOR], (
+                p.VectorHello, p.Reset, p.Step, p.EnvCall), routed=True)}

@@ -10,18 +10,18 @@ STEADY_S, otherwise after the next BACKOFF_S delay; after QUICK_DEATHS_LIMIT qui
 row the supervisor gives up, with the child's last error in its figures (`stepbus status`) and
 its log. Giving up ends the supervisor with exit code 1 (so honcho stops the run, which cannot
 go on without that role) unless the child is one of many (a worker): then it stays, reporting,
-and the run goes on with the others. A child that exits 0 left on purpose (a shutdown, a
-signal), and so does its supervisor. A child's stderr passes through the supervisor, which keeps
-its last line as the child's last error; the child gets SIGTERM if the supervisor dies.
+and the run goes on with the others. A child that exits 2 (`exits.Exit.SETTING`) refused a
+setting that every restart would refuse again: the supervisor gives up at once and exits 2
+itself, a worker's too. A child that exits 0 left on purpose (a shutdown, a signal), and so
+does its supervisor. A child's stderr passes through the supervisor, which keeps its last line
+as the child's last error; the child gets SIGTERM if the supervisor dies.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import enum
-import functools
 import logging
 import math
 import os
@@ -38,8 +38,9 @@ from typing import Any
 
 import zmq
 
-from stepbus.bus import node, wiring
+from stepbus.bus import launch, node, topology, wiring
 from stepbus.bus import protocol as p
+from stepbus.bus.exits import Exit, SettingError
 from stepbus.entry import EARLY_SIGNALS
 
 BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # restart delays after quick deaths
@@ -51,7 +52,6 @@ STARTUP_GRACE_S = 30.0  # before its first beat (imports, a slow disk), a child 
 SILENT_S = 3.0  # after it: this long without a beat, and a beating child is frozen
 NO_PIDFD_LOOK_S = 0.05  # without a pidfd to wake on its exit, look at the child this often
 LAST_ERROR_CHARS = 300  # of the child's last stderr line, kept as its last error
-PR_SET_PDEATHSIG = 1
 
 
 class Child(enum.Enum):
@@ -66,7 +66,7 @@ class Child(enum.Enum):
 class GiveUp(enum.Enum):
     """What a supervisor does once it gives up on its child."""
 
-    EXIT = "exit"  # exit 1: the run cannot go on without this role
+    EXIT = "exit"  # exit 1 (2 for a setting): the run cannot go on without this role
     STAY = "stay"  # keep reporting the last error: the run goes on with the child's peers
 
 
@@ -171,19 +171,6 @@ def restart_delay(quick_deaths: int, code: int) -> float:
     return max(delay, 1.0) if code == 0 else delay
 
 
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # looked up before any fork
-CONFIG_ERROR_EXIT = 2  # a role's exit code for a bad setting: restarting cannot help
-
-
-def _die_with_parent(parent: int) -> None:
-    """In the child, before exec: SIGTERM when the supervisor dies (even by SIGKILL), so a
-    child never outlives the Procfile process honcho stops. Only calls into libc, looked up
-    before the fork: the supervisor has ZeroMQ's threads. A supervisor that died before the
-    prctl took effect is caught by the parent check."""
-    if _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM) != 0 or os.getppid() != parent:
-        os._exit(1)
-
-
 @dataclass
 class ChildPipes:
     """The pipes a child is started with: its stderr, and its beats when `beat_env` names the
@@ -275,13 +262,16 @@ def _run_forked(entry: Callable[[], int], pipes: ChildPipes, parent: int) -> typ
     return into the supervisor's code."""
     code = 1
     try:
-        _die_with_parent(parent)
+        launch.die_with_parent(parent)
         pipes.close((pipes.err_read, pipes.beats))
         os.dup2(pipes.err_write, 2)
         os.close(pipes.err_write)
         if pipes.beat_env:
             os.environ[pipes.beat_env] = str(pipes.beat_end)
         code = entry()
+    except SettingError as exc:  # told as the command would tell it
+        print(exc, file=sys.stderr)
+        code = Exit.SETTING
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             code = exc.code or 0
@@ -320,7 +310,7 @@ class Supervisor(node.Process):
         self.leaving = ""  # why the supervisor is stopping ("": it is not)
         self.shutting_down = ""  # the run's shutdown, heard: the child leaves, none is restarted
         self.counts = Figures()
-        self.gave_up_exit = False  # gave up and stops: the supervisor exits 1
+        self.gave_up_exit: Exit | None = None  # gave up and stops: the supervisor's exit code
         self.at("restart", self.now, self.start_child)
 
     # -- the child's life
@@ -328,9 +318,10 @@ class Supervisor(node.Process):
         pipes = ChildPipes.open(self.beat_env)
         self.counts.last_error = ""  # this child's, not an earlier one's
         try:
-            popen = subprocess.Popen([*self.command, *self.args], env=pipes.child_env(),
-                                     stderr=pipes.err_write, pass_fds=pipes.child_ends(),
-                                     preexec_fn=functools.partial(_die_with_parent, os.getpid()))
+            # in our process group, not a session of its own: honcho's signal reaches both
+            popen = launch.spawn([*self.command, *self.args], new_session=False,
+                                 env=pipes.child_env(), stderr=pipes.err_write,
+                                 pass_fds=pipes.child_ends())
         except (OSError, subprocess.SubprocessError) as exc:  # no memory or pids left, say
             pipes.close_all()
             self.could_not_start(exc, now)
@@ -468,7 +459,7 @@ class Supervisor(node.Process):
         self.counts.deaths += 1
         self.counts.last_death = "frozen, killed" if ended.killed_frozen else describe_exit(code)
         self.counts.quick_deaths = 0 if ran >= STEADY_S else self.counts.quick_deaths + 1
-        if code == CONFIG_ERROR_EXIT:  # a bad setting: every restart would refuse it again
+        if code == Exit.SETTING:  # a bad setting: every restart would refuse it again
             self.give_up(ran, exit_anyway=True)
             return
         if self.counts.quick_deaths >= self.quick_deaths_limit:
@@ -485,7 +476,7 @@ class Supervisor(node.Process):
 
     def give_up(self, ran: float, *, exit_anyway: bool = False) -> None:
         """No more restarts. `exit_anyway`: a setting is wrong (exit code 2), which the same
-        flags give every peer of a worker too, so even a worker's supervisor exits."""
+        flags give every peer of a worker too, so even a worker's supervisor exits, with 2."""
         self.child = Child.GAVE_UP
         staying = self.give_up_rule is GiveUp.STAY and not exit_anyway
         reason = ("exited 2: a setting is wrong (see its log above); restarting cannot help"
@@ -496,7 +487,7 @@ class Supervisor(node.Process):
                        self.counts.last_death, ran, self.last_error_text(),
                        "" if staying else ": the run cannot go on without it")
         if not staying:
-            self.gave_up_exit = True
+            self.gave_up_exit = Exit.SETTING if exit_anyway else Exit.FAILED
             self.stop(f"gave up on the {self.noun}")
 
     @property
@@ -581,26 +572,27 @@ def run(role: str, flags: list[str], *, controller: str, security: wiring.Securi
         give_up: GiveUp, quick_deaths_limit: int = QUICK_DEATHS_LIMIT,
         entry: Callable[[], int] | None = None) -> int:
     """Supervise `stepbus ROLE FLAGS` until it exits 0, we are signalled, or we give up (exit 1
-    with GiveUp.EXIT). The supervisor reports to the controller at `controller` as role
-    "supervisor", named like its child. `entry` runs the role in this interpreter: given, the
-    first child is a fork that calls it (`fork_first`)."""
+    with GiveUp.EXIT; exit 2 at once when the child exited 2). The supervisor reports to the
+    controller at `controller` as role "supervisor", named like its child. `entry` runs the
+    role in this interpreter: given, the first child is a fork that calls it (`fork_first`)."""
     log = node.setup_logging("supervisor")
     name = os.environ.get("HONCHO_PROCESS_NAME") or f"{role}-{pysocket.gethostname()}-{os.getpid()}"
     log.info("supervising %s %s: restarted if it dies, up to %d quick deaths in a row",
              role, name, quick_deaths_limit)
     return serve(security, log, lambda ports: Supervisor(
-        ports, log, name=name, command=[sys.executable, "-m", "stepbus", role], args=flags,
+        ports, log, name=name, command=launch.role_command(role), args=flags,
         give_up=give_up, quick_deaths_limit=quick_deaths_limit, noun=role),
         role="supervisor", name=name, controller=controller, broadcast="",
-        linger_ms=0 if role == "controller" else wiring.LINGER_MS, entry=entry)
+        linger_ms=0 if role == "controller" else topology.LINGER_MS, entry=entry)
 
 
 def serve(security: wiring.Security, log: logging.Logger,
           build: Callable[[node.Ports], Supervisor], *, role: str, name: str, controller: str,
-          broadcast: str, linger_ms: int = wiring.LINGER_MS,
+          broadcast: str, linger_ms: int = topology.LINGER_MS,
           entry: Callable[[], int] | None = None, beat_env: str = "") -> int:
     """Run a supervisor, built by `build` on its link to the controller (as `role` `name`), to
-    the end: 1 if it gave up and stopped, else the loop's code; its child never outlives it.
+    the end: 1 if it gave up and stopped (2 if a child exited 2), else the loop's code; its
+    child never outlives it.
     `linger_ms`: how long its last messages may wait for the controller. The controller's own
     supervisor passes 0: its controller has exited, so its leaving heartbeat would wait the
     whole linger for nobody, and it is the last process of every honcho run (0.5 s more).
@@ -618,7 +610,7 @@ def serve(security: wiring.Security, log: logging.Logger,
             sup.adopt(forked)
             forked = None
         code = node.Loop(sup, {}, link, stop).run()
-        return 1 if sup.gave_up_exit else code
+        return sup.gave_up_exit if sup.gave_up_exit is not None else code
     finally:
         if sup is not None:
             sup.kill_child()

@@ -1,5 +1,5 @@
-"""Where every socket lives: endpoints, their environment variables, socket types and options,
-and their security.
+"""Where the run's sockets are: endpoints, their environment variables, and their security
+(which sockets each role has, and their options, are declared in `topology`).
 
 Long-lived processes bind (controller, broker, assembler); processes that come and go connect
 (workers, trainer, the CLI). Every endpoint has one flag and one `STEPBUS_*` variable (honcho
@@ -26,6 +26,8 @@ from typing import Any
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+
+from stepbus.bus.exits import SettingError
 
 
 @dataclass(frozen=True)
@@ -62,24 +64,32 @@ ENDPOINTS: dict[str, EndpointSpec] = {
 }
 
 ENV_VAR = "env_var"  # a Config field's metadata key: the variable its default comes from
+# A Config field's metadata key: the field is an endpoint, checked where it is parsed
+# (`topology.parse_endpoint`); its value says whether it may be empty (found by discovery).
+ENDPOINT = "endpoint"
+REQUIRED, DISCOVERABLE = "required", "discoverable"
 
 
-def from_env(env_var: str, default: str, help: str) -> Any:
+def from_env(env_var: str, default: str, help: str, **metadata: str) -> Any:
     """A Config field whose default is `env_var` when set (honcho reads `.env`, so one line
     there sets it for every process), else `default`. `--help` names the variable."""
     return field(default_factory=lambda: os.environ.get(env_var) or default,
-                 metadata={"help": help, ENV_VAR: env_var})
+                 metadata={"help": help, ENV_VAR: env_var, **metadata})
 
 
 def endpoint(name: str, help: str) -> Any:
     """A Config field for endpoint `name`: its default comes from STEPBUS_* at construction."""
     spec = ENDPOINTS[name]
-    return from_env(spec.env_var, spec.default, help)
+    return from_env(spec.env_var, spec.default, help, **{ENDPOINT: REQUIRED})
 
 
 KEYS_ENV = "STEPBUS_KEYS"
 INSECURE_ENV = "STEPBUS_INSECURE"
 SERVER, CLIENT, AUTHORIZED = "server", "client", "authorized"  # names in a keys directory
+# With a ZAP domain set libzmq refuses ZMTP 1.0 and 2.0 peers, whose framing any TCP client
+# can produce without a handshake, so raw bytes never become messages. ZMTP 3.0 peers still
+# pass (no ZAP handler runs): they are ZeroMQ peers, and the decoder refuses what they send.
+ZAP_DOMAIN = b"stepbus"
 
 
 @dataclass
@@ -106,18 +116,18 @@ class CurveKeys:
 
 
 def load_keys(directory: str) -> CurveKeys:
-    """The keys `stepbus keys` made; SystemExit naming what is missing."""
+    """The keys `stepbus keys` made; SettingError naming what is missing."""
     root = Path(directory)
 
     def load(name: str, secret: bool) -> tuple[bytes, bytes | None]:
         path = root / (f"{name}.key_secret" if secret else f"{name}.key")
         if not path.is_file():
-            raise SystemExit(f"--keys {directory}: no {path.name} there (make keys with "
-                             f"`stepbus keys --dir {directory}`)")
+            raise SettingError(f"--keys {directory}: no {path.name} there (make keys with "
+                               f"`stepbus keys --dir {directory}`)")
         try:
             return zmq.auth.load_certificate(path)
         except (ValueError, OSError) as exc:
-            raise SystemExit(f"--keys {directory}: cannot read {path.name}: {exc}") from None
+            raise SettingError(f"--keys {directory}: cannot read {path.name}: {exc}") from None
 
     server_public, _ = load(SERVER, secret=False)
     server_secret = None
@@ -135,14 +145,14 @@ def make_keys(directory: str, client_of: str = "") -> list[str]:
     server's public key, and the new key authorized in `client_of`. Never overwrites."""
     root = Path(directory)
     if (root / f"{CLIENT}.key_secret").exists():
-        raise SystemExit(f"{directory} already holds keys; not overwriting them")
+        raise SettingError(f"{directory} already holds keys; not overwriting them")
     made = []
     root.mkdir(parents=True, exist_ok=True)
     if client_of:
         source = Path(client_of)
         if not (source / f"{SERVER}.key_secret").is_file():
-            raise SystemExit(f"--client-of {client_of}: no {SERVER}.key_secret there (run "
-                             f"`stepbus keys --dir {client_of}` first)")
+            raise SettingError(f"--client-of {client_of}: no {SERVER}.key_secret there (run "
+                               f"`stepbus keys --dir {client_of}` first)")
         shutil.copy(source / f"{SERVER}.key", root / f"{SERVER}.key")
         public, _ = zmq.auth.create_certificates(root, CLIENT)
         label = root.resolve().name or "client"
@@ -227,20 +237,22 @@ def _loopback(endpoint: str) -> bool:
         return False  # "*", an interface name or a host name
 
 
-def _secure(ctx: zmq.Context, sock: zmq.Socket, bind: str | None) -> None:
+def secure(ctx: zmq.Context, sock: zmq.Socket, bind: str | None) -> None:
+    """CURVE for `sock` as the run's keys say (server where it binds), or the refusal to bind
+    beyond loopback without them."""
     curve: CurveKeys | None = getattr(ctx, "curve", None)
     if curve is None:
         if bind is not None and not _loopback(bind) and not getattr(ctx, "insecure", False):
-            raise SystemExit(f"refusing to bind {bind} without encryption: anyone who can reach "
-                             f"it could join the run. Make keys with `stepbus keys --dir keys` "
-                             f"and give every process --keys keys (or STEPBUS_KEYS=keys), or "
-                             f"pass --insecure")
+            raise SettingError(f"refusing to bind {bind} without encryption: anyone who can reach "
+                               f"it could join the run. Make keys with `stepbus keys --dir keys` "
+                               f"and give every process --keys keys (or STEPBUS_KEYS=keys), or "
+                               f"pass --insecure")
         return
     if bind is not None:
         if curve.server_secret is None:
-            raise SystemExit(f"cannot bind {bind}: the keys directory has no "
-                             f"{SERVER}.key_secret (it is a client-only one, for hosts that "
-                             f"only connect)")
+            raise SettingError(f"cannot bind {bind}: the keys directory has no "
+                               f"{SERVER}.key_secret (it is a client-only one, for hosts that "
+                               f"only connect)")
         if ctx.authenticator is None:
             log = logging.getLogger("stepbus.auth")
             authenticator = ThreadAuthenticator(ctx, log=log)
@@ -271,7 +283,7 @@ def reachable(address: str, *, via: str) -> str:
 def discovered(name: str, help: str) -> Any:
     """A Config field for endpoint `name` that a process on any host can leave empty: then
     the controller says where it is bound (see node.ControllerLink.discover)."""
-    return from_env(ENDPOINTS[name].env_var, "", help)
+    return from_env(ENDPOINTS[name].env_var, "", help, **{ENDPOINT: DISCOVERABLE})
 
 
 def free_tcp_ports(n: int) -> list[int]:
@@ -283,75 +295,3 @@ def free_tcp_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
-
-
-# Socket options. LINGER is bounded everywhere so no process can hang in ctx.term().
-LINGER_MS = 500
-ZERO_COPY_FROM = 1 << 16  # bytes: smaller frames are sent by copy (pyzmq's own threshold)
-MAX_MESSAGE_BYTES = 256 << 20  # bound sockets refuse a peer declaring a larger frame
-HWM = 10_000
-RECONNECT_IVL_MS = 100
-RECONNECT_IVL_MAX_MS = 2_000  # reconnect backoff ceiling
-# A TCP peer that vanished (its host down, the network cut) is found by the kernel's
-# keepalive probes: after 1 s idle, one a second, 3 unanswered. Not by ZeroMQ's own heartbeats
-# (ZMQ_HEARTBEAT_IVL): libzmq 4.3.5 aborts the whole process when a heartbeat timer fires on a
-# connection whose input was stopped (a full receive queue, or a socket being closed) and whose
-# peer then hung up (`!_io_error` in stream_engine_base.cpp): a broker shutting down while
-# workers still send meets exactly that, and tests/test_wiring.py makes it happen.
-TCP_KEEPALIVE_IDLE_S = 1
-TCP_KEEPALIVE_INTERVAL_S = 1
-TCP_KEEPALIVE_PROBES = 3
-# With a ZAP domain set libzmq refuses ZMTP 1.0 and 2.0 peers, whose framing any TCP client
-# can produce without a handshake, so raw bytes never become messages. ZMTP 3.0 peers still
-# pass (no ZAP handler runs): they are ZeroMQ peers, and the decoder refuses what they send.
-ZAP_DOMAIN = b"stepbus"
-
-
-def socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,
-           identity: bytes | None = None, immediate: bool = False,
-           max_message_bytes: int = MAX_MESSAGE_BYTES, sndhwm: int = HWM,
-           rcvhwm: int = HWM) -> zmq.Socket:
-    """One socket with the project's options; exactly one of bind/connect.
-
-    immediate: queue outgoing messages only on completed connections, so a socket with no
-    live peer is not writable (and a send with NOBLOCK fails) instead of queueing into the void.
-    max_message_bytes: the largest frame a peer may declare to a bound socket; libzmq
-    allocates a declared frame before its bytes arrive, so one that carries no arrays (the
-    controller's) can be bound much lower than the default.
-    sndhwm, rcvhwm: messages queued per peer; set here because libzmq reads them when a
-    connection's queue is made, which may be at bind/connect time.
-    """
-    sock = ctx.socket(kind)
-    sock.setsockopt(zmq.LINGER, LINGER_MS)
-    sock.setsockopt(zmq.SNDHWM, sndhwm)
-    sock.setsockopt(zmq.RCVHWM, rcvhwm)
-    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
-    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
-    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)  # TCP links only; ipc peers' deaths close the socket
-    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, TCP_KEEPALIVE_IDLE_S)
-    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, TCP_KEEPALIVE_INTERVAL_S)
-    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, TCP_KEEPALIVE_PROBES)
-    if identity is not None:
-        sock.setsockopt(zmq.IDENTITY, identity)
-    if kind == zmq.ROUTER:
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer with the same name is served
-    if immediate:
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-    if kind == zmq.SUB:
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-    try:
-        _secure(ctx, sock, bind)
-    except SystemExit:
-        sock.close(0)
-        raise
-    if bind is not None:
-        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
-        try:
-            sock.bind(bind)
-        except zmq.ZMQError as exc:
-            sock.close(0)
-            raise SystemExit(f"cannot bind {bind}: {exc}") from None
-    elif connect is not None:
-        sock.connect(connect)
-    return sock

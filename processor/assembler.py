@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 import zmq
 
-from stepbus.bus import checks, credit, node, policies, rows, shm, wiring
+from stepbus.bus import checks, credit, node, policies, rows, shm, topology, wiring
 from stepbus.bus import protocol as p
+from stepbus.bus.topology import PortName, Role
 from stepbus.processor.buffers import WorkerTrack
 from stepbus.processor.outlets import (
     TWO_LEARNERS_TURNS,
@@ -91,6 +92,7 @@ class Assembler(node.Process):
     per policy, see `outlets.port_name`), receipts in ("receipts")."""
 
     role = "assembler"
+    sockets = Role.ASSEMBLER
 
     def __init__(self, cfg: Config, ports: node.Ports, log: logging.Logger, *,
                  outlet_endpoints: dict[str, str], incarnation: str = "",
@@ -412,12 +414,10 @@ def run(cfg: Config) -> int:
                                binds={"experience": cfg.experience,
                                       "trajectories": cfg.trajectories,
                                       "receipts": cfg.receipts})
-    # A short queue, so a paused intake soon pauses the broker.
-    intake = wiring.socket(ctx, zmq.PULL, bind=cfg.experience, rcvhwm=1000)
-    # Beyond 64 queued, trajectories wait in the outlet's `held` (counted).
-    pushes = {port_name(policy): wiring.socket(ctx, zmq.PUSH, bind=endpoint, sndhwm=64)
-              for policy, endpoint in outlet_endpoints.items()}
-    receipts = wiring.socket(ctx, zmq.PULL, bind=cfg.receipts, max_message_bytes=16 << 20)
+    sockets = topology.open_role(ctx, Role.ASSEMBLER, topology.endpoints_of(cfg))
+    pushes: dict[str, zmq.Socket] = {PortName.TRAJECTORIES: sockets[PortName.TRAJECTORIES]}
+    pushes |= {port_name(policy): topology.open_outlet(ctx, endpoint)
+               for policy, endpoint in outlet_endpoints.items() if policy != policies.DEFAULT}
     log.info("assembler: experience on %s, trajectories on %s, receipts on %s, horizon %d",
              cfg.experience, ", ".join(f"{endpoint} ({policy})" if len(pushes) > 1 else endpoint
                                        for policy, endpoint in outlet_endpoints.items()),
@@ -430,11 +430,12 @@ def run(cfg: Config) -> int:
         events = {name + " events": node.Port(sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED), monitor=True) for name, sock in pushes.items()}
         ports = {**events,
-                 "receipts": node.Port(receipts, (p.Receipt,)),
-                 "experience": node.Port(intake, (p.Experience, p.WorkerLost)),
+                 PortName.RECEIPTS: node.Port(sockets[PortName.RECEIPTS], (p.Receipt,)),
+                 PortName.EXPERIENCE: node.Port(sockets[PortName.EXPERIENCE],
+                                                (p.Experience, p.WorkerLost)),
                  **{name: node.Port(sock) for name, sock in pushes.items()}}
         return node.Loop(assembler, ports, link, stop).run()
     finally:
         for sock in pushes.values():
             sock.disable_monitor()
-        wiring.destroy(ctx, wiring.LINGER_MS)
+        wiring.destroy(ctx, topology.LINGER_MS)

@@ -17,13 +17,13 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from stepbus.bus import policies, rows, wiring
+from stepbus.bus import policies, rows, topology
 from stepbus.bus import protocol as p
 
 # Trajectories waiting for a learner go out together in one TRAJECTORIES message, up to
 # p.MAX_TRAJECTORIES_PER_MESSAGE, and while their observations stay under this many bytes
 # (larger ones go alone, zero-copy: concatenating them would copy frames).
-MAX_BATCHED_OBS_BYTES = wiring.ZERO_COPY_FROM
+MAX_BATCHED_OBS_BYTES = topology.ZERO_COPY_FROM
 
 # At most one backlog resend per outlet within this many seconds: a peer that handshakes over
 # and over (a crash-looping learner, or anyone who can complete a ZeroMQ handshake) makes the
@@ -50,9 +50,9 @@ def endpoints(trajectories: str, policy_endpoints: str) -> dict[str, str]:
     return found
 
 
-def port_name(policy: str) -> str:
+def port_name(policy: str) -> topology.AnyPort:
     """The name of a policy's PUSH port; its socket monitor's is this plus " events"."""
-    return "trajectories" if policy == policies.DEFAULT else f"trajectories:{policy}"
+    return topology.outlet_port(policy, policies.DEFAULT)
 
 
 @dataclass
@@ -70,7 +70,7 @@ class Outlet:
     two_learners_warned: float = -math.inf
 
     @property
-    def port(self) -> str:
+    def port(self) -> topology.AnyPort:
         return port_name(self.policy)
 
     @property

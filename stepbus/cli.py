@@ -30,8 +30,10 @@ from typing import Any, TypeVar
 from stepbus import __version__, single_thread_blas  # noqa: F401  (before numpy loads)
 from stepbus import plot as stepbus_plot
 from stepbus import status as status_view
-from stepbus.bus import broker, controller, node, supervisor, wiring
+from stepbus.bus import broker, controller, node, supervisor, topology, wiring
 from stepbus.bus import protocol as p
+from stepbus.bus.exits import Exit, SettingError
+from stepbus.bus.topology import PortName, Role
 from stepbus.processor import assembler
 from stepbus.trainer import learner, slot
 from stepbus.workers import worker
@@ -127,6 +129,9 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             item = _number(int, f.metadata)
             kwargs["type"] = lambda s, item=item: tuple(item(x) for x in s.split(",") if x)
             kwargs["metavar"] = "N,N"
+        elif wiring.ENDPOINT in f.metadata:
+            kwargs["type"] = _endpoint(f.metadata[wiring.ENV_VAR],
+                                       f.metadata[wiring.ENDPOINT] == wiring.DISCOVERABLE)
         else:  # `float | None`: a float when given
             kind = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
             kwargs["type"] = _number(kind, f.metadata) if kind in (int, float) else kind
@@ -165,6 +170,21 @@ def _number(kind: type, bounds: typing.Mapping[str, Any]) -> Callable[[str], Any
     return parse
 
 
+def _endpoint(env_var: str, allow_empty: bool = False) -> Callable[[str], str]:
+    """An argparse type for an endpoint flag (`topology.parse_endpoint`). argparse parses a
+    string default too, so a bad STEPBUS_* variable is refused as well, naming it."""
+
+    def parse(text: str) -> str:
+        try:
+            return topology.parse_endpoint(text, allow_empty=allow_empty)
+        except ValueError as exc:
+            source = f" (from {env_var})" if os.environ.get(env_var) == text else ""
+            raise argparse.ArgumentTypeError(f"{exc}{source}") from None
+
+    parse.__name__ = "endpoint"
+    return parse
+
+
 def _build_config(cls: type, args: argparse.Namespace) -> Any:
     hints = typing.get_type_hints(cls)
     values = {}
@@ -177,7 +197,6 @@ def _build_config(cls: type, args: argparse.Namespace) -> Any:
 
 
 M = TypeVar("M", bound=p.Message)
-UNREACHABLE_EXIT = 2  # the controller did not answer; 1 is "it answered no"
 
 
 def _ask(endpoint: str, request: p.Message, timeout_s: float, keys: str = "") -> p.Message:
@@ -188,11 +207,10 @@ def _ask(endpoint: str, request: p.Message, timeout_s: float, keys: str = "") ->
             address).
         protocol.RemoteFailure: the answer was a REMOTE_ERROR, raised again with its fields.
     """
-    import zmq
 
     ctx = wiring.context(wiring.Security(keys=keys))
     try:
-        sock = wiring.socket(ctx, zmq.DEALER, connect=endpoint)
+        sock = topology.open_role(ctx, Role.CLIENT, {"controller": endpoint})[PortName.CONTROLLER]
         node.send(sock, request)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -229,13 +247,14 @@ def _answer(reply: p.Message) -> int:
 
 
 def _client(command: str, call: Callable[[], int]) -> int:
-    """Run a client command; a controller that does not answer exits 2, a remote error 1, both
-    with one message on stderr (a remote error with its traceback)."""
+    """Run a client command; a controller that does not answer exits 2 (a setting: the address
+    or the keys), a remote error 1, both with one message on stderr (a remote error with its
+    traceback)."""
     try:
         return call()
     except status_view.Unreachable as exc:
         print(f"stepbus {command}: {exc}", file=sys.stderr)
-        return UNREACHABLE_EXIT
+        return Exit.SETTING
     except p.RemoteFailure as exc:
         context = f" {exc.context}" if exc.context else ""
         print(f"stepbus {command}: {exc}{context}", file=sys.stderr)
@@ -289,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
                       ("shutdown", "stop the whole pipeline through the controller")):
         cmd = sub.add_parser(name, help=doc, description=doc, allow_abbrev=False)
         cmd.add_argument("--controller", default=wiring.ENDPOINTS["controller"].resolve(),
+                         type=_endpoint(wiring.ENDPOINTS["controller"].env_var),
                          help="controller endpoint (env STEPBUS_CONTROLLER)")
         cmd.add_argument("--timeout", type=_number(float, {"above": 0}),
                          default=15.0 if name == "reset" else 5.0,
@@ -338,8 +358,7 @@ def _add_supervise_parser(sub: Any) -> None:
 
 def _supervise(args: argparse.Namespace) -> int:
     if args.quick_deaths < 1:
-        raise SystemExit(f"stepbus supervise: --quick-deaths must be at least 1, not "
-                         f"{args.quick_deaths}")
+        raise SettingError(f"--quick-deaths must be at least 1, not {args.quick_deaths}")
     child = build_parser().parse_args([args.role, *args.flags])  # bad flags: exit 2 here
     config = _build_config(PROCESSES[args.role][0], child)
     give_up = (supervisor.GiveUp(args.on_give_up) if args.on_give_up
@@ -357,6 +376,7 @@ def swap_parser() -> argparse.ArgumentParser:
     parser.add_argument("--slot", default="",
                         help="name of the trainer slot (default: the only one registered)")
     parser.add_argument("--controller", default=wiring.ENDPOINTS["controller"].resolve(),
+                        type=_endpoint(wiring.ENDPOINTS["controller"].env_var),
                         help="controller endpoint (env STEPBUS_CONTROLLER)")
     parser.add_argument("--timeout", type=_number(float, {"above": 0}), default=30.0,
                         help="seconds to wait for the swap to be done")
@@ -382,12 +402,35 @@ def learner_flags_problem(flags: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. A setting that cannot work (`SettingError`) exits 2 with one line naming
+    it, never a traceback, so a supervisor gives up on it at once (docs/operations.md#exit-codes).
+    """
     argv = sys.argv[1:] if argv is None else argv
+    command = "trainer swap" if argv[:2] == ["trainer", "swap"] else next(iter(argv), "")
+    try:
+        return _command(argv)
+    except SettingError as exc:
+        print(f"stepbus {command}: {exc}", file=sys.stderr)
+        if command in PROCESSES or command == "supervise":
+            _exit_now(Exit.SETTING)
+        return Exit.SETTING
+
+
+def _exit_now(code: int) -> typing.NoReturn:
+    """Sockets are closed and files written by now. Skip interpreter finalisation: it restores
+    default signal handlers, so honcho's SIGTERM to a process already exiting would turn a clean
+    exit 0 into death by signal."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _command(argv: list[str]) -> int:
     if argv[:2] == ["trainer", "swap"]:
         opts, flags = swap_parser().parse_known_args(argv[2:])
         problem = learner_flags_problem(flags)
         if problem:
-            raise SystemExit(f"stepbus trainer swap: {problem}")
+            raise SettingError(problem)
         swap = p.TrainerSwap(slot=opts.slot, args=flags)
         return _client("trainer swap", lambda: _answer(
             _ask(opts.controller, swap, opts.timeout, opts.keys)))
@@ -409,12 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cls, run, _ = PROCESSES[args.command]
             code = run(_build_config(cls, args))
-        # Sockets are closed and files written by now. Skip interpreter finalisation: it restores
-        # default signal handlers, so honcho's SIGTERM to a process already exiting would turn
-        # a clean exit 0 into death by signal.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _exit_now(code)
     if args.command == "keys":
         for path in wiring.make_keys(args.dir, args.client_of):
             print(path)

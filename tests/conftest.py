@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import os
 import re
@@ -22,8 +21,8 @@ import pluggy
 import pytest
 import zmq
 
+from stepbus.bus import launch, topology, wiring
 from stepbus.bus import protocol as p
-from stepbus.bus import wiring
 from stepbus.models import mlp
 from stepbus.policy import ActionSpace
 
@@ -35,23 +34,7 @@ ROLES = ("controller", "broker", "worker", "assembler", "trainer")
 EVERY_UPDATE = ("--metrics-interval-s", "0")
 
 
-class Proc:
-    def __init__(self, name: str, popen: subprocess.Popen, log_path: Path) -> None:
-        self.name, self.popen, self.log_path = name, popen, log_path
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def wait(self, timeout: float) -> int:
-        return self.popen.wait(timeout=timeout)
-
-    def signal(self, sig: int) -> None:
-        if self.popen.poll() is None:
-            os.kill(self.popen.pid, sig)
+Proc = launch.Child  # a process a test started: name, popen, pid, output, wait, signal
 
 
 class Cluster:
@@ -61,17 +44,18 @@ class Cluster:
         # ipc paths must stay short (108 bytes), so not pytest's long tmp_path.
         self.dir = Path(tempfile.mkdtemp(prefix="sb-"))
         self.endpoints = {name: f"ipc://{self.dir}/{name}" for name in wiring.ENDPOINTS}
-        self.procs: list[Proc] = []
+        self.group = launch.Group(self.dir)
+
+    @property
+    def procs(self) -> list[Proc]:
+        return self.group.procs
 
     @property
     def runs_dir(self) -> Path:
         return self.dir / "runs"
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        env = dict(os.environ)
-        env.pop("HONCHO_PROCESS_NAME", None)
-        env.update({f"STEPBUS_{k.upper()}": v for k, v in self.endpoints.items()})
-        env["STEPBUS_RUNS_DIR"] = str(self.runs_dir)
+        env = launch.environment(self.endpoints, self.runs_dir)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR),
                                                           env.get("PYTHONPATH", "")]))
         env["PYTHONUNBUFFERED"] = "1"
@@ -82,14 +66,8 @@ class Cluster:
               env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()) -> Proc:
         """`prefix`: a command that runs it, e.g. ("ip", "netns", "exec", NS)."""
         name = name or f"{role}{sum(p.name.startswith(role) for p in self.procs)}"
-        log_path = self.dir / f"{name}.log"
-        with open(log_path, "wb") as log:
-            popen = subprocess.Popen([*prefix, sys.executable, "-m", "stepbus", role, *args],
-                                     stdout=log, stderr=subprocess.STDOUT, env=self.env(env),
-                                     cwd=self.dir, start_new_session=True)
-        proc = Proc(name, popen, log_path)
-        self.procs.append(proc)
-        return proc
+        return self.group.start_role(role, *args, name=name, log=self.dir / f"{name}.log",
+                                     env=self.env(env), prefix=prefix)
 
     def start_all(self, trainer_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = (),
                   workers: int = 1, trainer: str = "trainer") -> dict[str, Proc]:
@@ -103,12 +81,8 @@ class Cluster:
         return procs
 
     def socket(self, kind: int, endpoint: str, *, bind: bool = False) -> zmq.Socket:
-        sock: zmq.Socket = zmq.Context.instance().socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        if kind == zmq.SUB:
-            sock.setsockopt(zmq.SUBSCRIBE, b"")
-        (sock.bind if bind else sock.connect)(endpoint)
-        return sock
+        """A socket of the test's own, standing in for a peer."""
+        return topology.stand_in(kind, endpoint, bind=bind)
 
     def cli(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "stepbus", *args], capture_output=True,
@@ -126,32 +100,10 @@ class Cluster:
     def strays(self) -> list[int]:
         """Pids of live processes working in our temp dir: what honcho started, for one,
         whose children each run in a session of their own."""
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and int(entry.name) != os.getpid():
-                try:
-                    cwd = os.readlink(entry / "cwd")
-                    state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                except OSError:
-                    continue
-                if cwd == str(self.dir) and state != "Z":
-                    pids.append(int(entry.name))
-        return pids
+        return self.group.strays()
 
     def kill_all(self) -> None:
-        for proc in self.procs:
-            proc.signal(signal.SIGCONT)  # a test may have frozen one
-            proc.signal(signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        for proc in self.procs:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
-        for pid in self.strays():
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+        self.group.stop()
 
     def dump(self) -> str:
         return "\n".join(f"----- {p.name} (rc={p.popen.poll()}) -----\n{p.output()[-4000:]}"

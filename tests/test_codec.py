@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from stepbus.bus import checks
+from stepbus.bus import checks, topology
 from stepbus.bus import protocol as p
 from stepbus.policy import ActionSpace
 
@@ -1247,8 +1247,8 @@ class FakeController:
 
     def __init__(self, answer: p.Message) -> None:
         self.ctx = zmq.Context()
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.endpoint = f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}"
+        self.router = topology.stand_in(zmq.ROUTER, "tcp://127.0.0.1:0", bind=True, ctx=self.ctx)
+        self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.answer, self.requests = answer, list[p.Message]()
         self.thread = threading.Thread(target=self._serve, args=(2,), daemon=True)
         self.thread.start()

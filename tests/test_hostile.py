@@ -17,7 +17,7 @@ import pytest
 import zmq
 from conftest import EVERY_UPDATE, Cluster, send_message, wait_for
 
-from stepbus.bus import node, wiring
+from stepbus.bus import node, topology, wiring
 from stepbus.bus import protocol as p
 from stepbus.processor import assembler
 
@@ -91,7 +91,7 @@ def well_formed_lies(cluster: Cluster) -> None:
     trainer.close(linger=1000)
     # A squatter with a routing id of its own, saying hello in the real worker's name: its
     # refusals are counted against its id, never against w0.
-    squatter: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
+    squatter = topology.stand_in(zmq.DEALER)
     squatter.setsockopt(zmq.IDENTITY, b"squatter")
     squatter.connect(cluster.endpoints["steps"])
     for _ in range(SQUATTER_HELLOS):
@@ -310,8 +310,8 @@ def test_recv_names_the_sender_of_a_refused_message(kind: int) -> None:
     """ROUTER: the routing id; otherwise, over TCP, the peer's address (it cannot choose it)."""
     rejects, lines, _ = reject_log()
     ctx: zmq.Context = zmq.Context.instance()
-    sock = wiring.socket(ctx, kind, bind="tcp://127.0.0.1:0")
-    peer = ctx.socket(zmq.DEALER if kind == zmq.ROUTER else zmq.PUSH)
+    sock = topology.socket(ctx, kind, bind="tcp://127.0.0.1:0")
+    peer = topology.stand_in(zmq.DEALER if kind == zmq.ROUTER else zmq.PUSH, ctx=ctx)
     try:
         peer.setsockopt(zmq.LINGER, 0)
         peer.setsockopt(zmq.IDENTITY, b"liar")
@@ -343,8 +343,8 @@ def test_a_handler_refusal_names_the_tcp_peer_that_sent_it_not_the_name_inside()
     handler, counted against the connection's peer address, the trainer it names only
     claimed."""
     ctx: zmq.Context = zmq.Context.instance()
-    sock = wiring.socket(ctx, zmq.PULL, bind="tcp://127.0.0.1:0")
-    peer = ctx.socket(zmq.PUSH)
+    sock = topology.socket(ctx, zmq.PULL, bind="tcp://127.0.0.1:0")
+    peer = topology.stand_in(zmq.PUSH, ctx=ctx)
     endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     asm = assembler.Assembler(assembler.Config(), node.Outbox(), logging.getLogger("test.asm"),
                               outlet_endpoints={"default": "tcp://127.0.0.1:1"},

@@ -11,7 +11,7 @@ import pytest
 import zmq
 from conftest import Cluster, status_rows, wait_for
 
-from stepbus.bus import wiring
+from stepbus.bus import topology, wiring
 
 JUNK = [b"not a stepbus message"]  # counted as rejected by whichever process it reaches
 INBOUND = {"controller": zmq.DEALER, "steps": zmq.DEALER, "policy": zmq.DEALER,
@@ -20,8 +20,7 @@ INBOUND = {"controller": zmq.DEALER, "steps": zmq.DEALER, "policy": zmq.DEALER,
 
 def keyed_socket(kind: int, endpoint: str, *, server: bytes | None = None,
                  client: tuple[bytes, bytes] | None = None) -> zmq.Socket:
-    sock: zmq.Socket = zmq.Context.instance().socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
+    sock = topology.stand_in(kind)
     if server is not None and client is not None:
         sock.curve_serverkey = server
         sock.curve_publickey, sock.curve_secretkey = client

@@ -26,7 +26,7 @@ import zmq
 from conftest import EVERY_UPDATE, Cluster, Proc, wait_for
 
 from stepbus.bus import protocol as p
-from stepbus.bus import wiring
+from stepbus.bus import topology, wiring
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -102,13 +102,12 @@ def send_quietly(sock: socket.socket, data: bytes) -> None:
 
 @contextlib.contextmanager
 def bound(kind: int, *, ours: bool) -> Iterator[tuple[zmq.Socket, int]]:
-    """A socket bound on a free loopback port: through wiring.socket, or a plain one."""
+    """A socket bound on a free loopback port: through topology.socket, or a plain one."""
     ctx: zmq.Context = zmq.Context.instance()
     if ours:
-        sock = wiring.socket(ctx, kind, bind="tcp://127.0.0.1:0")
+        sock = topology.socket(ctx, kind, bind="tcp://127.0.0.1:0")
     else:
-        sock = ctx.socket(kind)
-        sock.bind("tcp://127.0.0.1:0")
+        sock = topology.stand_in(kind, "tcp://127.0.0.1:0", bind=True, ctx=ctx)
     try:
         yield sock, int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
     finally:
@@ -119,7 +118,7 @@ def bound(kind: int, *, ours: bool) -> Iterator[tuple[zmq.Socket, int]]:
 # 1. The options, and what each one is for.
 
 
-@pytest.mark.parametrize("ours", [False, True], ids=["plain socket", "wiring.socket"])
+@pytest.mark.parametrize("ours", [False, True], ids=["plain socket", "topology.socket"])
 def test_zmtp1_bytes_become_a_message_only_without_the_zap_domain(ours: bool) -> None:
     """The control shows raw bytes *can* become a message: libzmq still speaks ZMTP 1.0, which
     has no greeting, so any TCP client can frame a message. A ZAP domain turns that off."""
@@ -132,12 +131,12 @@ def test_zmtp1_bytes_become_a_message_only_without_the_zap_domain(ours: bool) ->
         raw.close()
 
 
-@pytest.mark.parametrize("ours", [False, True], ids=["plain socket", "wiring.socket"])
+@pytest.mark.parametrize("ours", [False, True], ids=["plain socket", "topology.socket"])
 def test_a_frame_declared_over_maxmsgsize_closes_the_connection_at_once(ours: bool) -> None:
     """Without MAXMSGSIZE libzmq allocates what the header declares and waits for the bytes."""
     with bound(zmq.PULL, ours=ours) as (_, port):
         raw = handshake(port)
-        send_quietly(raw, bytes([LONG_FRAME]) + (wiring.MAX_MESSAGE_BYTES + 1).to_bytes(8, "big")
+        send_quietly(raw, bytes([LONG_FRAME]) + (topology.MAX_MESSAGE_BYTES + 1).to_bytes(8, "big")
                      + b"x" * 1000)
         assert closed_by_peer(raw, 1.0 if ours else 0.3) is ours
         raw.close()
@@ -159,7 +158,7 @@ BIND_KINDS = [zmq.ROUTER, zmq.PUB, zmq.PULL, zmq.PUSH]
 @pytest.mark.parametrize("kind", BIND_KINDS, ids=lambda k: zmq.SocketType(k).name)
 def test_every_bound_socket_sets_a_maximum_message_size_and_a_zap_domain(kind: int) -> None:
     with bound(kind, ours=True) as (sock, _):
-        assert sock.getsockopt(zmq.MAXMSGSIZE) == wiring.MAX_MESSAGE_BYTES
+        assert sock.getsockopt(zmq.MAXMSGSIZE) == topology.MAX_MESSAGE_BYTES
         assert sock.getsockopt(zmq.ZAP_DOMAIN) == wiring.ZAP_DOMAIN
 
 
@@ -169,18 +168,28 @@ def test_every_default_endpoint_is_on_loopback() -> None:
         assert url.scheme == "tcp" and url.hostname == "127.0.0.1", spec
 
 
-def test_processes_bind_only_through_wiring_socket() -> None:
-    """So every bound socket has the options above: no module binds a socket by itself."""
+def test_sockets_are_made_and_bound_only_in_the_topology_module() -> None:
+    """So every socket has the options its role declares: no module makes or binds a ZeroMQ
+    socket by itself (the tests' stand-in peers come from `topology.stand_in` too). A Python
+    socket (`socket.socket()`, for raw bytes or a free port) is no ZeroMQ socket."""
     offenders = []
-    for folder in ("bus", "workers", "processor", "trainer", "stepbus"):
+    for folder in ("bus", "workers", "processor", "trainer", "stepbus", "benchmarks", "tests"):
         for path in (REPO / folder).rglob("*.py"):
-            if path == REPO / "bus" / "wiring.py":
+            if path == REPO / "bus" / "topology.py":
                 continue
             for call in ast.walk(ast.parse(path.read_text())):
-                if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
-                        and call.func.attr in ("bind", "bind_to_random_port")):
+                if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)):
+                    continue
+                receiver = ast.unparse(call.func.value)
+                # Python's sockets (bound to an (address, port) tuple), the topology's own
+                # functions, and the tests' Cluster.socket, which is topology.stand_in
+                python = receiver in ("socket", "pysocket") or any(
+                    isinstance(arg, ast.Tuple) for arg in call.args)
+                ours = receiver in ("topology", "cluster", "self.cluster")
+                if ((call.func.attr in ("bind", "bind_to_random_port") and not python)
+                        or (call.func.attr == "socket" and not (python or ours))):
                     offenders.append(f"{path.relative_to(REPO)}:{call.lineno}")
-    assert not offenders, f"sockets bound outside wiring.socket: {offenders}"
+    assert not offenders, f"sockets made or bound outside bus/topology.py: {offenders}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,11 +249,11 @@ def noise(rnd: random.Random) -> tuple[bytes, bool]:
             + rnd.randbytes(rnd.randint(0, 16384)), False
     if what == 4:  # greeting, READY, then a frame declared too large
         return greeting() + ready(rnd.choice(list(PEER_TYPE.values()))) + bytes([LONG_FRAME]) \
-            + rnd.randint(wiring.MAX_MESSAGE_BYTES + 1, (1 << 64) - 1).to_bytes(8, "big") \
+            + rnd.randint(topology.MAX_MESSAGE_BYTES + 1, (1 << 64) - 1).to_bytes(8, "big") \
             + rnd.randbytes(rnd.randint(0, 16384)), True
     # greeting, READY, then a big frame declared within the limit and never finished
     return greeting() + ready(rnd.choice(list(PEER_TYPE.values()))) + bytes([LONG_FRAME]) \
-        + rnd.randint(1 << 20, wiring.MAX_MESSAGE_BYTES).to_bytes(8, "big") \
+        + rnd.randint(1 << 20, topology.MAX_MESSAGE_BYTES).to_bytes(8, "big") \
         + rnd.randbytes(rnd.randint(0, 32768)), False
 
 
@@ -396,7 +405,7 @@ def one_undecodable_message_is_counted_by_each_process(cluster: Cluster,
 def a_persistent_offender_is_counted_and_logged_once_a_second(cluster: Cluster,
                                                               procs: dict[str, Proc]) -> None:
     """A persistent offender: counted by reason and by its name, logged once per second."""
-    noisy: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
+    noisy = topology.stand_in(zmq.DEALER)
     noisy.setsockopt(zmq.IDENTITY, b"noisy")
     noisy.connect(cluster.endpoints["steps"])
     started = time.monotonic()

@@ -1,5 +1,5 @@
 """The project's socket options with real processes: a bound socket whose receive queue is full
-when its peer hangs up stays alive (libzmq's own heartbeats would abort it: see bus/wiring.py)."""
+when its peer hangs up stays alive (libzmq's own heartbeats would abort it: see bus/topology.py)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from stepbus.bus import wiring
 # heartbeats libzmq would send if they were on, and reads it all.
 BOUND = """
 import sys, time, zmq
-from stepbus.bus import wiring
+from stepbus.bus import topology
 ctx = zmq.Context()
-sock = wiring.socket(ctx, zmq.ROUTER, bind=sys.argv[1], rcvhwm=4)
+sock = topology.socket(ctx, zmq.ROUTER, bind=sys.argv[1], rcvhwm=4)
 print("bound", flush=True)
 peer, _ = sock.recv_multipart()
 for _ in range(50):  # more than the peer reads: over TCP its close then resets the connection
@@ -41,7 +41,7 @@ PAYLOAD = b"x" * 100_000  # a few fill the kernel's buffers, so the receiver's q
 def fill_and_hang_up(endpoint: str) -> int:
     """Send to `endpoint` until the receiver takes no more, then close at once; how many sent."""
     ctx: zmq.Context = zmq.Context.instance()
-    peer = ctx.socket(zmq.DEALER)
+    peer = topology.stand_in(zmq.DEALER, ctx=ctx)
     peer.setsockopt(zmq.SNDHWM, 4)
     peer.setsockopt(zmq.RCVHWM, 1)  # what it is sent stays unread in the kernel's buffers
     peer.connect(endpoint)

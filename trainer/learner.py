@@ -32,7 +32,7 @@ import signal
 import socket as pysocket
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,12 +41,14 @@ import numpy as np
 import zmq
 
 from stepbus import policy
-from stepbus.bus import node, policies, wiring
+from stepbus.bus import node, policies, topology, wiring
 from stepbus.bus import protocol as p
+from stepbus.bus.topology import PortName, Role
 from stepbus.policy import ModelConfig
-from stepbus.trainer import algorithm, ppo
-from stepbus.trainer.algorithm import CannotStart, Model
+from stepbus.trainer import algorithm
+from stepbus.trainer.algorithm import CannotStart, PPOConfig
 from stepbus.trainer.checkpoint import Unsaved
+from stepbus.trainer.curriculum import Curriculum
 from stepbus.trainer.intake import Batch, RunDigest
 from stepbus.trainer.metrics import (
     RECORD_INTERVAL_S,
@@ -55,16 +57,13 @@ from stepbus.trainer.metrics import (
     ProgressLog,
     RecordCadence,
 )
+from stepbus.trainer.model import Model
+from stepbus.trainer.progress import Progress, progress_of
+from stepbus.trainer.receipts import Receipts
+from stepbus.trainer.slot_beat import SLOT_BEAT_FD_ENV as SLOT_BEAT_FD_ENV
+from stepbus.trainer.slot_beat import SlotBeat
 
-SLOT_BEAT_FD_ENV = "STEPBUS_SLOT_BEAT_FD"  # the pipe a trainer slot watches (see SlotBeat)
 RECEIPTS_WARN_S = 5.0  # receipts undelivered this long: say so (a wrong --receipts?)
-# Numbers receipted as learned that are still recognised if sent again: well above what a
-# resend can put ahead of one (twice the assembler's default --max-buffered of 10,000, plus a
-# batch). 512 KiB.
-LEARNED_KEPT = 1 << 16
-# Of those, the newest a checkpoint keeps (with the ones it holds not yet receipted): a
-# receipt that got out reaches a live assembler within milliseconds, so seconds' worth is ample.
-LEARNED_IN_CHECKPOINT = 1024
 SHUTDOWN_DRAIN_MAX_S = 1.5  # at shutdown, take the assembler's flush for at most this long
 RECEIPT_INTERVAL_S = 0.02  # receipts go out this often at most (the assembler's bound waits)
 QUIET_S = 0.25  # no trajectories in and no weights out for this long: send the weights again
@@ -121,40 +120,12 @@ class Config:
                 "trajectories from the assembler's endpoint for it (--trajectories); a policy "
                 "other than 'default' keeps its checkpoint and metrics in RUN_DIR/policy-NAME"})
     algo: str = field(default="stepbus.trainer.ppo:PPO", metadata={
-        "help": "learning algorithm, module:Class (interface: trainer/ppo.py's PPO; with a "
-                "torch --model, trainer/torch_ppo.py's TorchPPO, which the default is then)"})
-    ppo: ppo.PPOConfig = field(default_factory=ppo.PPOConfig)
+        "help": "learning algorithm, module:Class (interface: trainer/algorithm.py's "
+                "Algorithm; with a torch --model, trainer/torch_ppo.py's TorchPPO, which the "
+                "default is then)"})
+    ppo: PPOConfig = field(default_factory=PPOConfig)
     models: ModelConfig = field(default_factory=ModelConfig)
     security: wiring.Security = field(default_factory=wiring.Security)
-
-
-@dataclass
-class Progress:
-    """What the checkpoint carries besides weights, so a resumed trainer continues the run.
-    Its counts are of settled trajectories: learned from (or dropped as stale, or taken in
-    once solved); a partial batch is not counted, as the assembler sends it again."""
-
-    version: int = 0
-    generation: int = 0
-    env_steps: int = 0
-    episodes: int = 0
-    recent_returns: list[float] = field(default_factory=list)
-    updates: int = 0  # over the whole run (every generation), for --max-updates
-    assembler: str = ""  # whose numbers `learned` are
-    learned: list[int] = field(default_factory=list)  # the newest numbers settled (Receipts.kept)
-
-
-def progress_of(saved: dict[str, Any], ckpt: Path) -> Progress:
-    """A checkpoint's progress record, each field of its own type (a JSON number may be an
-    int where a float is meant). Raises CannotStart naming the fields that are not."""
-    kinds = {f.name: type(getattr(Progress(), f.name)) for f in dataclasses.fields(Progress)}
-    ok = {int: (int,), float: (int, float), str: (str,), list: (list,)}
-    wrong = sorted(k for k, v in saved.items() if k not in kinds or isinstance(v, bool)
-                   or not isinstance(v, ok[kinds[k]]))
-    if wrong:
-        raise CannotStart(f"checkpoint {ckpt} has a progress record this learner cannot use "
-                          f"(fields {wrong[:4]}): start a new run or restore a good copy of it")
-    return Progress(**saved)
 
 
 def goal(cfg: Config, env: p.EnvSpec | None) -> tuple[float | None, str]:
@@ -180,186 +151,6 @@ def goal(cfg: Config, env: p.EnvSpec | None) -> tuple[float | None, str]:
     return target, (f"the run ends once the mean return of the last {cfg.target_episodes} "
                     f"episodes reaches {target:g} ({source})"
                     + "".join(f", or at {limit}" for limit in limits))
-
-
-class Receipts:
-    """Trajectory numbers taken in and learned from, for RECEIPTs, and what it takes to ignore
-    a trajectory the assembler sends again (after a learner connects) that this learner, or
-    the checkpoint it resumed, has already.
-
-    "Learned" is only receipted once a checkpoint holds that learning: an update's trajectories
-    are `settled` until then (`checkpointed` makes them receiptable), so a learner killed at
-    any instant has lost no learning the assembler was told of, and what it had not
-    checkpointed the assembler sends to the next one.
-
-    What can come back is what the assembler still held as unlearned when it resent: numbers
-    taken in whose "learned" receipt it had not yet read. So this keeps, exactly, the numbers
-    taken in and not yet receipted as learned (`open`: at most a batch and a checkpoint
-    interval), plus the last LEARNED_KEPT numbers receipted as learned (`recent`, a fixed
-    ring). Bounded by counting, not time: the assembler sends each policy's trajectories in
-    ascending numbers and puts resent ones ahead of the rest, so a copy resent before our
-    receipt was read comes in ahead of what was then queued or unlearned, which its
-    --max-buffered bounds; a copy cannot wait behind more than that. A number above every one
-    taken in was never taken in (numbers rise), so only lower ones are looked up, and those
-    come only with a resend. A copy of one receipted as learned is receipted again: the
-    receipt may have died with a killed predecessor (`resume` seeds the ring from the
-    checkpoint)."""
-
-    def __init__(self) -> None:
-        self.recent = np.full(LEARNED_KEPT, -1, np.int64)  # allocated once: RSS stays flat
-        self._start("")
-
-    def _start(self, assembler: str) -> None:
-        self.assembler = assembler
-        self.taken: list[int] = []
-        self.settled: list[int] = []  # learned from (or dropped), not yet in a checkpoint
-        self.learned: list[int] = []  # learned from, in a checkpoint: to be receipted
-        self.open: set[int] = set()  # taken in, "learned" not yet receipted
-        self.recent.fill(-1)
-        self.recent_next = 0  # where the next receipted number goes in the ring
-        self.highest = -1  # of the numbers taken in
-        self.pending_since: float | None = None
-        self.warned = False
-
-    def resume(self, assembler: str, seqs: Iterable[int]) -> None:
-        """Start from a checkpoint's record of what it learned from: numbers of `assembler`
-        whose "learned" receipt may not have reached it."""
-        self._start(assembler)
-        for seq in seqs:
-            self._remember(seq)
-            self.highest = max(self.highest, seq)
-
-    def _remember(self, seq: int) -> None:
-        self.recent[self.recent_next] = seq  # over the oldest
-        self.recent_next = (self.recent_next + 1) % LEARNED_KEPT
-
-    def had(self, seq: int) -> bool:
-        """Whether `seq` was taken in (as far as it can come back)."""
-        return seq <= self.highest and (seq in self.open or bool((self.recent == seq).any()))
-
-    def take(self, assembler: str, seq: int) -> bool:
-        """Note a trajectory taken in; False if it was taken in already."""
-        if not assembler:
-            return True  # not numbered by an assembler: nothing to receipt
-        if assembler != self.assembler:
-            self._start(assembler)  # a new assembler numbers afresh
-        if self.had(seq):
-            if seq not in self.open:
-                self.learned.append(seq)  # receipted as learned before: say so again
-            return False
-        self.highest = max(self.highest, seq)
-        self.open.add(seq)
-        self.taken.append(seq)
-        return True
-
-    def learn(self, ids: Iterable[tuple[str, int]]) -> None:
-        """Learned from (or dropped): receipted once the next checkpoint holds it."""
-        self.settled.extend(seq for assembler, seq in ids
-                            if assembler and assembler == self.assembler)
-
-    def checkpointed(self) -> None:
-        """A checkpoint holds everything settled: it may be receipted as learned."""
-        self.learned.extend(self.settled)
-        self.settled.clear()
-
-    def kept(self) -> list[int]:
-        """What a checkpoint keeps of the numbers it learned from, newest last: those whose
-        receipts may not have reached the assembler yet (a successor receipts their copies as
-        learned instead of learning them again)."""
-        newest = [*self.learned, *self.settled]
-        k = max(LEARNED_IN_CHECKPOINT - len(newest), 0)
-        ring = self.recent[(self.recent_next - k + np.arange(k)) % LEARNED_KEPT]
-        return [*ring[ring >= 0].tolist(), *newest]
-
-    def message(self, trainer: str, incarnation: str, policy: str,
-                now: float) -> p.Receipt | None:
-        if not (self.taken or self.learned):
-            return None
-        if self.pending_since is None:
-            self.pending_since = now
-        return p.Receipt(trainer=trainer, incarnation=incarnation, assembler=self.assembler,
-                         taken=np.asarray(self.taken, np.int64),
-                         learned=np.asarray(self.learned, np.int64), policy=policy)
-
-    def delivered(self) -> None:
-        for seq in self.learned:  # from `open` into the ring
-            if seq in self.open:
-                self.open.discard(seq)
-                self._remember(seq)
-        self.taken.clear()
-        self.learned.clear()
-        self.pending_since, self.warned = None, False
-
-
-class Curriculum:
-    """Reset barriers a learning algorithm asks for: sent to the controller, tried again while
-    another barrier is running, and the outcome logged. The newest request wins."""
-
-    RETRY_S = 1.0
-
-    def __init__(self, log: logging.Logger) -> None:
-        self.log = log
-        self.options: dict | None = None  # wanted, not yet sent
-        self.asked: dict | None = None  # sent, not yet answered
-        self.next_try = 0.0  # the wanted options are not sent before then
-
-    def want(self, options: dict) -> None:
-        try:
-            p.encode(p.ResetRequest(options=dict(options)))
-        except (p.ProtocolError, TypeError, ValueError) as exc:
-            self.log.error("curriculum options %r cannot be sent: %s", options, exc)
-            return
-        self.options, self.next_try = dict(options), 0.0
-
-    def request(self, now: float) -> p.ResetRequest | None:
-        """The request to send now, if one is due (one at a time)."""
-        if self.options is None or self.asked is not None or now < self.next_try:
-            return None
-        self.log.info("curriculum: asking for a reset barrier with options %s", self.options)
-        self.asked, self.options = self.options, None
-        return p.ResetRequest(options=self.asked)
-
-    def answered(self, reply: p.Reply, now: float) -> None:
-        asked, self.asked = self.asked, None
-        if not reply.ok and "already running" in reply.detail and self.options is None:
-            self.options, self.next_try = asked, now + self.RETRY_S  # after that one
-            self.log.info("curriculum: a reset barrier is running; asking again in %gs",
-                          self.RETRY_S)
-            return
-        (self.log.info if reply.ok else self.log.warning)("reset barrier: %s", reply.detail)
-
-
-class SlotBeat:
-    """The learner's side of its trainer slot: a byte on a pipe every heartbeat interval, so
-    the slot can kill a learner that froze, and a broken pipe when the slot is gone, so a
-    killed slot's learner leaves instead of lingering next to its replacement."""
-
-    def __init__(self, fd: int | None = None) -> None:
-        """`fd` None: no slot (a bare `stepbus learner`)."""
-        self.fd = fd
-        self.gone = False
-        self._next = 0.0
-        if self.fd is not None:
-            try:
-                os.set_blocking(self.fd, False)
-            except OSError:
-                self.fd = None  # not started by a slot after all
-
-    @classmethod
-    def from_env(cls) -> SlotBeat:
-        fd = os.environ.get(SLOT_BEAT_FD_ENV)
-        return cls(int(fd) if fd and fd.isdigit() else None)
-
-    def beat(self, now: float) -> None:
-        if self.fd is None or now < self._next:
-            return
-        self._next = now + node.HEARTBEAT_INTERVAL_S
-        try:
-            os.write(self.fd, b".")
-        except BlockingIOError:
-            pass  # the slot has not read the last ones yet: it is alive
-        except OSError:
-            self.gone = True
 
 
 class Phase(enum.Enum):
@@ -406,6 +197,7 @@ class Learner(node.Process):
     and "drain" (the end of the shutdown drain)."""
 
     role = "trainer"
+    sockets = Role.LEARNER
 
     def __init__(self, cfg: Config, model: Model, progress: Progress, policy_dir: Path,
                  ports: node.Ports, log: logging.Logger, *, name: str, incarnation: str,
@@ -607,7 +399,7 @@ class Learner(node.Process):
                    first_due=self.now)
 
     def request_shutdown(self, now: float) -> None:
-        self.send("controller", p.ShutdownRequest(reason=self.done))
+        self.send(PortName.CONTROLLER, p.ShutdownRequest(reason=self.done))
 
     def beat_while_learning(self) -> None:
         """After every gradient step: a long update is not a dead learner."""
@@ -626,7 +418,7 @@ class Learner(node.Process):
 
     # -- what goes out
     def publish(self, starving: bool = False) -> None:
-        self.send("policy", p.Weights(
+        self.send(PortName.POLICY, p.Weights(
             trainer=self.name, incarnation=self.incarnation, policy=self.cfg.policy_name,
             version=self.progress.version, consumed_steps=self.steps_taken,
             batch_steps=self.cfg.ppo.batch_steps, starving=starving,
@@ -658,7 +450,7 @@ class Learner(node.Process):
         if msg is None:
             return
         self.last_receipts = now
-        if self.send("receipts", msg):
+        if self.send(PortName.RECEIPTS, msg):
             self.receipts.delivered()
             return
         if not self.receipts.warned and now - (self.receipts.pending_since or now) > \
@@ -745,7 +537,7 @@ class Learner(node.Process):
     def send_reset_request(self, now: float) -> None:
         msg = self.curriculum.request(now)
         if msg is not None:
-            self.send("controller", msg)
+            self.send(PortName.CONTROLLER, msg)
 
     def on_reply(self, peer: bytes, msg: p.Reply) -> None:
         if self.curriculum.asked is not None:  # the barrier it asked for
@@ -865,18 +657,17 @@ def run(cfg: Config) -> int:
     name = os.environ.get("HONCHO_PROCESS_NAME") or f"trainer-{pysocket.gethostname()}"
     link = node.ControllerLink(ctx, role="trainer", name=name, controller=cfg.controller,
                                broadcast=cfg.broadcast, log=log)
-    # Weights are only worth sending fresh; what a killed learner had queued is sent again.
-    broker = wiring.socket(ctx, zmq.DEALER, connect=cfg.policy, sndhwm=4)
-    intake = wiring.socket(ctx, zmq.PULL, connect=cfg.trajectories, rcvhwm=64)
+    sockets = topology.open_role(ctx, Role.LEARNER, topology.endpoints_of(cfg))
+    broker, intake = sockets[PortName.POLICY], sockets[PortName.TRAJECTORIES]
+    receipts = sockets[PortName.RECEIPTS]
     assembler_events = intake.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-    receipts = wiring.socket(ctx, zmq.PUSH, connect=cfg.receipts, immediate=True)
     io = Links(log, stop, link, broker, intake, assembler_events, receipts,
                node.RejectLog(log), SlotBeat.from_env(), name, uuid.uuid4().hex[:8])
     try:
         return _learn(cfg, io)
     finally:
         intake.disable_monitor()
-        wiring.destroy(ctx, wiring.LINGER_MS)
+        wiring.destroy(ctx, topology.LINGER_MS)
 
 
 def _learn(cfg: Config, io: Links) -> int:

@@ -23,6 +23,7 @@ from typing import Any
 
 from stepbus.bus import node, supervisor
 from stepbus.bus import protocol as p
+from stepbus.bus.topology import PortName
 from stepbus.bus.supervisor import Running
 from stepbus.trainer import learner
 
@@ -81,13 +82,13 @@ class Slot(supervisor.Supervisor):
     # -- swaps
     def on_trainer_swap(self, peer: bytes, msg: p.TrainerSwap) -> None:
         if self.leaving or self.gave_up:
-            self.send("controller", p.Reply(ok=False, detail="the slot is stopping"))
+            self.send(PortName.CONTROLLER, p.Reply(ok=False, detail="the slot is stopping"))
             return
         if self.swap is not None:
-            self.send("controller", p.Reply(ok=False, detail="a swap is already under way"))
+            self.send(PortName.CONTROLLER, p.Reply(ok=False, detail="a swap is already under way"))
             return
         if problem := self.validate(msg.args):
-            self.send("controller", p.Reply(ok=False, detail=f"learner flags refused: {problem}"))
+            self.send(PortName.CONTROLLER, p.Reply(ok=False, detail=f"learner flags refused: {problem}"))
             return
         self.swap = Swap(previous_args=self.args)
         self.args = [*self.args, *msg.args]  # later flags win; they stay for later restarts too
@@ -121,7 +122,7 @@ class Slot(supervisor.Supervisor):
 
     def reply(self, ok: bool, detail: str) -> None:
         (self.log.info if ok else self.log.error)("swap: %s", detail)
-        self.send("controller", p.Reply(ok=ok, detail=detail))
+        self.send(PortName.CONTROLLER, p.Reply(ok=ok, detail=detail))
 
     # -- stopping
     def leave_after_shutdown(self, reason: str) -> None:

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import zmq
 
-from stepbus.bus import checks, node, rows, shm, wiring
+from stepbus.bus import checks, node, rows, shm, topology, wiring
 from stepbus.bus import protocol as p
+from stepbus.bus.topology import PortName, Role
 from stepbus.workers import calls
 from stepbus.workers.envset import EnvFailure, EnvSet
 
@@ -158,6 +158,7 @@ class Worker(node.Process):
     `controller_beat` keeps the controller's heartbeats going while a batch is stepped."""
 
     role = "worker"
+    sockets = Role.WORKER
 
     def __init__(self, cfg: Config, ports: node.Ports, log: logging.Logger, *,
                  clock: Callable[[], float] = time.monotonic,
@@ -209,7 +210,7 @@ class Worker(node.Process):
     # -- the broker
     def say_hello(self, now: float) -> None:
         """Registration and liveness; `seq` lets a new broker continue our numbering."""
-        self.send("steps", dataclasses.replace(self.hello, seq=self.seq))
+        self.send(PortName.STEPS, dataclasses.replace(self.hello, seq=self.seq))
         if not self.answered and now - self.started < FIRST_HELLOS_FOR_S:
             self.timers["hello"].due = now + FIRST_HELLO_INTERVAL_S
 
@@ -284,17 +285,17 @@ class Worker(node.Process):
     def on_env_call(self, peer: bytes, msg: p.EnvCall) -> None:
         """A vector client's call/get_attr/set_attr on every env, answered as data."""
         self.heard(self.now)
-        self.send("steps", calls.answer(self.envs.envs, msg, self.cfg.name))
+        self.send(PortName.STEPS, calls.answer(self.envs.envs, msg, self.cfg.name))
 
     def reply(self, result: p.StepResult) -> None:
-        self.send("steps", dataclasses.replace(result, incarnation=self.incarnation,
+        self.send(PortName.STEPS, dataclasses.replace(result, incarnation=self.incarnation,
                                                epoch=self.epoch, seq=self.seq))
 
 
     # -- errors and liveness while envs run
     def report(self, error: p.RemoteError) -> None:
-        self.send("controller", error)  # the controller logs it for the operator
-        self.send("steps", error)  # the broker, for a running reset barrier
+        self.send(PortName.CONTROLLER, error)  # the controller logs it for the operator
+        self.send(PortName.STEPS, error)  # the broker, for a running reset barrier
 
     def beat_while_busy(self) -> None:
         """Between env calls of a batch (and from the alarm): a slow batch is not a dead
@@ -304,7 +305,7 @@ class Worker(node.Process):
             self.controller_beat(now)
         if now - self.busy_beat_at >= node.HEARTBEAT_INTERVAL_S:
             self.busy_beat_at = now
-            self.send("steps", p.Heartbeat(role="worker", name=self.cfg.name, host=self.host,
+            self.send(PortName.STEPS, p.Heartbeat(role="worker", name=self.cfg.name, host=self.host,
                                            pid=self.pid, leaving=False, figures={}))
 
     def take_alarm(self) -> None:
@@ -361,11 +362,9 @@ def run(cfg: Config) -> int:
     if not steps:
         envs.close()
         link.close()
-        wiring.destroy(ctx, wiring.LINGER_MS)
+        wiring.destroy(ctx, topology.LINGER_MS)
         return 0  # told to stop while waiting
-    # While no broker is connected, hellos are dropped rather than queued to flood it later.
-    dealer = wiring.socket(ctx, zmq.DEALER, connect=steps, identity=cfg.name.encode(),
-                           immediate=True)
+    dealer = topology.open_role(ctx, Role.WORKER, {"steps": steps}, name=cfg.name)[PortName.STEPS]
     worker = Worker(cfg, node.SocketPorts({"steps": dealer, "controller": link.dealer}),
                     log, controller_beat=link.beat, envs=envs)
     log.info("%s: %d x %s%s, connecting to %s", cfg.name, cfg.envs_per_worker, cfg.env,
@@ -379,4 +378,4 @@ def run(cfg: Config) -> int:
         return 1
     finally:
         worker.close()
-        wiring.destroy(ctx, wiring.LINGER_MS)
+        wiring.destroy(ctx, topology.LINGER_MS)

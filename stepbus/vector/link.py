@@ -15,10 +15,9 @@ import os
 import socket as pysocket
 import time
 
-import zmq
-
-from stepbus.bus import node, wiring
+from stepbus.bus import node, topology, wiring
 from stepbus.bus import protocol as p
+from stepbus.bus.topology import PortName, Role
 
 LOG = logging.getLogger("stepbus.vector")
 # A relay silent this long is gone: its liveness timeout for workers, twice over, plus margin.
@@ -51,7 +50,8 @@ class Link:
                  silence_s: float = BROKER_SILENCE_S) -> None:
         self.endpoint, self.silence_s = endpoint, silence_s
         self.ctx = wiring.context(security)
-        self.dealer = wiring.socket(self.ctx, zmq.DEALER, connect=endpoint)
+        self.dealer = topology.open_role(self.ctx, Role.VECTOR_CLIENT, {"vector": endpoint})[
+            PortName.VECTOR]
         self.name = f"vector-{pysocket.gethostname()}-{os.getpid()}"
         self.broker_pid = 0  # the relay's pid as its heartbeats say (0: not heard yet)
         self.heard_at = time.monotonic()
@@ -110,7 +110,8 @@ def discover(controller: str, timeout_s: float, security: wiring.Security | None
         BrokerLost: no controller answered, or no broker --external registered, in time.
     """
     ctx = wiring.context(security)
-    dealer = wiring.socket(ctx, zmq.DEALER, connect=controller)
+    dealer = topology.open_role(ctx, Role.CLIENT, {"controller": controller})[
+        PortName.CONTROLLER]
     rejects = node.RejectLog(LOG)
     beat = p.Heartbeat(role="cli", name=f"vector-{os.getpid()}", host=pysocket.gethostname(),
                        pid=os.getpid(), leaving=False, figures={})
