@@ -289,8 +289,8 @@ class Controller(node.Process):
                         "pid": self.pid, "uptime_s": round(now - self.started, 1),
                         "last_heartbeat_s": 0.0, "processes": len(self.peers.by_id),
                         **self.rejects.figures()})
-        self.send(PortName.ROUTER, p.StatusReply(run_id=self.run_id, epoch=self.epoch, processes=rows),
-                  to=peer)
+        self.send(PortName.ROUTER, p.StatusReply(run_id=self.run_id, epoch=self.epoch,
+                                                 processes=rows), to=peer)
 
     def on_remote_error(self, peer: bytes, msg: p.RemoteError) -> None:
         self.log.error("error in %s: %s: %s %s\n%s", msg.origin, msg.error_type, msg.message,
@@ -303,7 +303,8 @@ class Controller(node.Process):
                       block=True)
             return
         if self.pending_reset is not None:
-            self.send(PortName.ROUTER, p.Reply(ok=False, detail="a reset barrier is already running"),
+            self.send(PortName.ROUTER, p.Reply(ok=False,
+                                               detail="a reset barrier is already running"),
                       to=peer, block=True)
             return
         self.epoch, self.options = self.epoch + 1, msg.options

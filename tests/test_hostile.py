@@ -17,7 +17,7 @@ import pytest
 import zmq
 from conftest import EVERY_UPDATE, Cluster, send_message, wait_for
 
-from stepbus.bus import node, topology, wiring
+from stepbus.bus import node, topology
 from stepbus.bus import protocol as p
 from stepbus.processor import assembler
 

@@ -23,8 +23,8 @@ from typing import Any
 
 from stepbus.bus import node, supervisor
 from stepbus.bus import protocol as p
-from stepbus.bus.topology import PortName
 from stepbus.bus.supervisor import Running
+from stepbus.bus.topology import PortName
 from stepbus.trainer import learner
 
 PROBATION_S = 3.0  # a swapped-in learner that exits this early refused its settings: revert
@@ -88,7 +88,8 @@ class Slot(supervisor.Supervisor):
             self.send(PortName.CONTROLLER, p.Reply(ok=False, detail="a swap is already under way"))
             return
         if problem := self.validate(msg.args):
-            self.send(PortName.CONTROLLER, p.Reply(ok=False, detail=f"learner flags refused: {problem}"))
+            self.send(PortName.CONTROLLER,
+                      p.Reply(ok=False, detail=f"learner flags refused: {problem}"))
             return
         self.swap = Swap(previous_args=self.args)
         self.args = [*self.args, *msg.args]  # later flags win; they stay for later restarts too
