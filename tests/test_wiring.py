@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from stepbus.bus import wiring
+from stepbus.bus import topology, wiring
 
 # The bound side, in a process of its own, since the failure is an abort(). It answers the
 # peer's first message and then holds what the peer sends without reading, as a busy broker or
