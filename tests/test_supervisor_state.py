@@ -128,7 +128,7 @@ def test_a_child_that_exits_2_has_a_bad_setting_and_is_given_up_on_at_once_even_
     benches.append(bench)
     bench.at(0.0)
     assert bench.wait_exit(0.1) == 2
-    assert bench.sup.gave_up and bench.sup.gave_up_exit, "restarting cannot fix a setting"
+    assert bench.sup.gave_up and bench.sup.gave_up_exit == 2, "restarting cannot fix a setting"
     assert "a setting is wrong" in caplog.text
 
 
