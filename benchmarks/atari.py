@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -39,10 +40,12 @@ from typing import Any
 
 import numpy as np
 
+from stepbus.bus import launch
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import solve_time  # noqa: E402  (waiting for a quiet machine)
-import throughput  # noqa: E402  (the pipeline, process groups and load meter)
+import throughput  # noqa: E402  (the pipeline and load meter)
 
 ENV = "stepbus.workers.games:atari_breakout"
 ALGO = "atari:TorchConsumeOnly"  # this file, found through PYTHONPATH
@@ -132,16 +135,15 @@ def measure_async(args: argparse.Namespace) -> dict[str, Any]:
     envs = args.workers * args.envs_per_worker
     spec = {"envs": envs, "seconds": args.seconds, "warmup": args.warmup,
             "torch_threads": args.vec_torch_threads}
-    group = throughput.Group()
+    group = launch.Group()
     try:
         proc = group.start([sys.executable, __file__, "--async-child", json.dumps(spec)],
-                           stdout=throughput.subprocess.PIPE, stderr=throughput.subprocess.PIPE,
-                           text=True)
-        out, err = proc.communicate(timeout=args.seconds + args.warmup + 120)
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = proc.popen.communicate(timeout=args.seconds + args.warmup + 120)
     finally:
-        group.close(grace_s=2.0)
+        group.stop(grace_s=2.0)
     lines = [line for line in out.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
+    if proc.poll() != 0 or not lines:
         raise SystemExit(f"AsyncVectorEnv failed: {err.strip()[-2000:]}")
     result = json.loads(lines[-1])
     return {"system": "AsyncVectorEnv", "config": f"{envs} envs, fork, shm, CNN with "

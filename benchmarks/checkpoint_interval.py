@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,14 +23,16 @@ from pathlib import Path
 
 import numpy as np
 
+from stepbus.bus import launch
+
 ENDPOINTS = ("controller", "broadcast", "steps", "policy", "experience", "trajectories",
              "receipts")
 WARM_UP_S = 4.0  # after the first metrics record
 
 
 def job_env(workdir: Path) -> dict[str, str]:
-    env = dict(os.environ, STEPBUS_RUNS_DIR=str(workdir / "runs"), STEPBUS_LOG_LEVEL="WARNING")
-    return env | {f"STEPBUS_{name.upper()}": f"ipc://{workdir}/{name}" for name in ENDPOINTS}
+    return launch.environment({name: f"ipc://{workdir}/{name}" for name in ENDPOINTS},
+                              workdir / "runs", {"STEPBUS_LOG_LEVEL": "WARNING"})
 
 
 def checkpoints(workdir: Path) -> tuple[float, int]:
@@ -44,20 +44,17 @@ def checkpoints(workdir: Path) -> tuple[float, int]:
     return time.monotonic(), int(rows[0]["checkpoints"])
 
 
-def start_job(workdir: Path, interval: float, algo: str) -> list[subprocess.Popen]:
+def start_job(workdir: Path, interval: float, algo: str) -> launch.Group:
     env = job_env(workdir)
     roles = [("controller",), ("broker",), ("worker",), ("assembler",),
              # a metrics record per update: each one's arrival is what is timed
              ("learner", "--target-return", "0", "--checkpoint-interval-s", str(interval),
               "--metrics-interval-s", "0",
               "--algo", algo)]
-    procs = []
-    for role in roles:
-        with open(workdir / f"{role[0]}.log", "wb") as log:
-            procs.append(subprocess.Popen([sys.executable, "-m", "stepbus", *role], env=env,
-                                          cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
-    return procs
+    group = launch.Group(workdir)
+    for role, *flags in roles:
+        group.start_role(role, *flags, log=workdir / f"{role}.log", env=env)
+    return group
 
 
 def watch_records(path: Path, seconds: float) -> list[tuple[float, dict]]:
@@ -78,7 +75,7 @@ def watch_records(path: Path, seconds: float) -> list[tuple[float, dict]]:
 
 def measure(interval: float, seconds: float, algo: str) -> dict[str, float]:
     workdir = Path(tempfile.mkdtemp(prefix="sb-ckpt-"))
-    procs = start_job(workdir, interval, algo)
+    group = start_job(workdir, interval, algo)
     try:
         runs = workdir / "runs"
         deadline = time.monotonic() + 60
@@ -89,13 +86,7 @@ def measure(interval: float, seconds: float, algo: str) -> dict[str, float]:
         seen = watch_records(next(runs.glob("*/metrics.jsonl")), seconds)
         ended = checkpoints(workdir)
     finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        group.stop(grace_s=10.0)
         shutil.rmtree(workdir, ignore_errors=True)
     records = [r for _, r in seen]
     waits = np.array([arrived - r["time"] for arrived, r in seen]) * 1000

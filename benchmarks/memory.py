@@ -5,8 +5,8 @@
     python benchmarks/memory.py --workers 2 --envs 32 --interval 5 --json rss.json
 
 Starts the full pipeline as real processes, the same way `benchmarks/throughput.py` does (its
-`Pipeline` and `Group` are imported, not copied): controller, broker, workers on CartPole-v1,
-assembler, and a trainer slot whose learner consumes with
+`Pipeline` is imported, not copied; `stepbus.bus.launch` starts and ends them): controller,
+broker, workers on CartPole-v1, assembler, and a trainer slot whose learner consumes with
 `stepbus.trainer.consume:ConsumeOnly`, so the pipeline steps flat out and every queue, buffer
 and counter is exercised as fast as it can be (`--learner ppo` runs the real PPO learner, which
 never stops: its target return is 0). After the warm-up it reads VmRSS from /proc/PID/status of
@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from stepbus.bus import launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput as tp
@@ -227,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
 def measure(args: argparse.Namespace, setup: tp.Setup) -> Measured:
     """Start the pipeline, warm it up, then sample every process of it to the end of the run;
     every process started is killed on every way out."""
-    group = tp.Group()
+    group = launch.Group()
     pipeline = None
     flags = {"trainer": ["--algo", PPO]} if args.learner == "ppo" else {}
     try:
@@ -247,7 +249,7 @@ def measure(args: argparse.Namespace, setup: tp.Setup) -> Measured:
         learner_now = tp._row(rows1, "trainer")
         learner_then = tp._row(rows0, "trainer")
     finally:
-        group.close()
+        group.stop()
         if pipeline is not None:
             pipeline.close()
     rate = ((steps1[1] - steps0[1]) / max(steps1[0] - steps0[0], 1e-9)

@@ -28,8 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stepbus.bus import launch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import throughput  # the benchmarks' process groups
+import throughput  # the load meter
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = "stepbus.workers.games:minatar_breakout"
@@ -41,15 +43,13 @@ PPO_FLAGS = ["--batch-steps", "4096", "--minibatch-size", "512", "--n-epochs", "
              "--clip-range", "0.2", "--vf-coef", "0.5", "--max-grad-norm", "0.5"]
 
 
-def start_pipeline(group: throughput.Group, work: Path, model: str, args: argparse.Namespace
+def start_pipeline(group: launch.Group, work: Path, model: str, args: argparse.Namespace
                    ) -> dict[str, str]:
     """The five roles in `work` on ipc endpoints there; returns the environment they got."""
     from stepbus.bus import wiring
 
-    env = dict(os.environ)
-    env.pop("HONCHO_PROCESS_NAME", None)
-    env.update({spec.env_var: f"ipc://{work}/{name}" for name, spec in wiring.ENDPOINTS.items()})
-    env["STEPBUS_RUNS_DIR"] = str(work / "runs")
+    env = launch.environment({name: f"ipc://{work}/{name}" for name in wiring.ENDPOINTS},
+                             work / "runs")
     model_flags = ["--model", model]
     roles: list[tuple[str, list[str]]] = [
         ("controller", []), ("broker", model_flags), ("assembler", []),
@@ -60,9 +60,8 @@ def start_pipeline(group: throughput.Group, work: Path, model: str, args: argpar
                      str(EPISODES_IN_MEAN), "--seed", str(args.seed), *PPO_FLAGS,
                      *args.trainer_flags])]
     for role, flags in roles:
-        with open(work / f"{role}-{len(group.procs)}.log", "wb") as log:
-            group.start([sys.executable, "-m", "stepbus", role, *flags], stdout=log,
-                        stderr=subprocess.STDOUT, env=env, cwd=work)
+        name = f"{role}-{len(group.procs)}"
+        group.start_role(role, *flags, name=name, log=work / f"{name}.log", env=env)
     return env
 
 
@@ -76,7 +75,7 @@ def records(work: Path) -> list[dict[str, Any]]:
     return out
 
 
-def wait_learning(group: throughput.Group, work: Path, timeout_s: float) -> None:
+def wait_learning(group: launch.Group, work: Path, timeout_s: float) -> None:
     """Until the learner wrote its first record (every process started and stepping)."""
     deadline = time.monotonic() + timeout_s
     while not records(work):
@@ -88,7 +87,7 @@ def wait_learning(group: throughput.Group, work: Path, timeout_s: float) -> None
         time.sleep(0.5)  # a benchmark waiting for start-up
 
 
-def shut_down(group: throughput.Group, env: dict[str, str]) -> None:
+def shut_down(group: launch.Group, env: dict[str, str]) -> None:
     """`stepbus shutdown`, then the processes' own exit (each checkpoints and writes its last
     record), at most 30 s."""
     subprocess.run([sys.executable, "-m", "stepbus", "shutdown"], env=env,
@@ -111,7 +110,8 @@ def shrink(png: Path) -> None:
 
 def one_run(model: str, args: argparse.Namespace) -> dict[str, Any]:
     """The pipeline with this model for `args.seconds` of learning; its figures and plot."""
-    group, work = throughput.Group(), Path(tempfile.mkdtemp(prefix="sb-minatar-"))
+    work = Path(tempfile.mkdtemp(prefix="sb-minatar-"))
+    group = launch.Group(work)
     load = round(os.getloadavg()[0], 2)
     try:
         env = start_pipeline(group, work, model, args)
@@ -139,7 +139,7 @@ def one_run(model: str, args: argparse.Namespace) -> dict[str, Any]:
             result["plot"] = str(png)
         return result
     finally:
-        group.close()
+        group.stop()
         subprocess.run(["rm", "-rf", str(work)], check=False)
 
 

@@ -25,7 +25,6 @@ line per run, the median of each, and the ratio.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
@@ -36,9 +35,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
+
+from stepbus.bus import launch
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET_RETURN, TARGET_EPISODES = 475.0, 20
@@ -56,19 +56,7 @@ RL_ZOO_CARTPOLE: dict[str, Any] = {
 def tagged(tag: str, var: str = TAG_VAR) -> list[int]:
     """Live processes whose environment carries this run's tag: honcho starts each of its
     children in a session of its own, so a process group cannot reach them all."""
-    needle = f"{var}={tag}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if state != "Z" and needle in environ.split(b"\0"):
-            found.append(int(entry.name))
-    return found
+    return launch.find_processes(tag=(var, tag))
 
 
 def run_tagged(argv: list[str], env: dict[str, str], cwd: Path | None,
@@ -76,27 +64,17 @@ def run_tagged(argv: list[str], env: dict[str, str], cwd: Path | None,
     """(exit code or None on timeout, wall seconds, stdout, stderr) of one command; every
     process it started is ended on the way out (SIGTERM to the leader, then SIGKILL to all
     tagged processes left), whatever happens."""
-    tag = uuid.uuid4().hex
-    env = {**env, TAG_VAR: tag}
+    group = launch.Group(tag_var=TAG_VAR)
     t0 = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = group.start(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True)
     try:
-        out, err = proc.communicate(timeout=timeout_s)
-        return proc.returncode, time.monotonic() - t0, out, err
+        out, err = proc.popen.communicate(timeout=timeout_s)
+        return proc.poll(), time.monotonic() - t0, out, err
     except subprocess.TimeoutExpired:
         return None, time.monotonic() - t0, "", f"no exit within {timeout_s:.0f} s"
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # honcho passes it on to every process
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.communicate(timeout=5)
-        for pid in tagged(tag):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        group.stop()  # honcho passes the SIGTERM on to every process
 
 
 def other_cpu_percent(seconds: float = 2.0) -> float:

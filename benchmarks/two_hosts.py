@@ -27,8 +27,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import throughput  # process groups: every process started is ended
+from stepbus.bus import launch
 
 CONSUME = "stepbus.trainer.consume:ConsumeOnly"
 ROLES_A = ("controller", "broker", "assembler", "trainer")
@@ -64,7 +63,7 @@ def two_namespaces() -> Iterator[tuple[tuple[str, ...], tuple[str, ...], str]]:
 def measure(label: str, args: argparse.Namespace, address: str, on_a: tuple[str, ...],
             on_b: tuple[str, ...], keys: bool) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="sb-2h-"))
-    group = throughput.Group()
+    group = launch.Group(workdir)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STEPBUS_", "HONCHO_"))}
     env |= {"STEPBUS_LOG_LEVEL": "WARNING", "STEPBUS_RUNS_DIR": str(workdir / "runs")}
     endpoints = {f"STEPBUS_{name}": f"tcp://{address}:{7340 + i}" for i, name in enumerate(
@@ -88,7 +87,7 @@ def measure(label: str, args: argparse.Namespace, address: str, on_a: tuple[str,
         rate = (end_t[1] - start_t[1]) / (end_t[0] - start_t[0])
         return {"setup": label, "steps_per_s": round(rate)}
     finally:
-        group.close()
+        group.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -110,12 +109,12 @@ def host_and_worker_envs(workdir: Path, env: dict[str, str], endpoints: dict[str
     return host_env, worker_env
 
 
-def start_role(group: throughput.Group, workdir: Path, prefix: tuple[str, ...],
+def start_role(group: launch.Group, workdir: Path, prefix: tuple[str, ...],
                role: str, *flags: str, env: dict[str, str]) -> None:
     """`role` on the host `prefix` runs commands on, its output in a log of its own."""
-    with open(workdir / f"{role}-{len(group.procs)}.log", "wb") as log:
-        group.start([*prefix, *STEPBUS, role, *flags], env=env, cwd=workdir, stdout=log,
-                    stderr=subprocess.STDOUT)
+    name = f"{role}-{len(group.procs)}"
+    group.start_role(role, *flags, name=name, log=workdir / f"{name}.log", env=env,
+                     prefix=prefix)
 
 
 def assembler_steps(on_a: tuple[str, ...], host_env: dict[str, str]) -> tuple[float, int] | None:
@@ -132,7 +131,7 @@ def assembler_steps(on_a: tuple[str, ...], host_env: dict[str, str]) -> tuple[fl
     return time.monotonic() - float(row.get("last_heartbeat_s", 0.0)), row["steps"]
 
 
-def wait_until_stepping(label: str, procs: list[subprocess.Popen], workdir: Path,
+def wait_until_stepping(label: str, procs: list[launch.Child], workdir: Path,
                         on_a: tuple[str, ...], host_env: dict[str, str]) -> None:
     """Until the assembler has counted a step; raises with the logs when a process exits or
     a minute passes first."""

@@ -41,7 +41,7 @@ def steps_until_raised(envs: sv.BusVectorEnv, error: type[sv.BusError]) -> tuple
 
 def process(envs: sv.BusVectorEnv, name: str) -> int:
     assert envs.launched is not None
-    return next(popen.pid for n, popen in envs.launched.procs if n == name)
+    return next(child.pid for child in envs.launched.procs if child.name == name)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
