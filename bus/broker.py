@@ -47,6 +47,7 @@ from stepbus.bus import checks, node, policies, relay, rows, topology, wiring
 from stepbus.bus import protocol as p
 from stepbus.bus.barrier import ResetBarrier
 from stepbus.bus.credit import Credit, DueVersions, Weights
+from stepbus.bus.exits import Exit
 from stepbus.bus.memory import Memory
 from stepbus.bus.topology import PortName, Role
 from stepbus.bus.worker_table import Worker, WorkerTable
@@ -719,7 +720,7 @@ def run(cfg: Config) -> int:
         policy.check_model(cfg.models)
     except ValueError as exc:
         log.error("%s", exc)
-        return 2
+        return Exit.SETTING
     stop = node.StopFlag()
     ctx = wiring.context(cfg.security)
     link = node.ControllerLink(ctx, role="broker", name="broker", controller=cfg.controller,

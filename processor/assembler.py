@@ -30,6 +30,7 @@ import zmq
 
 from stepbus.bus import checks, credit, node, policies, rows, shm, topology, wiring
 from stepbus.bus import protocol as p
+from stepbus.bus.exits import Exit
 from stepbus.bus.topology import PortName, Role
 from stepbus.processor.buffers import WorkerTrack
 from stepbus.processor.outlets import (
@@ -406,7 +407,7 @@ def run(cfg: Config) -> int:
         outlet_endpoints = endpoints(cfg.trajectories, cfg.policy_endpoints)
     except ValueError as exc:
         log.error("%s", exc)
-        return 2
+        return Exit.SETTING
     stop = node.StopFlag()
     ctx = wiring.context(cfg.security)
     link = node.ControllerLink(ctx, role="assembler", name="assembler",

@@ -32,6 +32,7 @@ import numpy as np
 
 from stepbus.bus import checks, node, rows, shm, topology, wiring
 from stepbus.bus import protocol as p
+from stepbus.bus.exits import Exit
 from stepbus.bus.topology import PortName, Role
 from stepbus.workers import calls
 from stepbus.workers.envset import EnvFailure, EnvSet
@@ -353,7 +354,7 @@ def run(cfg: Config) -> int:
         envs = make_envs(cfg, log)
     except CannotCreateEnv as exc:  # a typo in --env deserves one clear line, not a traceback
         log.error("%s", exc)
-        return 2
+        return Exit.SETTING
     ctx = wiring.context(cfg.security)
     link = node.ControllerLink(ctx, role="worker", name=cfg.name, controller=cfg.controller,
                                broadcast=cfg.broadcast, log=log)
