@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from stepbus.trainer.ppo import PPO, Trajectory
+from stepbus.trainer.algorithm import Trajectory
+from stepbus.trainer.ppo import PPO
 
 
 class NoUpdatePPO(PPO):

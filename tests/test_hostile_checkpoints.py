@@ -31,6 +31,7 @@ from stepbus.bus import protocol as p
 from stepbus.models import torch_agents, torch_policy
 from stepbus.trainer import algorithm, checkpoint, learner, ppo, torch_ppo
 from stepbus.trainer.algorithm import CannotStart
+from stepbus.trainer.model import Model
 from stepbus.workers import envs
 
 CARTPOLE = p.SpaceSpec([4], "<f4", "discrete", action_n=2)
@@ -233,9 +234,8 @@ def test_a_checkpoint_that_is_no_regular_file_is_refused_without_blocking(
 # The numpy MLP's .npz: the same reader's promises
 
 
-def numpy_model() -> algorithm.Model:
-    return algorithm.Model(algorithm.load("stepbus.trainer.ppo:PPO"), ENV_SPEC, ppo.PPOConfig(),
-                           seed=0)
+def numpy_model() -> Model:
+    return Model(algorithm.load("stepbus.trainer.ppo:PPO"), ENV_SPEC, ppo.PPOConfig(), seed=0)
 
 
 def npz_bytes(tmp_path: Path, change: Callable[[dict], None] | None = None) -> bytes:

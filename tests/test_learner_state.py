@@ -21,7 +21,8 @@ from stepbus import cli, clidoc
 from stepbus.bus import node
 from stepbus.bus import protocol as p
 from stepbus.trainer import checkpoint, learner, ppo
-from stepbus.trainer.algorithm import CannotStart, Model
+from stepbus.trainer.algorithm import CannotStart
+from stepbus.trainer.model import Model
 from stepbus.workers import envs
 
 SPEC = envs.space_spec(gym.make("CartPole-v1"))

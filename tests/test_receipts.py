@@ -9,8 +9,8 @@ import tracemalloc
 import zmq
 from conftest import Cluster, status_rows, wait_for
 
-from stepbus.trainer import learner
-from stepbus.trainer.learner import LEARNED_KEPT, Receipts
+from stepbus.trainer import receipts
+from stepbus.trainer.receipts import LEARNED_KEPT, Receipts
 
 
 def cycle(r: Receipts, seqs: range, assembler: str = "a1") -> None:
@@ -62,7 +62,7 @@ def test_the_record_stays_the_same_size_however_many_trajectories_go_through() -
     finally:
         tracemalloc.stop()
     grown = sum(s.size_diff for s in after.compare_to(before, "filename")
-                if s.traceback[0].filename == learner.__file__)
+                if s.traceback[0].filename == receipts.__file__)
     assert grown < 64 << 10, f"the record grew {grown} bytes over {4 * LEARNED_KEPT} numbers"
     assert len(r.open) == 0 and r.recent.shape == (LEARNED_KEPT,)
     assert not r.take("a1", 10 * LEARNED_KEPT - 2), "the newest are still refused"

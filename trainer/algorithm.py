@@ -1,21 +1,18 @@
-"""The model a learner trains, in one place: the learning algorithm (`--algo module:Class`,
-trainer/ppo.py's PPO by default), its params, which the broker acts with, and the spaces that
-trajectories are checked against. The learner knows the model through `Model` only, and
-`Model` knows the spaces and parameters through `stepbus.policy`.
+"""What `--algo module:Class` implements, and the types it is given: a plug-in needs this
+module only. It imports no implementation, so an algorithm of one's own depends on the
+contract, not on the PPO that happens to be the default (trainer/ppo.py, trainer/torch_ppo.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from stepbus import imports, policy, spaces
-from stepbus.bus import checks, rows
-from stepbus.bus import protocol as p
-from stepbus.trainer import checkpoint, ppo
+from stepbus import imports
+from stepbus.bus.rows import Obs
 
 
 class CannotStart(Exception):
@@ -23,16 +20,92 @@ class CannotStart(Exception):
     reverts a swap to them)."""
 
 
+@dataclass
+class PPOConfig:
+    """The hyperparameters every algorithm is built with (`--gamma`, `--lr`, ...); defaults
+    are rl-zoo's SB3 PPO settings for CartPole-v1. An algorithm uses what it needs of them."""
+
+    gamma: float = field(default=0.98, metadata={"min": 0, "max": 1})
+    """Discount factor."""
+    gae_lambda: float = field(default=0.8, metadata={"min": 0, "max": 1})
+    """GAE bias/variance trade-off (1 = Monte Carlo, 0 = one-step TD)."""
+    clip_range: float = field(default=0.2, metadata={"above": 0})
+    """PPO ratio clip, constant (rl-zoo's linear decay to 0 measured no better here)."""
+    ent_coef: float = field(default=0.0, metadata={"min": 0})
+    """Entropy bonus weight."""
+    vf_coef: float = field(default=0.5, metadata={"min": 0})
+    """Value loss weight in the shared loss (the nets are separate, so it scales critic lr)."""
+    lr: float = field(default=1e-3, metadata={"above": 0})
+    """Adam learning rate, constant (rl-zoo's linear decay to 0 measured no better here)."""
+    n_epochs: int = field(default=20, metadata={"min": 1})
+    """Passes over each batch."""
+    minibatch_size: int = field(default=256, metadata={"min": 1})
+    """Target samples per gradient step; a batch of n is split into round(n / this) equal
+    minibatches, so with batch_steps equal to it each epoch is one full-batch step."""
+    batch_steps: int = field(default=256, metadata={"min": 1})
+    """Env steps collected per update (rl-zoo: 8 envs x n_steps 32)."""
+    max_grad_norm: float = field(default=0.5, metadata={"above": 0})
+    """Global L2 grad-norm clip."""
+    hidden: tuple[int, ...] = field(default=(64, 64), metadata={"min": 1})
+    """Hidden widths of both the policy and value MLPs."""
+
+
+@dataclass
+class Trajectory:
+    """One agent's contiguous steps, cut at an episode end or at an arbitrary horizon.
+
+    ``bootstrap_obs`` is the observation after the last step. If ``terminated`` its value is
+    taken as 0; otherwise (``truncated`` by a time limit, or a plain horizon cut with both flags
+    False) the return is bootstrapped with V(bootstrap_obs).
+    """
+
+    obs: Obs
+    """(T, *obs_shape) observations the actions were taken in: for the numpy MLP flat rows
+    (`spaces.flatten`), for a torch model as they travel (one array, or a map of leaves)."""
+    actions: np.ndarray
+    """(T,) int for discrete, (T, *action_shape) float for box or int for the multi kinds,
+    unclipped as sampled."""
+    logp: np.ndarray
+    """(T,) behaviour-policy log-probs of ``actions``, used for the importance ratio."""
+    values: np.ndarray
+    """(T,) behaviour critic values; informational, GAE recomputes them."""
+    rewards: np.ndarray
+    """(T,) rewards."""
+    terminated: bool
+    """The last step ended the episode in a terminal state (no bootstrap)."""
+    truncated: bool
+    """The last step ended the episode by a time limit (bootstrap from ``bootstrap_obs``)."""
+    bootstrap_obs: Obs
+    """(*obs_shape) observation following the last step."""
+    assembler: str = ""
+    """The assembler incarnation that numbered it (empty: not from the bus)."""
+    seq: int = -1
+    """Its number: with ``assembler``, which trajectory an update learned from."""
+    action_mask: np.ndarray | None = None
+    """(T, action dim) bool: the actions the env allowed at each step (None: all)."""
+    state: dict[str, np.ndarray] | None = None
+    """A recurrent model's state before the first step (None: a feed-forward model)."""
+
+    def __len__(self) -> int:
+        return len(self.rewards)
+
+
 class Algorithm(Protocol):
     """What `--algo` names: a class built as `(obs_dim, action, config, rng)` (`obs_dim`: the
-    width of `spaces.flatten`'s rows, which its trajectories' observations are) whose instances
-    have this. `params` keep `stepbus.models.mlp`'s layout (the broker acts with them) and are
-    updated in place. An optional `curriculum(stats) -> options | None` asks, after an update,
-    for a reset barrier with env options (as `stepbus reset --option` does)."""
+    width of `spaces.flatten`'s rows, which its trajectories' observations are; `action`: a
+    `stepbus.policy.ActionSpace`; `config`: a `PPOConfig`) whose instances have this.
+    `params` keep `stepbus.models.mlp`'s layout (the broker acts with them) and are updated in
+    place. `update` calls `tick` after every gradient step, so a long update keeps the learner
+    heartbeating, and returns the figures that go into the metrics. An optional
+    `curriculum(stats) -> options | None` asks, after an update, for a reset barrier with env
+    options (as `stepbus reset --option` does).
+
+    With a torch `--model` the class is built as `(module, action, config, rng)` instead,
+    trains `module` in place and has no `params`; its optimiser state is tensors by name."""
 
     params: dict[str, np.ndarray]
 
-    def update(self, batch: Sequence[ppo.Trajectory],
+    def update(self, batch: Sequence[Trajectory],
                tick: Callable[[], object] | None = None) -> dict[str, float]: ...
 
     def optimizer_state(self) -> dict[str, np.ndarray]: ...
@@ -50,76 +123,3 @@ def load(path: str) -> AlgorithmClass:
     except (ImportError, AttributeError, ValueError) as exc:
         raise CannotStart(f"cannot load --algo {path}: {type(exc).__name__}: {exc}") from exc
     return algo_class
-
-
-class Model:
-    """The algorithm and what it was built for: the spaces of the run's env spec."""
-
-    def __init__(self, algo_class: AlgorithmClass, env_spec: p.EnvSpec,
-                 config: ppo.PPOConfig, seed: int, *, name: str = "") -> None:
-        """Raises CannotStart when the algorithm fails to start (user code: one clear line)."""
-        self.spec, self.config = env_spec.spec, config
-        self.action = policy.action_space(self.spec)
-        rng = np.random.default_rng(seed)
-        try:
-            self.algo: Algorithm = algo_class(policy.obs_dim(self.spec), self.action, config,
-                                              rng)
-        except Exception as exc:
-            raise CannotStart(f"--algo {name} failed to start: {type(exc).__name__}: "
-                              f"{exc}") from exc
-        self.params = self.algo.params
-
-    def problem(self, msg: p.Trajectory | p.Trajectories) -> str:
-        """Why trajectories cannot be trained on (empty if they can)."""
-        if isinstance(msg, p.Trajectory):
-            return checks.trajectory_problem(msg, self.spec, self.action)
-        return checks.trajectories_problem(msg, self.spec, self.action)
-
-    def record(self, t: p.Trajectory) -> ppo.Trajectory:
-        """What the algorithm learns from, of a trajectory off the bus: observations as flat
-        rows (categorical leaves one-hot, `spaces.flatten`), and the action mask."""
-        obs, bootstrap = t.obs, t.bootstrap_obs
-        if isinstance(obs, dict):
-            obs = spaces.flatten(self.spec, obs, np.float32)
-            bootstrap = spaces.flatten(self.spec, rows.stack([bootstrap]), np.float32)[0]
-        return self.trajectory(t, obs, bootstrap)
-
-    def trajectory(self, t: p.Trajectory, obs: p.Obs, bootstrap: p.Obs) -> ppo.Trajectory:
-        return ppo.Trajectory(obs=obs, actions=t.actions, logp=t.logp, values=t.values,
-                              rewards=t.rewards, terminated=t.terminated,
-                              truncated=t.truncated, bootstrap_obs=bootstrap,
-                              assembler=t.assembler, seq=t.seq,
-                              action_mask=spaces.mask(self.spec, t.obs),
-                              state=t.state or None)
-
-    def update(self, batch: Sequence[ppo.Trajectory],
-               tick: Callable[[], object]) -> dict[str, float]:
-        return self.algo.update(batch, tick=tick)
-
-    def curriculum(self, stats: dict[str, float]) -> dict | None:
-        """Env options for a reset barrier, if the algorithm asks for one after this update."""
-        hook = getattr(self.algo, "curriculum", None)
-        return hook(stats) if callable(hook) else None
-
-    def weights(self) -> dict[str, np.ndarray]:
-        """Copies: frames are sent zero-copy and the next update changes the params in place."""
-        return {k: v.copy() for k, v in self.params.items()}
-
-    def save(self, path: Path, progress: dict[str, Any]) -> None:
-        checkpoint.save(path, self.params, self.algo.optimizer_state(), progress)
-
-    def resume(self, path: Path) -> dict[str, Any]:
-        """Params and optimiser state from the checkpoint at `path`; the progress it carries.
-        Raises CannotStart when its params do not fit this model."""
-        saved, optimizer, progress = checkpoint.load(path)
-        params = self.params
-        if policy.fingerprint(saved) != policy.fingerprint(params):
-            mismatch = sorted(k for k in params.keys() | saved.keys() if k not in saved
-                              or k not in params or saved[k].shape != params[k].shape)
-            raise CannotStart(
-                f"checkpoint {path} does not fit this policy ({', '.join(mismatch[:4])}; spaces "
-                f"{self.spec}, hidden {self.config.hidden}): start a new run or use the old "
-                "settings")
-        params.update(saved)
-        self.algo.load_optimizer_state(optimizer)
-        return progress

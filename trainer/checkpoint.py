@@ -20,6 +20,8 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from stepbus.trainer.algorithm import CannotStart
+
 # What the first bytes of a file that is no checkpoint say it is, for the refusal's line.
 MAGIC = ((b"PK\x03\x04", "a zip archive (torch.save writes those; stepbus never unpickles)"),
          (b"\x80", "a pickle (stepbus never unpickles)"),
@@ -50,9 +52,6 @@ def save(path: Path, params: dict[str, np.ndarray], optimizer: dict[str, np.ndar
 
 def refuse(path: Path, problem: str) -> NoReturn:
     """The learner's one line for a checkpoint it cannot use."""
-    # algorithm.py imports this module: its error is imported when needed.
-    from stepbus.trainer.algorithm import CannotStart
-
     raise CannotStart(f"checkpoint {path} {problem}: start a new run (another --run-dir) or "
                       "restore a good copy of it")
 

@@ -16,11 +16,11 @@ import numpy as np
 
 from stepbus.models.mlp import init_params
 from stepbus.policy import ActionSpace, Params
-from stepbus.trainer.ppo import PPOConfig, Trajectory
+from stepbus.trainer.algorithm import PPOConfig, Trajectory
 
 
 class ConsumeOnly:
-    """PPO's interface (see trainer/ppo.py) with an update that only counts the batch."""
+    """trainer/algorithm.py's `Algorithm` with an update that only counts the batch."""
 
     def __init__(self, obs_dim: int, action: ActionSpace, config: PPOConfig,
                  rng: np.random.Generator) -> None:

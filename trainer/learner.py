@@ -41,9 +41,8 @@ import numpy as np
 import zmq
 
 from stepbus import policy
-from stepbus.bus import node, policies, topology, wiring
+from stepbus.bus import node, policies, wiring
 from stepbus.bus import protocol as p
-from stepbus.bus.topology import PortName, Role
 from stepbus.policy import ModelConfig
 from stepbus.trainer import algorithm
 from stepbus.trainer.algorithm import CannotStart, PPOConfig
@@ -197,7 +196,6 @@ class Learner(node.Process):
     and "drain" (the end of the shutdown drain)."""
 
     role = "trainer"
-    sockets = Role.LEARNER
 
     def __init__(self, cfg: Config, model: Model, progress: Progress, policy_dir: Path,
                  ports: node.Ports, log: logging.Logger, *, name: str, incarnation: str,
@@ -399,7 +397,7 @@ class Learner(node.Process):
                    first_due=self.now)
 
     def request_shutdown(self, now: float) -> None:
-        self.send(PortName.CONTROLLER, p.ShutdownRequest(reason=self.done))
+        self.send("controller", p.ShutdownRequest(reason=self.done))
 
     def beat_while_learning(self) -> None:
         """After every gradient step: a long update is not a dead learner."""
@@ -418,7 +416,7 @@ class Learner(node.Process):
 
     # -- what goes out
     def publish(self, starving: bool = False) -> None:
-        self.send(PortName.POLICY, p.Weights(
+        self.send("policy", p.Weights(
             trainer=self.name, incarnation=self.incarnation, policy=self.cfg.policy_name,
             version=self.progress.version, consumed_steps=self.steps_taken,
             batch_steps=self.cfg.ppo.batch_steps, starving=starving,
@@ -450,7 +448,7 @@ class Learner(node.Process):
         if msg is None:
             return
         self.last_receipts = now
-        if self.send(PortName.RECEIPTS, msg):
+        if self.send("receipts", msg):
             self.receipts.delivered()
             return
         if not self.receipts.warned and now - (self.receipts.pending_since or now) > \
@@ -537,7 +535,7 @@ class Learner(node.Process):
     def send_reset_request(self, now: float) -> None:
         msg = self.curriculum.request(now)
         if msg is not None:
-            self.send(PortName.CONTROLLER, msg)
+            self.send("controller", msg)
 
     def on_reply(self, peer: bytes, msg: p.Reply) -> None:
         if self.curriculum.asked is not None:  # the barrier it asked for
@@ -657,17 +655,18 @@ def run(cfg: Config) -> int:
     name = os.environ.get("HONCHO_PROCESS_NAME") or f"trainer-{pysocket.gethostname()}"
     link = node.ControllerLink(ctx, role="trainer", name=name, controller=cfg.controller,
                                broadcast=cfg.broadcast, log=log)
-    sockets = topology.open_role(ctx, Role.LEARNER, topology.endpoints_of(cfg))
-    broker, intake = sockets[PortName.POLICY], sockets[PortName.TRAJECTORIES]
-    receipts = sockets[PortName.RECEIPTS]
+    # Weights are only worth sending fresh; what a killed learner had queued is sent again.
+    broker = wiring.socket(ctx, zmq.DEALER, connect=cfg.policy, sndhwm=4)
+    intake = wiring.socket(ctx, zmq.PULL, connect=cfg.trajectories, rcvhwm=64)
     assembler_events = intake.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    receipts = wiring.socket(ctx, zmq.PUSH, connect=cfg.receipts, immediate=True)
     io = Links(log, stop, link, broker, intake, assembler_events, receipts,
                node.RejectLog(log), SlotBeat.from_env(), name, uuid.uuid4().hex[:8])
     try:
         return _learn(cfg, io)
     finally:
         intake.disable_monitor()
-        wiring.destroy(ctx, topology.LINGER_MS)
+        wiring.destroy(ctx, wiring.LINGER_MS)
 
 
 def _learn(cfg: Config, io: Links) -> int:

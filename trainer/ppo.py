@@ -1,6 +1,7 @@
 """PPO on trajectories that arrive in pieces from many workers.
 
-Reads top to bottom: config, the trajectory record the trainer receives, GAE, the update.
+Reads top to bottom: GAE, the update, the default algorithm `PPO`. The config and the
+trajectory record it learns from are the plug-in interface's (trainer/algorithm.py).
 Semantics follow SB3's PPO (clipped surrogate, per-minibatch advantage normalisation, global
 grad-norm clipping, Adam eps 1e-5), except that the critic is re-evaluated with the current
 params before GAE, because data on a bus can be a few policy versions old.
@@ -9,11 +10,10 @@ params before GAE, because data on a bus can be a few policy versions old.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from stepbus.bus.rows import Obs
 from stepbus.models.mlp import (
     Adam,
     clip_grad_norm,
@@ -23,75 +23,10 @@ from stepbus.models.mlp import (
     value,
 )
 from stepbus.policy import ActionSpace, Params
+from stepbus.trainer import epochs
+from stepbus.trainer.algorithm import PPOConfig, Trajectory
 
-
-@dataclass
-class PPOConfig:
-    """Hyperparameters; defaults are rl-zoo's SB3 PPO settings for CartPole-v1."""
-
-    gamma: float = field(default=0.98, metadata={"min": 0, "max": 1})
-    """Discount factor."""
-    gae_lambda: float = field(default=0.8, metadata={"min": 0, "max": 1})
-    """GAE bias/variance trade-off (1 = Monte Carlo, 0 = one-step TD)."""
-    clip_range: float = field(default=0.2, metadata={"above": 0})
-    """PPO ratio clip, constant (rl-zoo's linear decay to 0 measured no better here)."""
-    ent_coef: float = field(default=0.0, metadata={"min": 0})
-    """Entropy bonus weight."""
-    vf_coef: float = field(default=0.5, metadata={"min": 0})
-    """Value loss weight in the shared loss (the nets are separate, so it scales critic lr)."""
-    lr: float = field(default=1e-3, metadata={"above": 0})
-    """Adam learning rate, constant (rl-zoo's linear decay to 0 measured no better here)."""
-    n_epochs: int = field(default=20, metadata={"min": 1})
-    """Passes over each batch."""
-    minibatch_size: int = field(default=256, metadata={"min": 1})
-    """Target samples per gradient step; a batch of n is split into round(n / this) equal
-    minibatches, so with batch_steps equal to it each epoch is one full-batch step."""
-    batch_steps: int = field(default=256, metadata={"min": 1})
-    """Env steps collected per update (rl-zoo: 8 envs x n_steps 32)."""
-    max_grad_norm: float = field(default=0.5, metadata={"above": 0})
-    """Global L2 grad-norm clip."""
-    hidden: tuple[int, ...] = field(default=(64, 64), metadata={"min": 1})
-    """Hidden widths of both the policy and value MLPs."""
-
-
-@dataclass
-class Trajectory:
-    """One agent's contiguous steps, cut at an episode end or at an arbitrary horizon.
-
-    ``bootstrap_obs`` is the observation after the last step. If ``terminated`` its value is
-    taken as 0; otherwise (``truncated`` by a time limit, or a plain horizon cut with both flags
-    False) the return is bootstrapped with V(bootstrap_obs).
-    """
-
-    obs: Obs
-    """(T, *obs_shape) observations the actions were taken in: for the numpy MLP flat rows
-    (`spaces.flatten`), for a torch model as they travel (one array, or a map of leaves)."""
-    actions: np.ndarray
-    """(T,) int for discrete, (T, *action_shape) float for box or int for the multi kinds,
-    unclipped as sampled."""
-    logp: np.ndarray
-    """(T,) behaviour-policy log-probs of ``actions``, used for the importance ratio."""
-    values: np.ndarray
-    """(T,) behaviour critic values; informational, GAE recomputes them."""
-    rewards: np.ndarray
-    """(T,) rewards."""
-    terminated: bool
-    """The last step ended the episode in a terminal state (no bootstrap)."""
-    truncated: bool
-    """The last step ended the episode by a time limit (bootstrap from ``bootstrap_obs``)."""
-    bootstrap_obs: Obs
-    """(*obs_shape) observation following the last step."""
-    assembler: str = ""
-    """The assembler incarnation that numbered it (empty: not from the bus)."""
-    seq: int = -1
-    """Its number: with ``assembler``, which trajectory an update learned from."""
-    action_mask: np.ndarray | None = None
-    """(T, action dim) bool: the actions the env allowed at each step (None: all)."""
-    state: dict[str, np.ndarray] | None = None
-    """A recurrent model's state before the first step (None: a feed-forward model)."""
-
-    def __len__(self) -> int:
-        return len(self.rewards)
+__all__ = ["PPO", "PPOConfig", "Trajectory", "compute_gae", "gae", "masks_of", "ppo_update"]
 
 
 def compute_gae(
@@ -166,27 +101,17 @@ def ppo_update(
         return {}
     action = infer_action_space(params) if action is None else action
     batch = _Batch.of(trajs, params, cfg, action)
-    totals: dict[str, float] = {}
-    n_steps = 0
-    for _epoch in range(cfg.n_epochs):
-        for mb_inds in np.array_split(rng.permutation(batch.n), batch.n_minibatches):
-            stats = _gradient_step(
-                params,
-                adam,
-                batch,
-                mb_inds,
-                cfg,
-                action,
-                lr=cfg.lr if lr is None else lr,
-                clip_range=cfg.clip_range if clip_range is None else clip_range,
-            )
-            for key, val in stats.items():
-                totals[key] = totals.get(key, 0.0) + val
-            n_steps += 1
-            if tick is not None:
-                tick()
-    out = {key: val / n_steps for key, val in totals.items()}
-    return out | batch.critic_stats() | {"n_grad_steps": float(n_steps)}
+    step_lr = cfg.lr if lr is None else lr
+    step_clip = cfg.clip_range if clip_range is None else clip_range
+
+    def step(mb_inds: np.ndarray) -> dict[str, float]:
+        return _gradient_step(params, adam, batch, mb_inds, cfg, action, lr=step_lr,
+                              clip_range=step_clip)
+
+    return epochs.run(step, items=batch.n,
+                      minibatches=epochs.minibatch_count(batch.n, cfg.minibatch_size),
+                      n_epochs=cfg.n_epochs, rng=rng, advantages=batch.b_adv,
+                      returns=batch.b_returns, tick=tick)
 
 
 def masks_of(trajs: Sequence[Trajectory], action: ActionSpace) -> np.ndarray | None:
@@ -206,7 +131,6 @@ class _Batch:
     b_logp: np.ndarray
     b_adv: np.ndarray
     b_returns: np.ndarray
-    n_minibatches: int
     b_mask: np.ndarray | None = None
 
     @classmethod
@@ -221,25 +145,11 @@ class _Batch:
         b_mask = masks_of(trajs, action)
         b_logp = np.concatenate([np.asarray(t.logp, dtype=np.float64) for t in trajs])
         b_adv, b_returns = compute_gae(trajs, params, cfg)
-        # Batches off the bus overshoot batch_steps by part of a trajectory. Splitting into
-        # equal parts avoids SB3's ragged last minibatch, which here would be a few samples
-        # normalised by their own std and given a full Adam step; at n == k * minibatch_size
-        # it is SB3 exactly.
-        n_minibatches = max(1, round(len(b_adv) / cfg.minibatch_size))
-        return cls(b_obs, b_actions, b_logp, b_adv, b_returns, n_minibatches, b_mask)
+        return cls(b_obs, b_actions, b_logp, b_adv, b_returns, b_mask)
 
     @property
     def n(self) -> int:
         return len(self.b_adv)
-
-    def critic_stats(self) -> dict[str, float]:
-        """Explained variance of the returns by the critic the update started from: 1 = it
-        explains them, 0 = no better than their mean (also when they are constant)."""
-        b_values = self.b_returns - self.b_adv
-        var_returns = float(np.var(self.b_returns))
-        explained = (1.0 - float(np.var(self.b_returns - b_values)) / var_returns
-                     if var_returns > 0 else 0.0)
-        return {"explained_variance": explained, "n_samples": float(self.n)}
 
 
 def _gradient_step(
@@ -278,10 +188,10 @@ def _gradient_step(
 class PPO:
     """The default learning algorithm of the learner process (`--algo`).
 
-    Any class with this constructor, `params`, `update`, `optimizer_state` and
-    `load_optimizer_state` can replace it: `--algo module:Class`, also in a live
-    `stepbus trainer swap`. `params` must keep `stepbus.models.mlp`'s layout, because the broker
-    serves the policy from them; they are updated in place.
+    Any class that implements trainer/algorithm.py's `Algorithm` can replace it: `--algo
+    module:Class`, also in a live `stepbus trainer swap`. `params` must keep
+    `stepbus.models.mlp`'s layout, because the broker serves the policy from them; they are
+    updated in place.
     """
 
     def __init__(self, obs_dim: int, action: ActionSpace, config: PPOConfig,

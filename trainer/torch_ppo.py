@@ -4,7 +4,8 @@ value loss, entropy bonus, global grad-norm clip and Adam (eps 1e-5), the same e
 minibatches and GAE with the critic re-evaluated on the current weights, the same metrics
 figures. It is the learner's algorithm when `--model` is not mlp and `--algo` is the default.
 
-Reads top to bottom: GAE on the module's values, the batch, one gradient step, `TorchPPO`, and
+Reads top to bottom: GAE on the module's values, the batch, one gradient step, `TorchPPO`
+(its loss and optimiser are trainer/torch_base.py's, its epochs trainer/epochs.py's), and
 `TorchModel`, which is what the learner holds of a torch model (built from the spaces, weights
 out as numpy arrays, checkpoints as safetensors).
 """
@@ -26,9 +27,10 @@ from stepbus.bus import checks, rows
 from stepbus.bus import protocol as p
 from stepbus.models import torch_policy
 from stepbus.policy import ActionSpace
-from stepbus.trainer import algorithm, checkpoint, ppo
-from stepbus.trainer.algorithm import CannotStart, Model
-from stepbus.trainer.ppo import PPOConfig, Trajectory
+from stepbus.trainer import algorithm, checkpoint, epochs, ppo, torch_recurrent
+from stepbus.trainer.algorithm import CannotStart, PPOConfig, Trajectory
+from stepbus.trainer.model import Model
+from stepbus.trainer.torch_base import Taken, Targets, TorchAlgorithm, loss_step
 
 VALUE_CHUNK_ROWS = 1024  # the critic's pass over a batch goes in chunks of this many rows
 DEFAULT_ALGOS = ("stepbus.trainer.ppo:PPO", "stepbus.trainer.torch_ppo:TorchPPO")
@@ -68,15 +70,11 @@ class _Batch:
     b_logp: torch.Tensor
     b_adv: torch.Tensor
     b_returns: torch.Tensor
-    n_minibatches: int
-    explained_variance: float
     b_mask: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, trajs: Sequence[Trajectory], module: nn.Module, cfg: PPOConfig,
-           action: ActionSpace, device: torch.device, spec: p.SpaceSpec | None = None
-           ) -> _Batch:
-        adv, returns = compute_gae(trajs, module, cfg, device, spec)
+    def of(cls, trajs: Sequence[Trajectory], adv: np.ndarray, returns: np.ndarray,
+           action: ActionSpace, device: torch.device) -> _Batch:
         obs = rows.concat([t.obs for t in trajs])
         b_obs: torch.Tensor | dict[str, torch.Tensor] = (
             {k: torch_policy.as_input(v, device) for k, v in obs.items()}
@@ -88,21 +86,12 @@ class _Batch:
         b_mask = None if masks is None else torch.from_numpy(masks).to(device)
         b_logp = torch.from_numpy(
             np.concatenate([np.asarray(t.logp, np.float32) for t in trajs])).to(device)
-        values = returns - adv
-        var_returns = float(np.var(returns))
-        explained = (1.0 - float(np.var(returns - values)) / var_returns
-                     if var_returns > 0 else 0.0)
         return cls(b_obs, b_actions, b_logp, torch.from_numpy(adv.astype(np.float32)).to(device),
-                   torch.from_numpy(returns.astype(np.float32)).to(device),
-                   max(1, round(len(adv) / cfg.minibatch_size)), explained, b_mask)
+                   torch.from_numpy(returns.astype(np.float32)).to(device), b_mask)
 
     @property
     def n(self) -> int:
         return len(self.b_adv)
-
-
-STATS = ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "loss",
-         "grad_norm")
 
 
 def gradient_step(module: nn.Module, optimizer: torch.optim.Optimizer, batch: _Batch,
@@ -123,72 +112,11 @@ def gradient_step(module: nn.Module, optimizer: torch.optim.Optimizer, batch: _B
                              batch.b_returns[mb_inds]))
 
 
-@dataclass
-class Taken:
-    """What the module makes of a minibatch's actions now: log-probs, entropies, values."""
-
-    logp: torch.Tensor
-    entropy: torch.Tensor
-    value: torch.Tensor
-
-
-@dataclass
-class Targets:
-    """A minibatch's behaviour log-probs, advantages and returns; `valid` (1 or 0 per row)
-    leaves padding out of every mean (sequences of a recurrent model)."""
-
-    logp: torch.Tensor
-    adv: torch.Tensor
-    returns: torch.Tensor
-    valid: torch.Tensor | None = None
-
-
-def loss_step(module: nn.Module, optimizer: torch.optim.Optimizer, cfg: PPOConfig,
-              taken: Taken, targets: Targets) -> dict[str, float]:
-    """PPO's loss on one minibatch, one Adam step with the gradient norm clipped, the stats."""
-    valid = targets.valid if targets.valid is not None else torch.ones_like(targets.adv)
-    count = valid.sum().clamp(min=1.0)
-
-    def mean(x: torch.Tensor) -> torch.Tensor:
-        return (x.reshape(-1) * valid).sum() / count
-
-    adv = targets.adv
-    if count > 1:  # unbiased std, as SB3 and ppo.py
-        centred = (adv - mean(adv)) * valid
-        adv = centred / (torch.sqrt((centred ** 2).sum() / (count - 1)) + 1e-8)
-    logratio = taken.logp.reshape(-1) - targets.logp
-    if targets.valid is not None:  # a padded row's ratio may overflow: inf * 0 would be NaN
-        logratio = torch.where(targets.valid > 0, logratio, torch.zeros_like(logratio))
-    ratio = logratio.exp()
-    clipped = torch.clamp(ratio, 1.0 - cfg.clip_range, 1.0 + cfg.clip_range)
-    policy_loss = mean(torch.max(-adv * ratio, -adv * clipped))
-    value_loss = mean((taken.value.reshape(-1) - targets.returns) ** 2)
-    entropy_mean = mean(taken.entropy)
-    loss = policy_loss + cfg.vf_coef * value_loss - cfg.ent_coef * entropy_mean
-    optimizer.zero_grad()
-    loss.backward()
-    grad_norm = nn.utils.clip_grad_norm_(module.parameters(), cfg.max_grad_norm)
-    optimizer.step()
-    with torch.no_grad():
-        approx_kl = mean((ratio - 1.0) - logratio)
-        clip_fraction = mean(((ratio - 1.0).abs() > cfg.clip_range).float())
-        figures = torch.stack([policy_loss, value_loss, entropy_mean, approx_kl, clip_fraction,
-                               loss, grad_norm.to(loss.dtype)]).double().cpu().tolist()
-    return dict(zip(STATS, figures, strict=True))
-
-
-class TorchPPO:
-    """The learner's algorithm for a torch model. Another one (`--algo module:Class` with a
-    torch --model) is built the same way, `(module, action, config, rng)`, trains `module` in
-    place, and has `update`, `optimizer_state` and `load_optimizer_state` (tensors by name)."""
-
-    def __init__(self, module: nn.Module, action: ActionSpace, config: PPOConfig,
-                 rng: np.random.Generator, *, spec: p.SpaceSpec | None = None) -> None:
-        """`spec`: how observations that travel as a map of leaves nest for the module."""
-        self.module, self.action, self.config, self.rng = module, action, config, rng
-        self.spec = spec
-        self.device = next(module.parameters()).device
-        self.optimizer = torch.optim.Adam(module.parameters(), lr=config.lr, eps=1e-5)
+class TorchPPO(TorchAlgorithm):
+    """The learner's algorithm for a feed-forward torch model. Another one (`--algo
+    module:Class` with a torch --model) is built the same way, `(module, action, config, rng)`,
+    trains `module` in place, and has `update`, `optimizer_state` and `load_optimizer_state`
+    (tensors by name)."""
 
     def update(self, batch: Sequence[Trajectory],
                tick: Callable[[], object] | None = None) -> dict[str, float]:
@@ -197,45 +125,22 @@ class TorchPPO:
         trajs = [t for t in batch if len(t)]
         if not trajs:
             return {}
-        data = _Batch.of(trajs, self.module, self.config, self.action, self.device, self.spec)
-        totals = dict.fromkeys(STATS, 0.0)
-        n_steps = 0
-        for _epoch in range(self.config.n_epochs):
-            for mb_inds in np.array_split(self.rng.permutation(data.n), data.n_minibatches):
-                stats = gradient_step(self.module, self.optimizer, data,
-                                      torch.from_numpy(mb_inds).to(self.device), self.config,
-                                      self.spec)
-                for key, val in stats.items():
-                    totals[key] += val
-                n_steps += 1
-                if tick is not None:
-                    tick()
-        return {**{key: val / n_steps for key, val in totals.items()},
-                "explained_variance": data.explained_variance, "n_samples": float(data.n),
-                "n_grad_steps": float(n_steps)}
+        cfg = self.config
+        adv, returns = compute_gae(trajs, self.module, cfg, self.device, self.spec)
+        data = _Batch.of(trajs, adv, returns, self.action, self.device)
 
-    def optimizer_state(self) -> dict[str, torch.Tensor]:
-        """Adam's moments and step counts by parameter name (`name/exp_avg`, ...)."""
-        names = [name for name, _ in self.module.named_parameters()]
-        state = self.optimizer.state_dict()["state"]
-        return {f"{names[index]}/{key}": torch.as_tensor(value)
-                for index, moments in state.items() for key, value in moments.items()}
+        def step(mb_inds: np.ndarray) -> dict[str, float]:
+            return gradient_step(self.module, self.optimizer, data,
+                                 torch.from_numpy(mb_inds).to(self.device), cfg, self.spec)
 
-    def load_optimizer_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Moments from a checkpoint; the learning rate and the rest stay this config's."""
-        index = {name: i for i, (name, _) in enumerate(self.module.named_parameters())}
-        moments: dict[int, dict[str, torch.Tensor]] = {}
-        for key, value in state.items():
-            name, _, field = key.rpartition("/")
-            if name in index:
-                moments.setdefault(index[name], {})[field] = value
-        current = self.optimizer.state_dict()
-        self.optimizer.load_state_dict({"state": moments,
-                                        "param_groups": current["param_groups"]})
+        return epochs.run(step, items=data.n,
+                          minibatches=epochs.minibatch_count(data.n, cfg.minibatch_size),
+                          n_epochs=cfg.n_epochs, rng=self.rng, advantages=adv,
+                          returns=returns, tick=tick)
 
 
 class TorchModel(Model):
-    """A torch model as the learner holds one (the numpy MLP's is `algorithm.Model`): the
+    """A torch model as the learner holds one (the numpy MLP's is `model.Model`): the
     module the factory makes for the run's spaces, trained by TorchPPO (or --algo), its
     state_dict published as numpy arrays, checkpointed as safetensors."""
 
@@ -252,8 +157,6 @@ class TorchModel(Model):
             raise CannotStart(f"{exc}") from exc
         assert isinstance(acting, torch_policy.TorchPolicy)
         self.module = acting.module
-        from stepbus.trainer import torch_recurrent  # which imports this module
-
         self.memory = acting.memory
         default = TorchPPO if self.memory is None else torch_recurrent.RecurrentPPO
         algo_class = default if algo in DEFAULT_ALGOS else algorithm.load(algo)

@@ -1,6 +1,7 @@
 """PPO through time for a recurrent torch model (`--model torch-lstm`, or a module of your own
-with `initial_state`): the same loss, optimiser and figures as `torch_ppo.TorchPPO`, on whole
-trajectories replayed from the state their first step was acted from.
+with `initial_state`): the same loss, optimiser and figures as `torch_ppo.TorchPPO`
+(trainer/torch_base.py, trainer/epochs.py), on whole trajectories replayed from the state their
+first step was acted from.
 
 A trajectory never crosses an episode's end (the assembler cuts it there), and the broker
 restarts an agent's state from `initial_state` wherever a new episode starts, so each
@@ -25,9 +26,9 @@ from stepbus.bus import protocol as p
 from stepbus.bus import rows
 from stepbus.models import torch_policy
 from stepbus.policy import ActionSpace, State
-from stepbus.trainer import ppo
-from stepbus.trainer.ppo import PPOConfig, Trajectory
-from stepbus.trainer.torch_ppo import STATS, Taken, Targets, TorchPPO, loss_step
+from stepbus.trainer import epochs, ppo
+from stepbus.trainer.algorithm import PPOConfig, Trajectory
+from stepbus.trainer.torch_base import Taken, Targets, TorchAlgorithm, loss_step
 
 GAE_GROUP = 64  # trajectories replayed together for the critic's values
 
@@ -90,9 +91,9 @@ class Recurrent:
     device: torch.device
 
 
-class RecurrentPPO(TorchPPO):
-    """`TorchPPO` for a module with `initial_state`: minibatches of whole trajectories, each
-    replayed from its first state (the module docstring)."""
+class RecurrentPPO(TorchAlgorithm):
+    """trainer/torch_ppo.py's `TorchPPO` for a module with `initial_state`: minibatches of
+    whole trajectories, each replayed from its first state (the module docstring)."""
 
     def __init__(self, module: nn.Module, action: ActionSpace, config: PPOConfig,
                  rng: np.random.Generator, *, spec: p.SpaceSpec | None = None) -> None:
@@ -126,22 +127,15 @@ class RecurrentPPO(TorchPPO):
         ends = np.cumsum([len(t) for t in trajs])
         parts = [(adv[e - len(t):e], returns[e - len(t):e]) for t, e in zip(trajs, ends,
                                                                            strict=True)]
-        groups = max(1, min(len(trajs), round(len(adv) / self.config.minibatch_size)))
-        totals, n_steps = dict.fromkeys(STATS, 0.0), 0
-        for _epoch in range(self.config.n_epochs):
-            for group in np.array_split(self.rng.permutation(len(trajs)), groups):
-                stats = self.sequence_step([trajs[i] for i in group], [parts[i] for i in group])
-                for key, val in stats.items():
-                    totals[key] += val
-                n_steps += 1
-                if tick is not None:
-                    tick()
-        values = returns - adv
-        var = float(np.var(returns))
-        explained = 1.0 - float(np.var(returns - values)) / var if var > 0 else 0.0
-        return {**{key: val / n_steps for key, val in totals.items()},
-                "explained_variance": explained, "n_samples": float(len(adv)),
-                "n_grad_steps": float(n_steps)}
+
+        def step(group: np.ndarray) -> dict[str, float]:
+            return self.sequence_step([trajs[i] for i in group], [parts[i] for i in group])
+
+        minibatches = epochs.minibatch_count(len(adv), self.config.minibatch_size,
+                                             most=len(trajs))
+        return epochs.run(step, items=len(trajs), minibatches=minibatches,
+                          n_epochs=self.config.n_epochs, rng=self.rng, advantages=adv,
+                          returns=returns, tick=tick)
 
     def sequence_step(self, trajs: list[Trajectory],
                       targets: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, float]:

@@ -1,0 +1,40 @@
+"""What a learner's checkpoint carries besides weights, so a resumed learner continues the
+run, and the check that a checkpoint's record of it is one this learner can use."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stepbus.trainer.algorithm import CannotStart
+
+
+@dataclass
+class Progress:
+    """What the checkpoint carries besides weights, so a resumed trainer continues the run.
+    Its counts are of settled trajectories: learned from (or dropped as stale, or taken in
+    once solved); a partial batch is not counted, as the assembler sends it again."""
+
+    version: int = 0
+    generation: int = 0
+    env_steps: int = 0
+    episodes: int = 0
+    recent_returns: list[float] = field(default_factory=list)
+    updates: int = 0  # over the whole run (every generation), for --max-updates
+    assembler: str = ""  # whose numbers `learned` are
+    learned: list[int] = field(default_factory=list)  # the newest numbers settled (Receipts.kept)
+
+
+def progress_of(saved: dict[str, Any], ckpt: Path) -> Progress:
+    """A checkpoint's progress record, each field of its own type (a JSON number may be an
+    int where a float is meant). Raises CannotStart naming the fields that are not."""
+    kinds = {f.name: type(getattr(Progress(), f.name)) for f in dataclasses.fields(Progress)}
+    ok = {int: (int,), float: (int, float), str: (str,), list: (list,)}
+    wrong = sorted(k for k, v in saved.items() if k not in kinds or isinstance(v, bool)
+                   or not isinstance(v, ok[kinds[k]]))
+    if wrong:
+        raise CannotStart(f"checkpoint {ckpt} has a progress record this learner cannot use "
+                          f"(fields {wrong[:4]}): start a new run or restore a good copy of it")
+    return Progress(**saved)
