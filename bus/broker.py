@@ -47,7 +47,7 @@ from stepbus.bus import checks, node, policies, relay, rows, topology, wiring
 from stepbus.bus import protocol as p
 from stepbus.bus.barrier import ResetBarrier
 from stepbus.bus.credit import Credit, DueVersions, Weights
-from stepbus.bus.exits import Exit
+from stepbus.bus.exits import SettingError
 from stepbus.bus.memory import Memory
 from stepbus.bus.topology import PortName, Role
 from stepbus.bus.worker_table import Worker, WorkerTable
@@ -715,30 +715,31 @@ def run(cfg: Config) -> int:
     if cfg.external:
         return relay.run(cfg.steps, cfg.vector, cfg.controller, cfg.broadcast, cfg.security)
     log = node.setup_logging("broker")
+    return node.run_role(lambda ctx: open_broker(ctx, cfg, log), cfg.security, node.StopFlag())
+
+
+def open_broker(ctx: zmq.Context, cfg: Config, log: logging.Logger) -> node.Opened:
+    """Raises SettingError for a bad --policy-map or a model that cannot be had."""
     try:
         rules = policies.parse_map(cfg.policy_map)
         policy.check_model(cfg.models)
     except ValueError as exc:
-        log.error("%s", exc)
-        return Exit.SETTING
-    stop = node.StopFlag()
-    ctx = wiring.context(cfg.security)
+        raise SettingError(str(exc)) from None
     link = node.ControllerLink(ctx, role="broker", name="broker", controller=cfg.controller,
                                broadcast=cfg.broadcast, log=log,
                                binds={"steps": cfg.steps, "policy": cfg.policy})
     try:
         sockets = topology.open_role(ctx, Role.BROKER, topology.endpoints_of(cfg))
-        broker = Broker(cfg, node.SocketPorts({**sockets, PortName.CONTROLLER: link.dealer}),
-                        log, rules=rules)
-        return node.Loop(broker, broker_ports(sockets), link, stop).run()
-    finally:
-        wiring.destroy(ctx, topology.LINGER_MS)
-
-
-def broker_ports(sockets: dict[str, zmq.Socket]) -> dict[str, node.Port]:
-    """What the broker receives where (anything else is refused as bad input)."""
-    return {PortName.STEPS: node.Port(sockets[PortName.STEPS], (
-                p.WorkerHello, p.StepResult, p.Heartbeat, p.RemoteError), routed=True),
-            PortName.POLICY: node.Port(sockets[PortName.POLICY], (p.TrainerHello, p.Weights),
-                                       routed=True),
-            PortName.EXPERIENCE: node.Port(sockets[PortName.EXPERIENCE])}
+    except BaseException:
+        link.close()
+        raise
+    broker = Broker(cfg, node.SocketPorts({**sockets, PortName.CONTROLLER: link.dealer}), log,
+                    rules=rules)
+    # What the broker receives where (anything else is refused as bad input).
+    ports: dict[str, node.Port] = {
+        PortName.STEPS: node.Port(sockets[PortName.STEPS], (
+            p.WorkerHello, p.StepResult, p.Heartbeat, p.RemoteError), routed=True),
+        PortName.POLICY: node.Port(sockets[PortName.POLICY], (p.TrainerHello, p.Weights),
+                                   routed=True),
+        PortName.EXPERIENCE: node.Port(sockets[PortName.EXPERIENCE])}
+    return node.Opened(broker, ports, link)

@@ -422,18 +422,15 @@ class Controller(node.Process):
 
 def run(cfg: Config) -> int:
     log = node.setup_logging("controller")
-    stop = node.StopFlag()
-    ctx = wiring.context(cfg.security)
-    try:
-        sockets = topology.open_role(ctx, Role.CONTROLLER, topology.endpoints_of(cfg))
-        controller = Controller(cfg, node.SocketPorts(sockets), log)
-        return node.Loop(controller, controller_ports(sockets), None, stop).run()
-    finally:
-        wiring.destroy(ctx, topology.LINGER_MS)
+    return node.run_role(lambda ctx: open_controller(ctx, cfg, log), cfg.security,
+                         node.StopFlag())
 
 
-def controller_ports(sockets: dict[str, zmq.Socket]) -> dict[str, node.Port]:
-    return {PortName.ROUTER: node.Port(sockets[PortName.ROUTER], KINDS, routed=True)}
+def open_controller(ctx: zmq.Context, cfg: Config, log: logging.Logger) -> node.Opened:
+    sockets = topology.open_role(ctx, Role.CONTROLLER, topology.endpoints_of(cfg))
+    return node.Opened(Controller(cfg, node.SocketPorts(sockets), log),
+                       {PortName.ROUTER: node.Port(sockets[PortName.ROUTER], KINDS, routed=True)},
+                       None)
 
 
 def _status_row(q: Peer, now: float, versions: VersionHistory) -> dict:

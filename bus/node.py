@@ -3,6 +3,7 @@ it, quiet signal handling, the controller link, and the accounting of untrusted 
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import math
@@ -484,6 +485,10 @@ class Process:
         # File descriptors (not sockets) whose input should wake the loop, e.g. a child
         # process's pipe: the loop polls them while they are in this set.
         self.wake_on_readable_fds: set[int] = set()
+        # Set: the process that takes this one's place on the same loop and sockets (a
+        # learner, once its setup heard what it learns for).
+        self.successor: Process | None = None
+        self.exit_code = 0  # what the loop returns once the process stops
 
     # -- sending and refusing
     def send(self, port: AnyPort, msg: p.Message, *, to: bytes | None = None,
@@ -606,16 +611,64 @@ def peer_name(peer: bytes) -> str:
 LINK_KINDS = (p.RunState, p.Shutdown, p.Barrier, p.Reply, p.TrainerSwap)
 
 
+@dataclass
+class Opened:
+    """A process on its sockets, ready to run: what each role's `open_*` gives, for its own
+    OS process (`run_role`) or the serial runner (`stepbus run`)."""
+
+    process: Process
+    ports: dict[str, Port]
+    link: ControllerLink | None
+    cleanup: Callable[[], None] = lambda: None  # before the context goes (socket monitors)
+
+    def loop(self, stop: StopFlag, poller: zmq.Poller | None = None) -> Loop:
+        return Loop(self.process, self.ports, self.link, stop, poller=poller)
+
+
+def run_role(opener: Callable[[zmq.Context], Opened | None], security: wiring.Security,
+             stop: StopFlag) -> int:
+    """One role in its own OS process: its context, its sockets, its loop, its exit code. An
+    opener that returns None was told to stop while setting up: exit 0."""
+    ctx = wiring.context(security)
+    try:
+        opened = opener(ctx)
+        if opened is None:
+            return 0
+        try:
+            return opened.loop(stop).run()
+        finally:
+            opened.cleanup()
+    finally:
+        wiring.destroy(ctx, topology.LINGER_MS)
+
+
+class Stage(enum.Enum):
+    """Where a loop is in its process's life."""
+
+    RUNNING = "running"
+    DRAINING = "draining"  # stopped: emptying the `drain_on_stop` port
+    AWAITING = "awaiting"  # the last sends made: serving replies to them (`on_drained`)
+    DONE = "done"  # `finish` ran, the controller link said goodbye
+
+
+STAGE_POLL_MS = 50  # how often a stopping process looks again while it awaits replies
+
+
 class Loop:
     """The one loop every process runs on: poll until the next deadline (timer, heartbeat, the
     process's own), decode, dispatch by kind, drain in time-bounded passes, heartbeat through
-    the controller link, stop on a signal or the process's word, then its shutdown duties."""
+    the controller link, stop on a signal or the process's word, then its shutdown duties.
+
+    A turn is `prepare` (the poll's timeout) and `advance` (what the poll found), so one
+    process runs them on its own poller (`run`) and the serial runner runs several processes'
+    turns over one shared poller, each seeing only its own sockets' events."""
 
     def __init__(self, process: Process, ports: dict[str, Port], link: ControllerLink | None,
-                 stop: StopFlag) -> None:
-        """`link` None: no heartbeats and no controller messages (the controller itself)."""
+                 stop: StopFlag, *, poller: zmq.Poller | None = None) -> None:
+        """`link` None: no heartbeats and no controller messages (the controller itself).
+        `poller`: one shared with other loops (the serial runner)."""
         self.process, self.ports, self.link, self.stop = process, ports, link, stop
-        self.poller = zmq.Poller()
+        self.poller = poller if poller is not None else zmq.Poller()
         for sock in link.sockets() if link is not None else []:
             self.poller.register(sock, zmq.POLLIN)
         self.watch_out: set[str] = set()  # ports polled for POLLOUT (see `watch_writable`)
@@ -625,6 +678,113 @@ class Loop:
         self.watch_fds: set[int] = set()  # the process's `wake_on_readable_fds`, as polled
         self.signalled = False  # the process was told of a signal
         self.last_mark, self.last_cpu = process.clock(), time.process_time()  # see `mark_time`
+        self.look_again = math.inf  # the process's own next deadline (`tick`)
+        self.stage = Stage.RUNNING
+        self.stage_port, self.stage_deadline = "", 0.0  # draining or awaiting: where, until
+        self.closed = link is None
+
+    def run(self) -> int:
+        """The process on its own poller until it is done; its exit code."""
+        try:
+            while self.stage is not Stage.DONE:
+                timeout_ms = self.prepare()
+                self.advance(dict(self.poller.poll(timeout_ms)), timeout_ms)
+            return self.process.exit_code
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Say goodbye to the controller (once), so it need not wait for our silence."""
+        if not self.closed and self.link is not None:
+            self.closed = True
+            self.link.close()
+
+    def prepare(self) -> int:
+        """Heartbeat and due timers; how long the next poll may wait (ms)."""
+        if self.stage is not Stage.RUNNING:
+            return 0 if self.stage is Stage.DRAINING else STAGE_POLL_MS
+        if self.hand_over_signal():
+            self.begin_stop()
+            return 0
+        proc = self.process
+        now = self.mark_time(0.0)
+        next_beat = self.link.beat(now, proc.figures) if self.link else math.inf
+        deadline = min(next_beat, self.look_again, proc.run_timers(now))
+        self.sync_fds()
+        return int(max(0.0, min((deadline - now) * 1000, MAX_POLL_MS)))
+
+    def advance(self, events: dict[Any, int], timeout_ms: int) -> None:
+        """Act on what the poll found (`events` may hold other loops' sockets too)."""
+        if self.stage is Stage.RUNNING:
+            self.turn(events, timeout_ms)
+        elif self.stage is Stage.DRAINING:
+            self.drain_remaining()
+        elif self.stage is Stage.AWAITING:
+            self.await_replies(events)
+
+    def turn(self, events: dict[Any, int], timeout_ms: int) -> None:
+        proc = self.process
+        self.mark_time(timeout_ms / 1000)
+        self.hand_over_signal()  # one that came during the poll, before the process looks
+        self.pass_once(events)
+        if proc.successor is not None:
+            self.process, proc.successor = proc.successor, None
+            proc = self.process
+        self.look_again = proc.tick(self.mark_time(0.0))
+        for name in self.watch_out ^ proc.wake_on_writable:
+            self.watch_writable(name, name in proc.wake_on_writable)
+        self.sync_held()
+
+    # -- stopping
+    def begin_stop(self) -> None:
+        """The loop ends: nothing is polled but the port the shutdown duties need."""
+        self.process.stop(self.stop.reason)
+        for sock in [*(port.socket for port in self.ports.values()),
+                     *(self.link.sockets() if self.link is not None else [])]:
+            self.poller.register(sock, 0)  # 0: unregistered
+        for fd in self.watch_fds:
+            self.poller.unregister(fd)
+        self.watch_fds = set()
+        name, budget_s = self.process.drain_on_stop()
+        if name:
+            self.enter(Stage.DRAINING, name, budget_s)
+        else:
+            self.drained()
+
+    def enter(self, stage: Stage, port: str, budget_s: float) -> None:
+        self.stage, self.stage_port = stage, port
+        self.stage_deadline = time.monotonic() + budget_s
+        self.poller.register(self.ports[port].socket, zmq.POLLIN)
+
+    def drain_remaining(self) -> None:
+        """What is queued on the drain port now, within its time."""
+        port = self.ports[self.stage_port]
+        while time.monotonic() < self.stage_deadline and port.socket.poll(0, zmq.POLLIN):
+            self.take_one(port)
+        self.poller.register(port.socket, 0)
+        self.drained()
+
+    def drained(self) -> None:
+        name, budget_s = self.process.on_drained()
+        if name and self.process.awaiting():
+            self.enter(Stage.AWAITING, name, budget_s)
+        else:
+            self.done()
+
+    def await_replies(self, events: dict[Any, int]) -> None:
+        proc, port = self.process, self.ports[self.stage_port]
+        if proc.awaiting() and time.monotonic() < self.stage_deadline:
+            proc.tick(proc.clock())
+            if port.socket in events:
+                drain(port.socket, functools.partial(self.take_one, port))
+        if not proc.awaiting() or time.monotonic() >= self.stage_deadline:
+            self.poller.register(port.socket, 0)
+            self.done()
+
+    def done(self) -> None:
+        self.process.finish()
+        self.stage = Stage.DONE
+        self.close()
 
     def watch_writable(self, port: str, on: bool) -> None:
         """Wake when `port` can take a message again (a full or absent consumer)."""
@@ -647,33 +807,6 @@ class Loop:
         flags = (zmq.POLLIN if wants_input else 0) | (
             zmq.POLLOUT if name in self.watch_out else 0)
         self.poller.register(port.socket, flags)  # 0: unregistered
-
-    def run(self) -> int:
-        proc = self.process
-        try:
-            look_again = math.inf
-            while not self.hand_over_signal():
-                now = self.mark_time(0.0)
-                next_beat = self.link.beat(now, proc.figures) if self.link else math.inf
-                deadline = min(next_beat, look_again, proc.run_timers(now))
-                timeout_ms = int(max(0.0, min((deadline - now) * 1000, MAX_POLL_MS)))
-                self.sync_fds()
-                events = dict(self.poller.poll(timeout_ms))
-                self.mark_time(timeout_ms / 1000)
-                self.hand_over_signal()  # one that came during the poll, before the process looks
-                self.pass_once(events)
-                look_again = proc.tick(self.mark_time(0.0))
-                for name in self.watch_out ^ proc.wake_on_writable:
-                    self.watch_writable(name, name in proc.wake_on_writable)
-                self.sync_held()
-            proc.stop(self.stop.reason)
-            self.drain_remaining()
-            self.await_replies()
-            proc.finish()
-            return 0
-        finally:
-            if self.link is not None:
-                self.link.close()
 
     def mark_time(self, allowed_s: float) -> float:
         """The time now; tells the process if more than `allowed_s` (a poll's timeout) plus
@@ -739,21 +872,3 @@ class Loop:
                                                                      msg.KIND.name))
             return
         self.process.deliver(peer or b"", msg, sender=sender)
-
-    def await_replies(self) -> None:
-        name, budget_s = self.process.on_drained()
-        if not name:
-            return
-        port, deadline = self.ports[name], time.monotonic() + budget_s
-        while self.process.awaiting() and time.monotonic() < deadline:
-            self.process.tick(self.process.clock())
-            if port.socket.poll(50, zmq.POLLIN):
-                drain(port.socket, functools.partial(self.take_one, port))
-
-    def drain_remaining(self) -> None:
-        name, budget_s = self.process.drain_on_stop()
-        if not name:
-            return
-        port, deadline = self.ports[name], time.monotonic() + budget_s
-        while time.monotonic() < deadline and port.socket.poll(0, zmq.POLLIN):
-            self.take_one(port)

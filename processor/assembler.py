@@ -30,7 +30,7 @@ import zmq
 
 from stepbus.bus import checks, credit, node, policies, rows, shm, topology, wiring
 from stepbus.bus import protocol as p
-from stepbus.bus.exits import Exit
+from stepbus.bus.exits import SettingError
 from stepbus.bus.topology import PortName, Role
 from stepbus.processor.buffers import WorkerTrack
 from stepbus.processor.outlets import (
@@ -403,40 +403,48 @@ class Assembler(node.Process):
 
 def run(cfg: Config) -> int:
     log = node.setup_logging("assembler")
+    return node.run_role(lambda ctx: open_assembler(ctx, cfg, log), cfg.security,
+                         node.StopFlag())
+
+
+def open_assembler(ctx: zmq.Context, cfg: Config, log: logging.Logger) -> node.Opened:
+    """Raises SettingError for a bad --policy-endpoints."""
     try:
         outlet_endpoints = endpoints(cfg.trajectories, cfg.policy_endpoints)
     except ValueError as exc:
-        log.error("%s", exc)
-        return Exit.SETTING
-    stop = node.StopFlag()
-    ctx = wiring.context(cfg.security)
+        raise SettingError(str(exc)) from None
     link = node.ControllerLink(ctx, role="assembler", name="assembler",
                                controller=cfg.controller, broadcast=cfg.broadcast, log=log,
                                binds={"experience": cfg.experience,
                                       "trajectories": cfg.trajectories,
                                       "receipts": cfg.receipts})
-    sockets = topology.open_role(ctx, Role.ASSEMBLER, topology.endpoints_of(cfg))
-    pushes: dict[str, zmq.Socket] = {PortName.TRAJECTORIES: sockets[PortName.TRAJECTORIES]}
-    pushes |= {port_name(policy): topology.open_outlet(ctx, endpoint)
-               for policy, endpoint in outlet_endpoints.items() if policy != policies.DEFAULT}
+    try:
+        sockets = topology.open_role(ctx, Role.ASSEMBLER, topology.endpoints_of(cfg))
+        pushes: dict[str, zmq.Socket] = {PortName.TRAJECTORIES: sockets[PortName.TRAJECTORIES]}
+        pushes |= {port_name(policy): topology.open_outlet(ctx, endpoint)
+                   for policy, endpoint in outlet_endpoints.items()
+                   if policy != policies.DEFAULT}
+    except BaseException:
+        link.close()
+        raise
     log.info("assembler: experience on %s, trajectories on %s, receipts on %s, horizon %d",
              cfg.experience, ", ".join(f"{endpoint} ({policy})" if len(pushes) > 1 else endpoint
                                        for policy, endpoint in outlet_endpoints.items()),
              cfg.receipts, cfg.horizon)
-    try:
-        assembler = Assembler(cfg, node.SocketPorts(pushes), log,
-                              outlet_endpoints=outlet_endpoints)
-        # Completed handshakes only: a raw TCP connection adds no event (and the monitor's
-        # queue, which blocks libzmq's I/O thread when full, stays empty under a port scan).
-        events = {name + " events": node.Port(sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED), monitor=True) for name, sock in pushes.items()}
-        ports = {**events,
-                 PortName.RECEIPTS: node.Port(sockets[PortName.RECEIPTS], (p.Receipt,)),
-                 PortName.EXPERIENCE: node.Port(sockets[PortName.EXPERIENCE],
-                                                (p.Experience, p.WorkerLost)),
-                 **{name: node.Port(sock) for name, sock in pushes.items()}}
-        return node.Loop(assembler, ports, link, stop).run()
-    finally:
-        for sock in pushes.values():
-            sock.disable_monitor()
-        wiring.destroy(ctx, topology.LINGER_MS)
+    assembler = Assembler(cfg, node.SocketPorts(pushes), log, outlet_endpoints=outlet_endpoints)
+    # Completed handshakes only: a raw TCP connection adds no event (and the monitor's
+    # queue, which blocks libzmq's I/O thread when full, stays empty under a port scan).
+    events = {name + " events": node.Port(sock.get_monitor_socket(
+        zmq.EVENT_HANDSHAKE_SUCCEEDED), monitor=True) for name, sock in pushes.items()}
+    ports = {**events,
+             PortName.RECEIPTS: node.Port(sockets[PortName.RECEIPTS], (p.Receipt,)),
+             PortName.EXPERIENCE: node.Port(sockets[PortName.EXPERIENCE],
+                                            (p.Experience, p.WorkerLost)),
+             **{name: node.Port(sock) for name, sock in pushes.items()}}
+    return node.Opened(assembler, ports, link,
+                       cleanup=functools.partial(_disable_monitors, list(pushes.values())))
+
+
+def _disable_monitors(sockets: list[zmq.Socket]) -> None:
+    for sock in sockets:
+        sock.disable_monitor()

@@ -41,8 +41,10 @@ import numpy as np
 import zmq
 
 from stepbus import policy
-from stepbus.bus import node, policies, wiring
+from stepbus.bus import node, policies, topology, wiring
 from stepbus.bus import protocol as p
+from stepbus.bus.exits import Exit, SettingError
+from stepbus.bus.topology import PortName, Role
 from stepbus.policy import ModelConfig
 from stepbus.trainer import algorithm
 from stepbus.trainer.algorithm import CannotStart, PPOConfig
@@ -196,6 +198,7 @@ class Learner(node.Process):
     and "drain" (the end of the shutdown drain)."""
 
     role = "trainer"
+    sockets = Role.LEARNER
 
     def __init__(self, cfg: Config, model: Model, progress: Progress, policy_dir: Path,
                  ports: node.Ports, log: logging.Logger, *, name: str, incarnation: str,
@@ -397,7 +400,7 @@ class Learner(node.Process):
                    first_due=self.now)
 
     def request_shutdown(self, now: float) -> None:
-        self.send("controller", p.ShutdownRequest(reason=self.done))
+        self.send(PortName.CONTROLLER, p.ShutdownRequest(reason=self.done))
 
     def beat_while_learning(self) -> None:
         """After every gradient step: a long update is not a dead learner."""
@@ -416,7 +419,7 @@ class Learner(node.Process):
 
     # -- what goes out
     def publish(self, starving: bool = False) -> None:
-        self.send("policy", p.Weights(
+        self.send(PortName.POLICY, p.Weights(
             trainer=self.name, incarnation=self.incarnation, policy=self.cfg.policy_name,
             version=self.progress.version, consumed_steps=self.steps_taken,
             batch_steps=self.cfg.ppo.batch_steps, starving=starving,
@@ -448,7 +451,7 @@ class Learner(node.Process):
         if msg is None:
             return
         self.last_receipts = now
-        if self.send("receipts", msg):
+        if self.send(PortName.RECEIPTS, msg):
             self.receipts.delivered()
             return
         if not self.receipts.warned and now - (self.receipts.pending_since or now) > \
@@ -535,7 +538,7 @@ class Learner(node.Process):
     def send_reset_request(self, now: float) -> None:
         msg = self.curriculum.request(now)
         if msg is not None:
-            self.send("controller", msg)
+            self.send(PortName.CONTROLLER, msg)
 
     def on_reply(self, peer: bytes, msg: p.Reply) -> None:
         if self.curriculum.asked is not None:  # the barrier it asked for
@@ -608,87 +611,75 @@ class Learner(node.Process):
                       self.counts.trajectories, self.rejects.total)
 
 
-@dataclass
-class Links:
-    """Everything the learner talks through; `run` builds it."""
+class LearnerSetup(node.Process):
+    """The learner before it learns: it says hello to the broker until the broker's ENV_SPEC
+    says what the workers step, and waits for the controller's run id (or --run-dir); then
+    the `Learner` takes its place on the same loop and sockets (`successor`). Trajectories
+    are not read yet: they wait in their queue (`holds`)."""
 
-    log: logging.Logger
-    stop: node.StopFlag
-    link: node.ControllerLink
-    broker: zmq.Socket  # DEALER: hellos and weights to the broker, its ENV_SPEC back
-    intake: zmq.Socket  # PULL: trajectories from the assembler
-    assembler_events: zmq.Socket  # the intake's disconnects: the assembler has finished
-    receipts: zmq.Socket  # PUSH: receipts to the assembler
-    rejects: node.RejectLog
-    slot: SlotBeat
-    name: str
-    incarnation: str
+    role = "trainer"
+    sockets = Role.LEARNER
 
-    def beat(self, now: float, figures: Callable[[], dict] | None = None) -> None:
-        """Heartbeats to the controller and to the slot, while setting up."""
-        self.link.beat(now, figures)
+    def __init__(self, cfg: Config, ports: node.Ports, log: logging.Logger, *, name: str,
+                 controller_beat: Callable[[float], object] | None = None,
+                 slot: SlotBeat | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(ports, log, name=name, clock=clock)
+        self.cfg, self.controller_beat = cfg, controller_beat
+        self.slot = slot or SlotBeat()
+        self.incarnation = uuid.uuid4().hex[:8]
+        self.env_spec: p.EnvSpec | None = None
+        self.algo_class = _check_settings(cfg)
+        self.every("hello", node.HEARTBEAT_INTERVAL_S, self.hello, first_due=self.now)
+        self.every("slot_beat", node.HEARTBEAT_INTERVAL_S, self.beat_slot, first_due=self.now)
+        self.at("note", self.now + SETUP_NOTE_S, self.note_waiting)
+
+    def hello(self, now: float) -> None:
+        self.send(PortName.POLICY, p.TrainerHello(trainer=self.name, policy=self.cfg.policy_name))
+
+    def beat_slot(self, now: float) -> None:
         self.slot.beat(now)
-        if self.slot.gone and not self.stop:
-            self.stop.reason = "its trainer slot is gone"
+        if self.slot.gone:
+            self.stop("its trainer slot is gone")
 
-    def running(self) -> bool:
-        return not self.stop and not self.link.shutdown_reason
+    def holds(self, port: str) -> bool:
+        return port == PortName.TRAJECTORIES
 
-    def ports(self) -> dict[str, node.Port]:
-        """What the loop receives on."""
-        return {"trajectories": node.Port(self.intake, (p.Trajectory, p.Trajectories)),
-                "policy": node.Port(self.broker, (p.EnvSpec,)),
-                "assembler_events": node.Port(self.assembler_events, monitor=True)}
+    def on_env_spec(self, peer: bytes, msg: p.EnvSpec) -> None:
+        self.env_spec = msg
+        self.start_if_ready()
 
-    def sending(self) -> node.SocketPorts:
-        return node.SocketPorts({"policy": self.broker, "receipts": self.receipts,
-                                 "controller": self.link.dealer})
+    def on_run_state(self, peer: bytes, msg: p.RunState) -> None:
+        super().on_run_state(peer, msg)
+        self.start_if_ready()
 
+    def run_dir(self) -> Path | None:
+        if self.cfg.run_dir:
+            return Path(self.cfg.run_dir)
+        if self.run_state is not None:
+            return Path(self.cfg.runs_dir) / self.run_state.run_id
+        return None
 
-def run(cfg: Config) -> int:
-    log = node.setup_logging("trainer")
-    # SIGUSR1 is the trainer slot's "hand over": checkpoint and leave at once (what this
-    # learner has not learned from, the assembler sends to the next one).
-    stop = node.StopFlag((signal.SIGINT, signal.SIGTERM, signal.SIGUSR1))
-    MetricsFiles.preload()
-    ctx = wiring.context(cfg.security)
-    name = os.environ.get("HONCHO_PROCESS_NAME") or f"trainer-{pysocket.gethostname()}"
-    link = node.ControllerLink(ctx, role="trainer", name=name, controller=cfg.controller,
-                               broadcast=cfg.broadcast, log=log)
-    # Weights are only worth sending fresh; what a killed learner had queued is sent again.
-    broker = wiring.socket(ctx, zmq.DEALER, connect=cfg.policy, sndhwm=4)
-    intake = wiring.socket(ctx, zmq.PULL, connect=cfg.trajectories, rcvhwm=64)
-    assembler_events = intake.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-    receipts = wiring.socket(ctx, zmq.PUSH, connect=cfg.receipts, immediate=True)
-    io = Links(log, stop, link, broker, intake, assembler_events, receipts,
-               node.RejectLog(log), SlotBeat.from_env(), name, uuid.uuid4().hex[:8])
-    try:
-        return _learn(cfg, io)
-    finally:
-        intake.disable_monitor()
-        wiring.destroy(ctx, wiring.LINGER_MS)
+    def start_if_ready(self) -> None:
+        run_dir = self.run_dir()
+        if run_dir is None or self.env_spec is None or self.stop_reason:
+            return
+        try:
+            self.successor = _start(self, run_dir, self.env_spec)
+        except CannotStart as exc:
+            self.log.error("%s", exc)
+            self.exit_code = Exit.SETTING
+            self.stop("cannot start")
+
+    def note_waiting(self, now: float) -> None:
+        _note_waiting(self.cfg, self.log, self.run_dir() is not None, self.env_spec is not None)
+
+    def figures(self) -> dict[str, Any]:
+        return {"state": "starting", **self.rejects.figures()}
 
 
-def _learn(cfg: Config, io: Links) -> int:
-    """Set up, then run the learner on the loop, which closes the controller link."""
-    learner: Learner | None = None
-    code = 0
-    try:
-        learner = _start(cfg, io)
-    except CannotStart as exc:
-        io.log.error("%s", exc)
-        code = 2
-    finally:
-        if learner is None:
-            io.link.close()
-    if learner is None:
-        return code
-    return node.Loop(learner, io.ports(), io.link, io.stop).run()
-
-
-def _start(cfg: Config, io: Links) -> Learner | None:
-    """The learner, once the controller and the broker have said what it learns for; None if
-    told to stop first. Raises CannotStart."""
+def _check_settings(cfg: Config) -> algorithm.AlgorithmClass:
+    """What can be refused before anything is heard: CannotStart naming the setting."""
     try:
         policies.check_name(cfg.policy_name)
     except ValueError as exc:
@@ -697,28 +688,70 @@ def _start(cfg: Config, io: Links) -> Learner | None:
         policy.check_model(cfg.models)
     except policy.ModelUnavailable as exc:
         raise CannotStart(str(exc)) from exc
-    algo_class = algorithm.load(cfg.algo)
-    setup = wait_for_setup(cfg, io)
-    if setup is None:
-        return None
-    run_dir, env_spec = setup
+    return algorithm.load(cfg.algo)
+
+
+def open_learner(ctx: zmq.Context, cfg: Config, log: logging.Logger, *,
+                 name: str = "") -> node.Opened:
+    """A learner's setup process on its sockets, what it receives where, and its controller
+    link: for its own process (`run`) or one runner of many (`stepbus run`). Raises
+    SettingError."""
+    name = name or os.environ.get("HONCHO_PROCESS_NAME") or f"trainer-{pysocket.gethostname()}"
+    link = node.ControllerLink(ctx, role="trainer", name=name, controller=cfg.controller,
+                               broadcast=cfg.broadcast, log=log)
+    try:
+        sockets = topology.open_role(ctx, Role.LEARNER, topology.endpoints_of(cfg))
+        intake = sockets[PortName.TRAJECTORIES]
+        ports = {PortName.TRAJECTORIES: node.Port(intake, (p.Trajectory, p.Trajectories)),
+                 PortName.POLICY: node.Port(sockets[PortName.POLICY], (p.EnvSpec,)),
+                 # the intake's disconnects: in the shutdown drain, the assembler has finished
+                 "assembler_events": node.Port(intake.get_monitor_socket(
+                     zmq.EVENT_DISCONNECTED), monitor=True)}
+        setup = LearnerSetup(cfg, node.SocketPorts({**sockets, PortName.CONTROLLER: link.dealer}),
+                             log, name=name, controller_beat=link.beat, slot=SlotBeat.from_env())
+    except CannotStart as exc:
+        link.close()
+        raise SettingError(str(exc)) from None
+    except BaseException:
+        link.close()
+        raise
+    return node.Opened(setup, ports, link, cleanup=intake.disable_monitor)
+
+
+def run(cfg: Config) -> int:
+    log = node.setup_logging("trainer")
+    # SIGUSR1 is the trainer slot's "hand over": checkpoint and leave at once (what this
+    # learner has not learned from, the assembler sends to the next one).
+    stop = node.StopFlag((signal.SIGINT, signal.SIGTERM, signal.SIGUSR1))
+    MetricsFiles.preload()
+    try:
+        return node.run_role(lambda ctx: open_learner(ctx, cfg, log), cfg.security, stop)
+    except SettingError as exc:  # said in the log too, which the slot passes on
+        log.error("%s", exc)
+        return Exit.SETTING
+
+
+def _start(setup: LearnerSetup, run_dir: Path, env_spec: p.EnvSpec) -> Learner:
+    """The learner, once the controller and the broker have said what it learns for. Raises
+    CannotStart."""
+    cfg = setup.cfg
     run_dir.mkdir(parents=True, exist_ok=True)
     _link_latest(run_dir)
     # Each policy's learner keeps its own checkpoint and metrics.
     policy_dir = (run_dir if cfg.policy_name == policies.DEFAULT
                   else run_dir / f"policy-{cfg.policy_name}")
     policy_dir.mkdir(exist_ok=True)
-    model = _model(cfg, algo_class, env_spec, policy_dir)
+    model = _model(cfg, setup.algo_class, env_spec, policy_dir)
     ckpt = policy_dir / checkpoint_name(cfg.models)
     progress = Progress()
     if ckpt.exists():
         progress = progress_of(model.resume(ckpt), ckpt)
-        io.log.info("resumed from %s (version %d, generation %d, %d env steps)",
-                    ckpt, progress.version, progress.generation, progress.env_steps)
-    return Learner(cfg, model, progress, policy_dir, io.sending(), io.log, name=io.name,
-                   incarnation=io.incarnation, newest_version=env_spec.policy_version,
-                   slot=io.slot, controller_beat=io.link.beat, rejects=io.rejects,
-                   env=env_spec)
+        setup.log.info("resumed from %s (version %d, generation %d, %d env steps)",
+                       ckpt, progress.version, progress.generation, progress.env_steps)
+    return Learner(cfg, model, progress, policy_dir, setup.ports, setup.log, name=setup.name,
+                   incarnation=setup.incarnation, newest_version=env_spec.policy_version,
+                   slot=setup.slot, controller_beat=setup.controller_beat,
+                   rejects=setup.rejects, env=env_spec, clock=setup.clock)
 
 
 def checkpoint_name(models: policy.ModelConfig) -> str:
@@ -741,39 +774,6 @@ def _model(cfg: Config, algo_class: algorithm.AlgorithmClass, env_spec: p.EnvSpe
     from stepbus.trainer import torch_ppo  # imports torch: only for a torch model
 
     return torch_ppo.TorchModel(cfg.models, cfg.algo, env_spec, cfg.ppo, cfg.seed)
-
-
-def wait_for_setup(cfg: Config, io: Links) -> tuple[Path, p.EnvSpec] | None:
-    """Block (with a log line) until the controller gave the run id and the broker the spec;
-    None if told to stop first. Trajectories are not read yet: they wait in their queue."""
-    poller = zmq.Poller()
-    for sock in (io.broker, *io.link.sockets()):
-        poller.register(sock, zmq.POLLIN)
-    env_spec: p.EnvSpec | None = None
-    started, noted, next_hello = time.monotonic(), False, 0.0
-    while io.running():
-        now = time.monotonic()
-        io.beat(now, lambda: {"state": "starting"})
-        if now >= next_hello:
-            node.send(io.broker, p.TrainerHello(trainer=io.name, policy=cfg.policy_name),
-                      block=False)
-            next_hello = now + node.HEARTBEAT_INTERVAL_S
-        events = dict(poller.poll(node.MAX_POLL_MS))
-        io.link.poll(events)
-        if io.broker in events:
-            _, msg = node.recv(io.broker, io.rejects)
-            if isinstance(msg, p.EnvSpec):
-                env_spec = msg
-        state = io.link.state
-        have_run = bool(cfg.run_dir) or state is not None
-        if have_run and env_spec is not None:
-            run_dir = Path(cfg.run_dir) if cfg.run_dir or state is None else (
-                Path(cfg.runs_dir) / state.run_id)
-            return run_dir, env_spec
-        if not noted and now - started > SETUP_NOTE_S:
-            noted = True
-            _note_waiting(cfg, io.log, have_run, env_spec is not None)
-    return None
 
 
 def _note_waiting(cfg: Config, log: logging.Logger, have_run: bool, have_spec: bool) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import logging
 import os
 import signal
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import zmq
 
 from stepbus.bus import checks, node, rows, shm, topology, wiring
 from stepbus.bus import protocol as p
@@ -355,28 +357,44 @@ def run(cfg: Config) -> int:
     except CannotCreateEnv as exc:  # a typo in --env deserves one clear line, not a traceback
         log.error("%s", exc)
         return Exit.SETTING
-    ctx = wiring.context(cfg.security)
+    try:
+        return node.run_role(functools.partial(_open_alarmed, cfg, log, envs, stop),
+                             cfg.security, stop)
+    except EnvFailure as exc:
+        log.error("%s; worker exiting", exc)
+        return Exit.FAILED
+
+
+def _open_alarmed(cfg: Config, log: logging.Logger, envs: EnvSet, stop: node.StopFlag,
+                  ctx: zmq.Context) -> node.Opened | None:
+    """A worker alone in its process owns SIGALRM, for heartbeats during slow env steps."""
+    opened = open_worker(ctx, cfg, log, envs, stop)
+    if opened is not None:
+        assert isinstance(opened.process, Worker)
+        opened.process.take_alarm()
+    return opened
+
+
+def open_worker(ctx: zmq.Context, cfg: Config, log: logging.Logger, envs: EnvSet,
+                stop: node.StopFlag) -> node.Opened | None:
+    """None: told to stop while waiting to learn where the broker is (envs closed)."""
     link = node.ControllerLink(ctx, role="worker", name=cfg.name, controller=cfg.controller,
                                broadcast=cfg.broadcast, log=log)
     # On another host a worker needs only the controller's address: it says where the rest is.
     steps = cfg.steps or link.discover("steps", stop)
-    if not steps:
-        envs.close()
+    try:
+        if not steps:
+            envs.close()
+            return None
+        dealer = topology.open_role(ctx, Role.WORKER, {"steps": steps},
+                                    name=cfg.name)[PortName.STEPS]
+    except BaseException:
         link.close()
-        wiring.destroy(ctx, topology.LINGER_MS)
-        return 0  # told to stop while waiting
-    dealer = topology.open_role(ctx, Role.WORKER, {"steps": steps}, name=cfg.name)[PortName.STEPS]
-    worker = Worker(cfg, node.SocketPorts({"steps": dealer, "controller": link.dealer}),
+        raise
+    worker = Worker(cfg, node.SocketPorts({PortName.STEPS: dealer,
+                                           PortName.CONTROLLER: link.dealer}),
                     log, controller_beat=link.beat, envs=envs)
     log.info("%s: %d x %s%s, connecting to %s", cfg.name, cfg.envs_per_worker, cfg.env,
              f" ({len(worker.envs.agents)} agents each)" if worker.envs.agents else "", steps)
-    worker.take_alarm()
-    try:
-        return node.Loop(worker, {"steps": node.Port(dealer, (p.Reset, p.Step, p.EnvCall))}, link,
-                         stop).run()
-    except EnvFailure as exc:
-        log.error("%s; worker exiting", exc)
-        return 1
-    finally:
-        worker.close()
-        wiring.destroy(ctx, topology.LINGER_MS)
+    return node.Opened(worker, {PortName.STEPS: node.Port(dealer, (p.Reset, p.Step, p.EnvCall))},
+                       link, cleanup=worker.close)
