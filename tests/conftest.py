@@ -172,9 +172,8 @@ def honcho(cluster: Cluster, *args: str, target: str | None = None) -> subproces
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     honcho_bin = shutil.which("honcho", path=env["PATH"])
     assert honcho_bin, "honcho is a dependency"
-    return subprocess.Popen([honcho_bin, "start", *args], cwd=cluster.dir, env=env,
-                            stdout=open(cluster.dir / "honcho.out", "wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return cluster.group.start([honcho_bin, "start", *args], name="honcho",
+                               log=cluster.dir / "honcho.out", env=env).popen
 
 
 def never_taken_in(assembler_log: str) -> int:
