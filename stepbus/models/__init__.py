@@ -1,1 +1,1 @@
-"""Implementations of `stepbus.policy.Policy`."""
+"""Implementations of `stepbus.policy.Policy` (`stepbus.models.base`)."""

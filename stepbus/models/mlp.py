@@ -23,7 +23,7 @@ import numpy as np
 
 from stepbus import spaces
 from stepbus.bus import protocol as p
-from stepbus.policy import ActionSpace, NoWeights, Params, Policy
+from stepbus.models.base import ActionSpace, NoWeights, Params, Policy
 
 _LOG_2PI = math.log(2.0 * math.pi)
 

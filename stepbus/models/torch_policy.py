@@ -23,7 +23,7 @@ from torch import nn
 from stepbus import spaces
 from stepbus.bus import protocol as p
 from stepbus.bus import rows
-from stepbus.policy import ModelUnavailable, NoWeights, Params, Policy, State
+from stepbus.models.base import ModelUnavailable, NoWeights, Params, Policy, State
 
 TRIAL_ROWS = 2  # a module acts once on this many zero observations (and as many of the last
 # it acted on), to see it fits and, with new weights, that they act
