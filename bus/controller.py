@@ -138,6 +138,11 @@ class PeerTable:
             del self.by_id[ident]
         return list(dead.values())
 
+    def heard_from_all(self, now: float) -> None:
+        """A new liveness allowance for everyone: the silence was ours."""
+        for peer in self.by_id.values():
+            peer.last_seen = now
+
     def next_expiry(self) -> float:
         """The earliest time a peer could be dead, if nothing is heard from it (inf: none)."""
         return min((q.last_seen for q in self.by_id.values()), default=math.inf) + LIVENESS_S
@@ -409,6 +414,13 @@ class Controller(node.Process):
 
     def rebroadcast(self, now: float) -> None:
         self.send(PortName.PUB, p.Shutdown(reason="shutdown"))
+
+    def on_stalled(self, seconds: float) -> None:
+        """Not run for `seconds` (SIGSTOP, starved, or the serial runner busy elsewhere): what
+        looks like everyone's silence is ours."""
+        self.log.warning("the controller itself did not run for %.1fs (stopped, or starved of "
+                         "CPU): every process gets a new liveness allowance", seconds)
+        self.peers.heard_from_all(self.clock())
 
     def tick(self, now: float) -> float:
         if self.phase is Phase.SHUTTING_DOWN:

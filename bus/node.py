@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar, overload
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from stepbus import entry
+from stepbus import early_signals
 from stepbus.bus import protocol as p
 from stepbus.bus import topology, wiring
 from stepbus.bus.topology import AnyPort, PortName, Role
@@ -55,8 +55,8 @@ class StopFlag:
         self.reason = ""
         for sig in signals:
             signal.signal(sig, self._on_signal)
-        if entry.EARLY_SIGNALS:  # arrived while the process was still importing
-            self.reason = signal.Signals(entry.EARLY_SIGNALS[0]).name
+        if early_signals.EARLY_SIGNALS:  # arrived while the process was still importing
+            self.reason = signal.Signals(early_signals.EARLY_SIGNALS[0]).name
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.reason = self.reason or signal.Signals(signum).name
@@ -677,7 +677,9 @@ class Loop:
             self.register(name)
         self.watch_fds: set[int] = set()  # the process's `wake_on_readable_fds`, as polled
         self.signalled = False  # the process was told of a signal
-        self.last_mark, self.last_cpu = process.clock(), time.process_time()  # see `mark_time`
+        self.shared = poller is not None  # one thread for several loops: see `cpu_time`
+        self.own_cpu, self.entered_cpu = 0.0, 0.0  # CPU of this loop's turns; at this one's start
+        self.last_mark, self.last_cpu = process.clock(), self.cpu_time()  # see `mark_time`
         self.look_again = math.inf  # the process's own next deadline (`tick`)
         self.stage = Stage.RUNNING
         self.stage_port, self.stage_deadline = "", 0.0  # draining or awaiting: where, until
@@ -699,8 +701,26 @@ class Loop:
             self.closed = True
             self.link.close()
 
+    def cpu_time(self) -> float:
+        """CPU seconds this loop's process used: the OS process's, or on a shared thread the
+        sum of this loop's turns (`prepare` and `advance` count theirs)."""
+        if not self.shared:
+            return time.process_time()
+        return self.own_cpu + (time.process_time() - self.entered_cpu if self.entered_cpu
+                               else 0.0)
+
     def prepare(self) -> int:
         """Heartbeat and due timers; how long the next poll may wait (ms)."""
+        if not self.shared:
+            return self.prepare_turn()
+        self.entered_cpu = time.process_time()
+        try:
+            return self.prepare_turn()
+        finally:
+            self.own_cpu += time.process_time() - self.entered_cpu
+            self.entered_cpu = 0.0
+
+    def prepare_turn(self) -> int:
         if self.stage is not Stage.RUNNING:
             return 0 if self.stage is Stage.DRAINING else STAGE_POLL_MS
         if self.hand_over_signal():
@@ -715,6 +735,17 @@ class Loop:
 
     def advance(self, events: dict[Any, int], timeout_ms: int) -> None:
         """Act on what the poll found (`events` may hold other loops' sockets too)."""
+        if not self.shared:
+            self.advance_turn(events, timeout_ms)
+            return
+        self.entered_cpu = time.process_time()
+        try:
+            self.advance_turn(events, timeout_ms)
+        finally:
+            self.own_cpu += time.process_time() - self.entered_cpu
+            self.entered_cpu = 0.0
+
+    def advance_turn(self, events: dict[Any, int], timeout_ms: int) -> None:
         if self.stage is Stage.RUNNING:
             self.turn(events, timeout_ms)
         elif self.stage is Stage.DRAINING:
@@ -812,8 +843,9 @@ class Loop:
         """The time now; tells the process if more than `allowed_s` (a poll's timeout) plus
         STALLED_S passed since the last mark without it using the CPU: it was stopped or
         starved, not its peers. Time it spent working (slow inference, say) is not a stall, or
-        a slow process would never find a peer dead."""
-        now, cpu = self.process.clock(), time.process_time()
+        a slow process would never find a peer dead. On a shared thread (the serial runner)
+        only the CPU of this loop's own turns is its work: time the others took is a stall."""
+        now, cpu = self.process.clock(), self.cpu_time()
         late = now - self.last_mark - allowed_s - (cpu - self.last_cpu)
         self.last_mark, self.last_cpu = now, cpu
         if late > STALLED_S:

@@ -28,7 +28,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from stepbus import __version__, single_thread_blas  # noqa: F401  (before numpy loads)
+
+# isort: split
 from stepbus import plot as stepbus_plot
+from stepbus import serial
 from stepbus import status as status_view
 from stepbus.bus import broker, controller, node, supervisor, topology, wiring
 from stepbus.bus import protocol as p
@@ -61,6 +64,11 @@ KEYS_HELP = ("create CURVE keys: a server keypair (for the processes that bind: 
 PLOT_HELP = ("draw RUN_DIR's metrics.jsonl into one PNG: mean return vs env steps and vs wall "
              "time, env steps/s, policy lag p50/p99 (one line per policy); exits 1 if RUN_DIR "
              "has no metrics")
+RUN_HELP = (
+    "the whole pipeline in this one process, for debugging your env, model or algorithm and "
+    "for fast tests: every role on one thread over inproc:// sockets, trained until the goal "
+    "as `honcho start` would. An exception raises here with its own traceback (try `python -m "
+    "pdb -m stepbus run ...`); nothing is restarted or supervised")
 SUPERVISE_HELP = (
     "run `stepbus ROLE FLAGS` as a child and restart it whenever it dies (what each Procfile "
     "line does): at once if it had run 30 s, else after 0.5, 1, 2, 5, 10, 30 s; after "
@@ -101,18 +109,25 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+def _add_config_flags(parser: argparse.ArgumentParser, cls: type,
+                      skip: set[str] | None = None) -> None:
     """One flag per field; a field whose default comes from a variable (`wiring.from_env`)
-    names it, and one whose default is decided later (None) says how ("default_help")."""
+    names it, and one whose default is decided later (None) says how ("default_help").
+    `skip`: fields not to add, to which the added ones are added (several Configs' flags on
+    one command: a field two share is one flag)."""
     hints = typing.get_type_hints(cls)
     docs = _field_docs(cls)
     for f in dataclasses.fields(cls):
+        if skip is not None:
+            if f.name in skip:
+                continue
+            skip.add(f.name)
         hint = hints[f.name]
         default: Any = (f.default if not callable(f.default_factory)  # every field has one
                         else f.default_factory())
         if dataclasses.is_dataclass(hint):
             group = parser.add_argument_group(f"{f.name} settings")
-            _add_config_flags(group, hint)  # type: ignore[arg-type]
+            _add_config_flags(group, hint, skip)  # type: ignore[arg-type]
             continue
         doc = f.metadata.get("help") or docs.get(f.name, "")
         if wiring.ENV_VAR in f.metadata:
@@ -191,7 +206,7 @@ def _build_config(cls: type, args: argparse.Namespace) -> Any:
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
             values[f.name] = _build_config(hints[f.name], args)
-        else:
+        elif hasattr(args, f.name):  # else a field the command has no flag for: its default
             values[f.name] = getattr(args, f.name)
     return cls(**values)
 
@@ -295,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (cls, _, doc) in PROCESSES.items():
         _add_config_flags(sub.add_parser(name, help=doc, description=doc, allow_abbrev=False), cls)
+    _add_run_parser(sub)
     plot = sub.add_parser("plot", help=PLOT_HELP, description=PLOT_HELP)
     plot.add_argument("run_dir", metavar="RUN_DIR", type=Path,
                       help="a run directory, e.g. runs/latest")
@@ -335,6 +351,26 @@ def build_parser() -> argparse.ArgumentParser:
                            "keypair and the server's public key from KEYS_DIR, whose "
                            "authorized/ gets the new public key")
     return parser
+
+
+def _add_run_parser(sub: Any) -> None:
+    """`stepbus run` takes the flags of the five processes (one flag for a setting two share,
+    as --seed or --model), less what a serial run decides itself (`serial.NOT_SERIAL`)."""
+    cmd = sub.add_parser("run", help=RUN_HELP, description=RUN_HELP, allow_abbrev=False)
+    skip = set(serial.NOT_SERIAL)
+    for cls in (serial.Config, worker.Config, assembler.Config, learner.Config, broker.Config,
+                controller.Config):
+        _add_config_flags(cmd, cls, skip)
+
+
+def _run_serial(args: argparse.Namespace) -> int:
+    roles = serial.Roles(controller=_build_config(controller.Config, args),
+                         broker=_build_config(broker.Config, args),
+                         worker=_build_config(worker.Config, args),
+                         assembler=_build_config(assembler.Config, args),
+                         learner=_build_config(learner.Config, args),
+                         run=_build_config(serial.Config, args))
+    return serial.run(roles)
 
 
 def _add_supervise_parser(sub: Any) -> None:
@@ -453,6 +489,8 @@ def _command(argv: list[str]) -> int:
             cls, run, _ = PROCESSES[args.command]
             code = run(_build_config(cls, args))
         _exit_now(code)
+    if args.command == "run":
+        return _run_serial(args)
     if args.command == "keys":
         for path in wiring.make_keys(args.dir, args.client_of):
             print(path)

@@ -16,7 +16,7 @@ import traceback
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -32,12 +32,27 @@ from stepbus.workers.envs import (
     space_spec,
 )
 
-if TYPE_CHECKING:
-    from stepbus.workers.worker import Config
-
 T = TypeVar("T")
 
 RESTART_WINDOW_S = 60.0  # --max-env-restarts-per-minute counts recreations within this window
+
+
+class EnvSettings(Protocol):
+    """What an env set reads of its worker's settings (workers/worker.py's `Config`), named
+    here so that this module need not import the worker, which imports it."""
+
+    @property
+    def env(self) -> str: ...
+    @property
+    def envs_per_worker(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def worker_index(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def max_env_restarts_per_minute(self) -> int: ...
 
 
 class EnvFailure(RuntimeError):
@@ -71,10 +86,11 @@ class EnvSet:
     `worker.Worker.on_alarm`).
     """
 
-    def __init__(self, cfg: Config, report: Callable[[p.RemoteError], None],
+    def __init__(self, cfg: EnvSettings, report: Callable[[p.RemoteError], None],
                  log: logging.Logger, tick: Callable[[], None] = lambda: None) -> None:
         self.cfg, self.report, self.log, self.tick = cfg, report, log, tick
         self.in_env = False
+        self.raise_errors = False  # an env's exception ends the run instead (`_recreate`)
         self.restarts: collections.deque[float] = collections.deque()  # recent recreations
         self.envs = [self._env_call(make_env, cfg.env) for _ in range(cfg.envs_per_worker)]
         self.spec = space_spec(self.envs[0],
@@ -341,7 +357,11 @@ class EnvSet:
                   counted: bool = True) -> Any:
         """Report the error, replace env i, and return what its reset gave: (observation, info),
         maps by agent for a parallel env; past the restart
-        bound, raise EnvFailure instead (one line for the operator, not endless tracebacks)."""
+        bound, raise EnvFailure instead (one line for the operator, not endless tracebacks).
+        With `raise_errors` (the serial runner, for debugging) the env's exception is raised
+        as it is, with its own traceback."""
+        if self.raise_errors:
+            raise exc
         self.errors += 1
         tb = traceback.format_exc()
         now = time.monotonic()
