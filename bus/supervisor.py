@@ -41,7 +41,7 @@ import zmq
 from stepbus.bus import launch, node, topology, wiring
 from stepbus.bus import protocol as p
 from stepbus.bus.exits import Exit, SettingError
-from stepbus.entry import EARLY_SIGNALS
+from stepbus.early_signals import EARLY_SIGNALS
 
 BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # restart delays after quick deaths
 STEADY_S = 30.0  # a child that ran this long before dying is restarted at once

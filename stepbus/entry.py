@@ -7,9 +7,10 @@ from __future__ import annotations
 import signal
 import sys
 
+from stepbus.early_signals import EARLY_SIGNALS
+
 PROCESS_COMMANDS = ("controller", "broker", "worker", "assembler", "trainer", "learner",
                     "supervise")
-EARLY_SIGNALS: list[int] = []  # read by the process's stop flag once its loop starts
 
 
 def main() -> int:
