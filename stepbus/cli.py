@@ -363,14 +363,24 @@ def _add_run_parser(sub: Any) -> None:
         _add_config_flags(cmd, cls, skip)
 
 
+def serial_roles(flags: list[str]) -> serial.Roles:
+    """The settings of a serial run from `stepbus run` flags (for tests and notebooks: then
+    `serial.run(roles)`). A bad flag exits 2, as on the command line."""
+    return _roles(build_parser().parse_args(["run", *flags]))
+
+
 def _run_serial(args: argparse.Namespace) -> int:
-    roles = serial.Roles(controller=_build_config(controller.Config, args),
+    node.setup_logging("run")
+    return serial.run(_roles(args))
+
+
+def _roles(args: argparse.Namespace) -> serial.Roles:
+    return serial.Roles(controller=_build_config(controller.Config, args),
                          broker=_build_config(broker.Config, args),
                          worker=_build_config(worker.Config, args),
                          assembler=_build_config(assembler.Config, args),
                          learner=_build_config(learner.Config, args),
                          run=_build_config(serial.Config, args))
-    return serial.run(roles)
 
 
 def _add_supervise_parser(sub: Any) -> None:

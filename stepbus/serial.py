@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -71,7 +72,8 @@ def wired(config: Any, endpoints: dict[str, str]) -> Any:
 def run(roles: Roles) -> int:
     """Train until the goal (or a stop), every role on this thread; the exit code. Raises
     whatever an env, model or algorithm raises, and SettingError for a bad setting."""
-    log = node.setup_logging("run")
+    log = logging.getLogger("stepbus.run")
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     stop = node.StopFlag()
     endpoints = inproc_endpoints()
     ctx = wiring.context(None)
@@ -87,6 +89,8 @@ def run(roles: Roles) -> int:
         for o in opened:
             o.cleanup()
         wiring.destroy(ctx, 0)
+        for sig, handler in handlers.items():  # the caller's again (a test, a notebook)
+            signal.signal(sig, handler)
 
 
 def _openers(roles: Roles, endpoints: dict[str, str]) -> list[Any]:

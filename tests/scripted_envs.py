@@ -55,6 +55,24 @@ def flaky_cartpole() -> gym.Env:
     return Flaky(gym.make("CartPole-v1"))
 
 
+class Hundredth(gym.Wrapper):
+    """CartPole that raises at its 100th step: a bug to find under the serial runner."""
+
+    def __init__(self, env: gym.Env) -> None:
+        super().__init__(env)
+        self.steps = 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps == 100:
+            raise ZeroDivisionError("the hundredth step divides by zero")  # HUNDREDTH LINE
+        return self.env.step(action)
+
+
+def hundredth_step_raises() -> gym.Env:
+    return Hundredth(gym.make("CartPole-v1"))
+
+
 class Slow(gym.Wrapper):
     """CartPole whose every step takes 0.5 s of wall time (a simulator behind a socket)."""
 
