@@ -17,6 +17,7 @@ from stepbus.bus import broker, node, worker_table
 from stepbus.bus import protocol as p
 from stepbus.bus.credit import DETERMINISM_GIVE_UP_S
 from stepbus.bus.node import RejectLog
+from stepbus.bus.topology import AnyPort, PortName
 from stepbus.models import mlp
 from stepbus.policy import ActionSpace
 from stepbus.workers import envs
@@ -415,9 +416,9 @@ class FullExperienceQueue(node.Outbox):
     """The experience port says it has room, then cannot queue: the race (the assembler's
     queue filled or it went away in between) that the broker counts as dropped."""
 
-    def send(self, port: str, msg: p.Message, *, to: bytes | None = None,
+    def send(self, port: AnyPort, msg: p.Message, *, to: bytes | None = None,
              block: bool = False) -> bool:
-        return port != "experience" and super().send(port, msg, to=to, block=block)
+        return port != PortName.EXPERIENCE and super().send(port, msg, to=to, block=block)
 
 
 def test_a_result_the_assembler_cannot_take_is_counted_against_its_socket_not_the_worker():
