@@ -97,6 +97,30 @@ def test_no_import_cycle() -> None:
     assert not cycle, "import cycle: " + " -> ".join(cycle)
 
 
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for name in graph.get(todo.pop(), ()):
+            if name not in seen:
+                seen.add(name)
+                todo.append(name)
+    return seen
+
+
+def test_the_algorithm_interface_imports_no_implementation() -> None:
+    """A plug-in depends on the contract only, not on the PPO that happens to be the default."""
+    found = {m for m in reachable(import_graph(), "stepbus.trainer.algorithm")
+             if m.startswith(("stepbus.trainer.", "stepbus.models."))}
+    assert not found, f"trainer/algorithm.py imports {sorted(found)}"
+
+
+def test_the_recurrent_ppo_does_not_import_the_feed_forward_one() -> None:
+    assert "stepbus.trainer.torch_ppo" not in reachable(import_graph(),
+                                                        "stepbus.trainer.torch_recurrent")
+
+
 def long_functions(root: Path) -> Iterator[str]:
     for path in python_files(root):
         tree = ast.parse(path.read_text(), str(path))
@@ -104,7 +128,18 @@ def long_functions(root: Path) -> Iterator[str]:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 lines = (node.end_lineno or node.lineno) - node.lineno + 1
                 if lines > MAX_FUNCTION_LINES:
-                    yield f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({lines} lines)"
+                    where = f"{path.relative_to(root.parent)}:{node.lineno}"
+                    yield f"{where} {node.name} ({lines} lines)"
+
+
+def test_a_long_function_is_found(tmp_path: Path) -> None:
+    """Def line to last line: 60 fit, 61 do not, a method as well as a function."""
+    fits = ["def fits():", *(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES - 1))]
+    long = ["class C:", "    def long(self):",
+            *(f"        x{i} = {i}" for i in range(MAX_FUNCTION_LINES))]
+    (tmp_path / "m.py").write_text("\n".join([*fits, "", *long, ""]))
+    assert list(long_functions(tmp_path)) == [
+        f"{tmp_path.name}/m.py:{len(fits) + 3} long ({MAX_FUNCTION_LINES + 1} lines)"]
 
 
 def test_no_long_function() -> None:
