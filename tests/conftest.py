@@ -145,6 +145,19 @@ def pytest_runtest_makereport(
     setattr(item, f"rep_{rep.when}", rep)
 
 
+def serial_run(runs_dir: Path, *flags: str) -> list[dict[str, Any]]:
+    """`stepbus run FLAGS` in this process (controller, broker, workers, assembler and learner
+    on one thread, sockets on inproc://); it must exit 0. Its metrics records. For tests that
+    train or check a training behaviour: what only real processes show (kills, freezes,
+    supervision, CURVE, TCP) stays on `Cluster`. An env's, a model's or an algorithm's
+    exception raises here, failing the test with its own traceback."""
+    from stepbus import cli, serial
+
+    assert serial.run(cli.serial_roles(["--runs-dir", str(runs_dir), *flags])) == 0
+    text = (runs_dir / "latest" / "metrics.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines() if line]
+
+
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
              interval: float = 0.05) -> Any:
     """Poll a cheap predicate until it holds; fail with `what` on timeout."""

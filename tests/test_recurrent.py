@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
 import zmq
-from conftest import EVERY_UPDATE, Cluster, TrajectoryInbox, send_message, wait_for
-from test_deterministic import cluster_of_its_own
+from conftest import EVERY_UPDATE, Cluster, TrajectoryInbox, send_message, serial_run, wait_for
 from test_memory import START
-from test_spaces import learns_through_processes
+from test_spaces import learns
 
 from stepbus import policy
 from stepbus.bus import protocol as p
@@ -180,28 +180,24 @@ def test_first_states_survive_horizon_cuts_and_resends_through_real_processes(
 
 
 @pytest.mark.parametrize("env", ("space_envs:masked_pair_obs",))
-def test_an_lstm_learns_with_agents_and_masks_through_real_processes(cluster: Cluster,
-                                                                     env: str) -> None:
+def test_an_lstm_learns_with_agents_and_masks(tmp_path: Path, env: str) -> None:
     """torch-lstm on a PettingZoo env whose agents' Dict observations carry action masks."""
-    learns_through_processes(cluster, env, "torch-lstm", envs_per_worker=8)
+    learns(tmp_path, env, "torch-lstm", envs_per_worker=8)
 
 
-def deterministic_digests(seed: int) -> list[str]:
-    """A --deterministic run of torch-lstm on the memory task, 4 updates; each one's digest."""
-    with cluster_of_its_own() as c:
-        model, s = {"STEPBUS_MODEL": "torch-lstm"}, str(seed)
-        procs = [c.start("controller"), c.start("broker", "--seed", s, "--deterministic",
-                                                env=model),
-                 c.start("assembler"),
-                 c.start("worker", "--name", "w0", "--seed", s, "--env", TASK),
-                 c.start("learner", "--seed", s, "--target-return", "0", "--max-updates", "4",
-                         *EVERY_UPDATE, env=model)]
-        assert [proc.wait(90) for proc in procs] == [0] * 5
-        return [record["digest"] for record in c.metrics()]
+def deterministic_digests(runs_dir: Path, seed: int) -> list[str]:
+    """A --deterministic run of torch-lstm on the memory task, 4 updates (the serial runner);
+    each one's digest."""
+    s = str(seed)
+    records = serial_run(runs_dir / s, "--model", "torch-lstm", "--seed", s, "--deterministic",
+                         "--env", TASK, "--target-return", "0", "--max-updates", "4",
+                         *EVERY_UPDATE)
+    return [record["digest"] for record in records]
 
 
-def test_deterministic_runs_of_an_lstm_are_identical() -> None:
-    first, second, other = (deterministic_digests(seed) for seed in (5, 5, 6))
+def test_deterministic_runs_of_an_lstm_are_identical(tmp_path: Path) -> None:
+    first, second, other = (deterministic_digests(tmp_path / str(i), seed)
+                            for i, seed in enumerate((5, 5, 6)))
     assert len(first) == 4 and first == second
     assert all(a != b for a, b in zip(first, other, strict=True))
 

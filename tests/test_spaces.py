@@ -4,13 +4,14 @@ checked, acted on and learned from, in-process and through real processes."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import gymnasium as gym
 import msgpack
 import numpy as np
 import pytest
 import space_envs
-from conftest import Cluster
+from conftest import serial_run
 
 from stepbus import policy, spaces
 from stepbus.bus import checks
@@ -136,22 +137,16 @@ def test_multi_discrete_log_probs_sum_over_dimensions_and_masks_zero_them() -> N
 
 
 @pytest.mark.parametrize("name", MATCHES + MASKED)
-def test_each_space_kind_learns_end_to_end_through_real_processes(cluster: Cluster,
-                                                                  name: str) -> None:
-    """Worker, broker (numpy MLP), assembler and learner on each kind: the learner reaches a
-    return that only the observation's leaves (and the masks) make possible, and stops the
-    run; no env ever raised (a masked action would have)."""
-    procs = cluster.start_all(
-        trainer="learner", worker_args=("--env", f"space_envs:{name}", "--envs-per-worker", "16"),
-        trainer_args=("--target-return", "7.5", "--max-env-steps", "300000",
-                      "--batch-steps", "1024", "--n-epochs", "10"))
-    codes = {n: proc.wait(120) for n, proc in procs.items()}
-    assert set(codes.values()) == {0}, codes
-    records = cluster.metrics()
+def test_each_space_kind_learns_end_to_end(tmp_path: Path, name: str) -> None:
+    """Worker, broker (numpy MLP), assembler and learner on each kind (the serial runner): the
+    learner reaches a return that only the observation's leaves (and the masks) make
+    possible, and stops the run; no env ever raised (a masked action would have: the serial
+    runner raises an env's exception)."""
+    records = serial_run(tmp_path, "--env", f"space_envs:{name}", "--envs-per-worker", "16",
+                         "--target-return", "7.5", "--max-env-steps", "300000",
+                         "--batch-steps", "1024", "--n-epochs", "10")
     assert records[-1]["mean_return"] >= 7.5, records[-1]
     assert records[-1]["env_steps"] < 300_000
-    for proc in procs.values():
-        assert "Traceback" not in proc.output() and "Forbidden" not in proc.output()
 
 
 @pytest.mark.parametrize("name", (*MASKED, "match_dict"))
@@ -178,33 +173,22 @@ def test_the_built_in_torch_model_takes_every_space_and_never_a_masked_action(
 
 
 @pytest.mark.parametrize("name", ("match_dict", "masked_obs"))
-def test_torch_models_learn_other_spaces_and_masks_through_real_processes(
-        cluster: Cluster, name: str) -> None:
-    """STEPBUS_MODEL=torch: the built-in torch MLP on a nested Dict with MultiDiscrete actions,
-    and on PettingZoo-style masks inside the observation."""
+def test_torch_models_learn_other_spaces_and_masks(tmp_path: Path, name: str) -> None:
+    """--model torch: the built-in torch MLP on a nested Dict with MultiDiscrete actions, and
+    on PettingZoo-style masks inside the observation."""
     pytest.importorskip("torch")
-    learns_through_processes(cluster, f"space_envs:{name}", "torch", envs_per_worker=16)
+    learns(tmp_path, f"space_envs:{name}", "torch", envs_per_worker=16)
 
 
-def learns_through_processes(cluster: Cluster, env: str, model: str, *,
-                             envs_per_worker: int) -> None:
+def learns(runs_dir: Path, env: str, model: str, *, envs_per_worker: int) -> None:
     """Controller, broker and learner with `model`, an assembler and one worker on `env` (a
-    matching game of space_envs): the learner reaches 7.5 of 8 and ends the run, every process
-    exits 0, and no env raised (a masked action would have)."""
-    given = {"STEPBUS_MODEL": model}
-    procs = {"controller": cluster.start("controller"),
-             "broker": cluster.start("broker", env=given),
-             "assembler": cluster.start("assembler"),
-             "worker": cluster.start("worker", "--name", "w0", "--env", env,
-                                     "--envs-per-worker", str(envs_per_worker)),
-             "learner": cluster.start("learner", "--target-return", "7.5", "--max-env-steps",
-                                      "300000", "--batch-steps", "1024", "--n-epochs", "10",
-                                      env=given)}
-    codes = {n: proc.wait(150) for n, proc in procs.items()}
-    assert set(codes.values()) == {0}, codes
-    assert cluster.metrics()[-1]["mean_return"] >= 7.5
-    for proc in procs.values():
-        assert "Traceback" not in proc.output() and "Forbidden" not in proc.output()
+    matching game of space_envs), on the serial runner: the learner reaches 7.5 of 8 and ends
+    the run with exit 0, and no env raised (a masked action would have, and the serial
+    runner raises an env's exception)."""
+    records = serial_run(runs_dir, "--model", model, "--env", env, "--envs-per-worker",
+                         str(envs_per_worker), "--target-return", "7.5", "--max-env-steps",
+                         "300000", "--batch-steps", "1024", "--n-epochs", "10")
+    assert records[-1]["mean_return"] >= 7.5
 
 
 @pytest.mark.parametrize("name", ("masked_pair_obs", "masked_pair_info"))
