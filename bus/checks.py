@@ -91,6 +91,12 @@ def spec_problem(spec: p.SpaceSpec) -> str:
         action = policy.action_space(spec)
     except ValueError as exc:
         return f"{type(exc).__name__}: {exc}"[:200]
+    # Sizes before anything is built of them: a Box space of a billion numbers allocates its
+    # bounds (gigabytes, seconds) before any check of it could refuse it.
+    raw = (sum(math.prod(leaf.shape) for leaf in spec.obs_leaves) if spec.obs_leaves
+           else math.prod(spec.obs_shape))
+    if raw > MAX_OBS_NUMBERS:
+        return f"observations of {raw:,} numbers a row, over {MAX_OBS_NUMBERS:,}"
     if spec.obs_leaves:
         problem = spaces.spec_problem(spec)
         if problem or spec.obs_shape or spec.obs_dtype:
@@ -99,8 +105,6 @@ def spec_problem(spec: p.SpaceSpec) -> str:
         return f"obs_shape {spec.obs_shape}"[:200]
     elif spec.obs_dtype not in p.ALLOWED_DTYPES:
         return f"obs_dtype {spec.obs_dtype}"[:200]
-    raw = (sum(math.prod(leaf.shape) for leaf in spec.obs_leaves) if spec.obs_leaves
-           else math.prod(spec.obs_shape))
     numbers = max(raw, spaces.flat_dim(spec))
     if numbers > MAX_OBS_NUMBERS:
         return f"observations of {numbers:,} numbers a row, over {MAX_OBS_NUMBERS:,}"

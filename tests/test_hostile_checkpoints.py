@@ -29,9 +29,10 @@ from stepbus import policy
 from stepbus.bus import broker, node
 from stepbus.bus import protocol as p
 from stepbus.models import torch_agents, torch_policy
-from stepbus.trainer import algorithm, checkpoint, learner, ppo, torch_ppo
+from stepbus.trainer import algorithm, checkpoint, learner, ppo
 from stepbus.trainer.algorithm import CannotStart
 from stepbus.trainer.model import Model
+from stepbus.trainer.torch_model import TorchModel
 from stepbus.workers import envs
 
 CARTPOLE = p.SpaceSpec([4], "<f4", "discrete", action_n=2)
@@ -52,8 +53,8 @@ class Touch:
         return (Path.touch, (self.path,))
 
 
-def torch_model(seed: int = 1) -> torch_ppo.TorchModel:
-    return torch_ppo.TorchModel(TORCH, "stepbus.trainer.ppo:PPO", ENV_SPEC, ppo.PPOConfig(),
+def torch_model(seed: int = 1) -> TorchModel:
+    return TorchModel(TORCH, "stepbus.trainer.ppo:PPO", ENV_SPEC, ppo.PPOConfig(),
                                 seed=seed)
 
 

@@ -26,7 +26,7 @@ pytest.importorskip("torch")
 import torch
 
 from stepbus.models import torch_policy
-from stepbus.trainer import ppo, torch_ppo, torch_recurrent
+from stepbus.trainer import ppo, torch_model, torch_recurrent
 
 TASK = "stepbus.workers.tasks:cartpole_no_velocity"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -67,11 +67,11 @@ def envset(env: str, k: int = 4) -> EnvSet:
 
 
 def lstm_on(env: str, k: int, config: ppo.PPOConfig, seed: int
-            ) -> tuple[EnvSet, torch_ppo.TorchModel, policy.Policy]:
+            ) -> tuple[EnvSet, torch_model.TorchModel, policy.Policy]:
     """k envs of `env`, a torch-lstm learner's model for them, and a broker's policy acting
     with its first weights."""
     envs = envset(env, k=k)
-    model = torch_ppo.TorchModel(policy.ModelConfig(model="torch-lstm"),
+    model = torch_model.TorchModel(policy.ModelConfig(model="torch-lstm"),
                                  "stepbus.trainer.ppo:PPO",
                                  p.EnvSpec(env_id=env, spec=envs.spec, policy_version=0),
                                  config, seed=seed)

@@ -116,9 +116,10 @@ def test_the_algorithm_interface_imports_no_implementation() -> None:
     assert not found, f"trainer/algorithm.py imports {sorted(found)}"
 
 
-def test_the_recurrent_ppo_does_not_import_the_feed_forward_one() -> None:
-    assert "stepbus.trainer.torch_ppo" not in reachable(import_graph(),
-                                                        "stepbus.trainer.torch_recurrent")
+def test_the_torch_ppos_do_not_import_each_other() -> None:
+    graph = import_graph()
+    assert "stepbus.trainer.torch_ppo" not in reachable(graph, "stepbus.trainer.torch_recurrent")
+    assert "stepbus.trainer.torch_recurrent" not in reachable(graph, "stepbus.trainer.torch_ppo")
 
 
 def long_functions(root: Path) -> Iterator[str]:

@@ -28,11 +28,12 @@ def test_a_misspelt_port_is_refused_by_the_outbox() -> None:
     assert [s.port for s in outbox.take_sent()] == [PortName.PUB]
 
 
-def test_every_role_opens_its_declared_sockets_with_their_options(tmp_path: object) -> None:
+def test_every_role_opens_its_declared_sockets_with_their_options() -> None:
     ctx = zmq.Context()
-    endpoints = {name: f"inproc://{name}" for name in wiring.ENDPOINTS}
     try:
         for role, specs in topology.ROLES.items():
+            # endpoints of each role's own: a closed socket's inproc name is freed later
+            endpoints = {name: f"inproc://{role.value}-{name}" for name in wiring.ENDPOINTS}
             sockets = topology.open_role(ctx, role, endpoints, name="w0")
             for spec in specs:
                 sock = sockets[spec.port]

@@ -26,7 +26,7 @@ from stepbus import policy
 from stepbus.bus import broker, node
 from stepbus.bus import protocol as p
 from stepbus.models import mlp, torch_agents, torch_policy
-from stepbus.trainer import ppo, torch_ppo
+from stepbus.trainer import ppo, torch_model, torch_ppo
 from stepbus.trainer.algorithm import CannotStart
 from stepbus.workers import envs
 
@@ -231,7 +231,7 @@ def test_the_example_model_in_the_docs_acts_and_trains(tmp_path: Path,
     (tmp_path / "docs_model.py").write_text(example.split("```")[0])
     monkeypatch.syspath_prepend(str(tmp_path))
     env_spec = p.EnvSpec(env_id="CartPole-v1", spec=CARTPOLE, policy_version=0)
-    model = torch_ppo.TorchModel(policy.ModelConfig(model="docs_model:make"),
+    model = torch_model.TorchModel(policy.ModelConfig(model="docs_model:make"),
                                  "stepbus.trainer.ppo:PPO", env_spec, ppo.PPOConfig(), seed=0)
     stats = model.update([ppo.Trajectory(
         obs=np.zeros((32, 4), np.float32), actions=np.zeros(32, np.int64),
@@ -258,7 +258,7 @@ def test_torch_ppo_is_reproducible_from_the_seed_bit_for_bit() -> None:
                             bootstrap_obs=np.ones(4, np.float32)) for i in range(8)]
     runs = []
     for seed in (3, 3, 4):
-        model = torch_ppo.TorchModel(TORCH, "stepbus.trainer.ppo:PPO", env_spec,
+        model = torch_model.TorchModel(TORCH, "stepbus.trainer.ppo:PPO", env_spec,
                                      ppo.PPOConfig(minibatch_size=64, n_epochs=2), seed=seed)
         stats = [model.update(batch, tick=lambda: None) for _ in range(3)]
         runs.append((stats, model.weights()))
@@ -271,7 +271,7 @@ def test_torch_ppo_is_reproducible_from_the_seed_bit_for_bit() -> None:
 def test_a_torch_checkpoint_is_safetensors_and_resumes_weights_and_adam_exactly(
         tmp_path: Path) -> None:
     env_spec = p.EnvSpec(env_id="CartPole-v1", spec=CARTPOLE, policy_version=0)
-    model = torch_ppo.TorchModel(TORCH, "stepbus.trainer.ppo:PPO", env_spec, ppo.PPOConfig(),
+    model = torch_model.TorchModel(TORCH, "stepbus.trainer.ppo:PPO", env_spec, ppo.PPOConfig(),
                                  seed=1)
     rng = np.random.default_rng(0)
     batch = [ppo.Trajectory(obs=rng.normal(size=(64, 4)).astype(np.float32),
@@ -284,7 +284,7 @@ def test_a_torch_checkpoint_is_safetensors_and_resumes_weights_and_adam_exactly(
     model.save(path, {"version": 7})
     assert path.read_bytes()[8:9] == b"{", "a safetensors file: a length, then a JSON header"
 
-    again = torch_ppo.TorchModel(TORCH, "stepbus.trainer.ppo:PPO", env_spec, ppo.PPOConfig(),
+    again = torch_model.TorchModel(TORCH, "stepbus.trainer.ppo:PPO", env_spec, ppo.PPOConfig(),
                                  seed=2)
     assert again.resume(path) == {"version": 7}
     for key, value in model.weights().items():
@@ -297,7 +297,7 @@ def test_a_torch_checkpoint_is_safetensors_and_resumes_weights_and_adam_exactly(
 
     other = dataclasses.replace(env_spec, spec=p.SpaceSpec([5], "<f4", "discrete", action_n=2))
     with pytest.raises(CannotStart, match="does not fit this model"):
-        torch_ppo.TorchModel(TORCH, "stepbus.trainer.ppo:PPO", other, ppo.PPOConfig(),
+        torch_model.TorchModel(TORCH, "stepbus.trainer.ppo:PPO", other, ppo.PPOConfig(),
                              seed=0).resume(path)
 
 

@@ -771,9 +771,9 @@ def _model(cfg: Config, algo_class: algorithm.AlgorithmClass, env_spec: p.EnvSpe
                           f"{cfg.models.model}: start a new run, or use that model")
     if name == CHECKPOINT:
         return Model(algo_class, env_spec, cfg.ppo, cfg.seed, name=cfg.algo)
-    from stepbus.trainer import torch_ppo  # imports torch: only for a torch model
+    from stepbus.trainer import torch_model  # imports torch: only for a torch model
 
-    return torch_ppo.TorchModel(cfg.models, cfg.algo, env_spec, cfg.ppo, cfg.seed)
+    return torch_model.TorchModel(cfg.models, cfg.algo, env_spec, cfg.ppo, cfg.seed)
 
 
 def _note_waiting(cfg: Config, log: logging.Logger, have_run: bool, have_spec: bool) -> None:

@@ -2,7 +2,7 @@
 trainer/ppo.py's PPO by default), its params, which the broker acts with, and the spaces that
 trajectories are checked against. The learner knows the model through `Model` only, and
 `Model` knows the spaces and parameters through `stepbus.policy`; a torch model's is
-trainer/torch_ppo.py's `TorchModel`.
+trainer/torch_model.py's `TorchModel`.
 """
 
 from __future__ import annotations
