@@ -15,13 +15,12 @@ import logging
 import os
 import signal
 import socket as pysocket
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from stepbus.bus import node, supervisor
+from stepbus.bus import launch, node, supervisor
 from stepbus.bus import protocol as p
 from stepbus.bus.supervisor import Running
 from stepbus.bus.topology import PortName
@@ -52,7 +51,7 @@ class Slot(supervisor.Supervisor):
         """`args` are the slot's own learner flags; `validate(args)` says why a swap's flags
         are unusable ("" if they are fine); `command` runs a learner (before its flags)."""
         super().__init__(ports, log, name=name, args=args, clock=clock,
-                         command=command or [sys.executable, "-m", "stepbus", "learner"],
+                         command=command or launch.role_command("learner"),
                          beat_env=learner.SLOT_BEAT_FD_ENV)
         self.validate = validate
         self.swap: Swap | None = None
