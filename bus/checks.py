@@ -25,6 +25,7 @@ MAX_CATEGORIES = 1 << 20  # of all categorical action dimensions together
 # 1 GiB first layer for the MLP. One 1024x1024 RGBA frame fits exactly; a hello claiming a
 # billion numbers would have made them allocate without bound.
 MAX_OBS_NUMBERS = 1 << 22
+MAX_GOAL_NOTE = 300  # characters of SpaceSpec.goal_note
 
 
 def hello_rows_problem(msg: p.WorkerHello) -> str:
@@ -120,6 +121,8 @@ def spec_problem(spec: p.SpaceSpec) -> str:
         return f"{action.kind} actions of shape {action.shape}, {sum(action.nvec)} categories"
     if spec.reward_threshold is not None and not math.isfinite(spec.reward_threshold):
         return f"reward_threshold {spec.reward_threshold}"  # NaN would mismatch every later hello
+    if len(spec.goal_note) > MAX_GOAL_NOTE:  # a line of the learner's log
+        return f"a goal note of {len(spec.goal_note)} characters, over {MAX_GOAL_NOTE}"
     return ""
 
 

@@ -71,8 +71,9 @@ import numpy as np
 from stepbus.bus import rows
 from stepbus.bus.rows import Obs
 
-PROTOCOL_VERSION = 6  # 2: RUN_STATE's horizon; 3: SpaceSpec's goal; 4: every Gymnasium space;
-# 5: vector envs (RESET's seeds, rows and modes, the relay's kinds); 6: WEIGHTS' checkpointed_steps
+PROTOCOL_VERSION = 7  # 2: RUN_STATE's horizon; 3: SpaceSpec's goal; 4: every Gymnasium space;
+# 5: vector envs (RESET's seeds, rows and modes, the relay's kinds); 6: WEIGHTS' checkpointed_steps;
+# 7: SpaceSpec's goal_note
 
 # Decoding cost grows with the header's bytes and its lists and maps (each one allocated,
 # checked, freed), so both are bounded: any header, valid or not, decodes in at most 3 to 4
@@ -457,6 +458,8 @@ class SpaceSpec:
     reward_threshold: float | None = None
     obs_leaves: list[LeafSpec] = field(default_factory=list)
     action_nvec: list[int] = field(default_factory=list)  # multi_discrete: each dim's count
+    # Why the env's reward_threshold is no goal for these episodes ("": it is, or it has none).
+    goal_note: str = ""
 
 
 @dataclass(frozen=True)

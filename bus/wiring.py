@@ -70,9 +70,13 @@ ENDPOINT = "endpoint"
 REQUIRED, DISCOVERABLE = "required", "discoverable"
 
 
-def from_env(env_var: str, default: str, help: str, **metadata: str) -> Any:
+CHECK = "check"  # a Config field's metadata key: a function raising ValueError for a bad value
+
+
+def from_env(env_var: str, default: str, help: str, **metadata: Any) -> Any:
     """A Config field whose default is `env_var` when set (honcho reads `.env`, so one line
-    there sets it for every process), else `default`. `--help` names the variable."""
+    there sets it for every process), else `default`. `--help` names the variable; a `check`
+    (CHECK) refuses a bad value where it is parsed."""
     return field(default_factory=lambda: os.environ.get(env_var) or default,
                  metadata={"help": help, ENV_VAR: env_var, **metadata})
 

@@ -144,6 +144,8 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type,
             item = _number(int, f.metadata)
             kwargs["type"] = lambda s, item=item: tuple(item(x) for x in s.split(",") if x)
             kwargs["metavar"] = "N,N"
+        elif wiring.CHECK in f.metadata:
+            kwargs["type"] = _checked(f.metadata[wiring.CHECK], f.metadata.get(wiring.ENV_VAR))
         elif wiring.ENDPOINT in f.metadata:
             kwargs["type"] = _endpoint(f.metadata[wiring.ENV_VAR],
                                        f.metadata[wiring.ENDPOINT] == wiring.DISCOVERABLE)
@@ -182,6 +184,21 @@ def _number(kind: type, bounds: typing.Mapping[str, Any]) -> Callable[[str], Any
         return value
 
     parse.__name__ = kind.__name__
+    return parse
+
+
+def _checked(check: Callable[[str], object], env_var: str | None) -> Callable[[str], str]:
+    """An argparse type for a text flag whose field says how to check it (wiring.CHECK)."""
+
+    def parse(text: str) -> str:
+        try:
+            check(text)
+        except ValueError as exc:
+            source = f" (from {env_var})" if env_var and os.environ.get(env_var) == text else ""
+            raise argparse.ArgumentTypeError(f"{exc}{source}") from None
+        return text
+
+    parse.__name__ = "text"
     return parse
 
 

@@ -108,7 +108,7 @@ def action_fields(act: gym.Space) -> dict[str, Any]:
 
 
 def describe(obs: gym.Space, act: gym.Space, *, info_mask: bool = False,
-             reward_threshold: float | None = None) -> p.SpaceSpec:
+             reward_threshold: float | None = None, goal_note: str = "") -> p.SpaceSpec:
     """The spaces as a worker declares them. `info_mask`: the env gives `info["action_mask"]`.
 
     Raises:
@@ -125,8 +125,9 @@ def describe(obs: gym.Space, act: gym.Space, *, info_mask: bool = False,
         found.append(p.LeafSpec(MASK, "mask", [width], np.dtype(bool).str))
     if isinstance(obs, gym.spaces.Box) and len(found) == 1:
         return p.SpaceSpec(list(obs.shape), obs.dtype.str, reward_threshold=reward_threshold,
-                           **fields)
-    return p.SpaceSpec([], "", obs_leaves=found, reward_threshold=reward_threshold, **fields)
+                           goal_note=goal_note, **fields)
+    return p.SpaceSpec([], "", obs_leaves=found, reward_threshold=reward_threshold,
+                       goal_note=goal_note, **fields)
 
 
 # ---------------------------------------------------------------------------------------------

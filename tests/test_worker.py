@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from stepbus import cli, clidoc
+from stepbus.bus import protocol as p
+from stepbus.trainer import learner
 from stepbus.workers.envs import episode_seed, make_env, space_spec
 from stepbus.workers.worker import Config, EnvFailure, EnvSet
 
@@ -71,6 +73,33 @@ def test_spaces_are_described_for_the_learner():
     assert space_spec(make_env("Acrobot-v1")).reward_threshold == -100.0
     assert space_spec(make_env("scripted_envs:stamp_frames")).reward_threshold is None, (
         "an env a callable made without a spec has none")
+
+
+def test_env_kwargs_reach_gym_make_and_a_threshold_the_episodes_cannot_reach_is_no_goal():
+    """`--env-kwargs '{"max_episode_steps": 200}'`: CartPole's episodes end at 200 steps, so
+    its registered 475 is no goal; the learner says why and sets none (else the run could
+    never end, silently). Longer episodes keep it."""
+    envs = EnvSet(Config(env_kwargs='{"max_episode_steps": 200}', envs_per_worker=2),
+                  lambda error: None, logging.getLogger("test"))
+    assert envs.envs[0].spec.max_episode_steps == 200
+    spec = space_spec(envs.envs[0])
+    assert spec.reward_threshold is None
+    assert "475 is for episodes of up to 500 steps, and these end at 200" in spec.goal_note
+    longer = space_spec(make_env("CartPole-v1", {"max_episode_steps": 800}))
+    assert longer.reward_threshold == 475.0 and not longer.goal_note
+    env = p.EnvSpec(env_id="CartPole-v1", spec=spec, policy_version=0)
+    target, line = learner.goal(learner.Config(max_env_steps=1000), env)
+    assert target is None and "these end at 200" in line and "--max-env-steps 1000" in line
+
+
+@pytest.mark.parametrize("text, says", [("[1]", "a JSON object of keyword arguments"),
+                                        ('{"a": 1', "not JSON"), ("nan", "not JSON")])
+def test_bad_env_kwargs_are_refused_naming_the_flag(text: str, says: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.build_parser().parse_args(["worker", "--env-kwargs", text])
+    assert exit_info.value.code == 2
+    assert f"argument --env-kwargs: {says}" in capsys.readouterr().err
 
 
 class Probe(gym.Wrapper):

@@ -141,6 +141,7 @@ def goal(cfg: Config, env: p.EnvSpec | None) -> tuple[float | None, str]:
         threshold = env.spec.reward_threshold if env is not None else None
         target = threshold if threshold is not None and math.isfinite(threshold) else None
         source = (f"{env_id}'s reward_threshold" if target is not None
+                  else f"{env_id}: {env.spec.goal_note}" if env is not None and env.spec.goal_note
                   else f"{env_id} has no reward_threshold")
     limits = [f"--{flag} {value}" for flag, value in (("max-updates", cfg.max_updates),
                                                       ("max-env-steps", cfg.max_env_steps))

@@ -8,8 +8,9 @@ per possible agent). PettingZoo is not imported: a parallel env is recognised by
 from __future__ import annotations
 
 import hashlib
+import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import gymnasium as gym
@@ -18,16 +19,30 @@ from stepbus import imports, spaces
 from stepbus.bus import protocol as p
 
 
-def make_env(env: str) -> Any:
+def make_env(env: str, kwargs: Mapping[str, Any] | None = None) -> Any:
     """A Gymnasium id (`CartPole-v1`, `module:Env-v0`) or a `module:factory` callable returning
-    a Gymnasium env or a PettingZoo ParallelEnv."""
+    a Gymnasium env or a PettingZoo ParallelEnv; `kwargs` go to `gym.make` or the callable."""
     _, colon, attr = env.partition(":")
     if colon and all(part.isidentifier() for part in attr.split(".")):
-        made = imports.load_object(env)()
+        made = imports.load_object(env)(**(kwargs or {}))
         if not hasattr(made, "step") or not hasattr(made, "reset"):
             raise TypeError(f"{env} returned {type(made).__name__}, not an environment")
         return made
-    return gym.make(env)
+    return gym.make(env, **(kwargs or {}))
+
+
+def env_kwargs(text: str) -> dict[str, Any]:
+    """`--env-kwargs`: a JSON object ("" for none); ValueError saying what is wrong."""
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc.msg} at character {exc.pos}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"a JSON object of keyword arguments is needed, e.g. "
+                         f'\'{{"max_episode_steps": 200}}\', not {text!r}')
+    return value
 
 
 def agents_of(env: Any) -> list[str]:
@@ -53,12 +68,32 @@ def seed_spaces(env: Any, seed: int) -> None:
 def reward_threshold(env: Any) -> float | None:
     """The return the env's registration calls solved (`spec.reward_threshold`: CartPole-v1
     475, Acrobot-v1 -100); None for an env without one, or without a spec (an env a callable
-    built itself, a PettingZoo env)."""
+    built itself, a PettingZoo env), or whose episodes were cut shorter than those the
+    threshold was set for (`goal_note` says why)."""
     threshold = getattr(getattr(env, "spec", None), "reward_threshold", None)
     if isinstance(threshold, (int, float)) and not isinstance(threshold, bool) \
-            and math.isfinite(threshold):
+            and math.isfinite(threshold) and not goal_note(env):
         return float(threshold)
     return None
+
+
+def goal_note(env: Any) -> str:
+    """Why the env's reward_threshold is not a goal it can reach ("" when it may be): its
+    episodes end sooner than those of its registration (`gym.make(id, max_episode_steps=200)`
+    leaves CartPole-v1's 475, set for 500 steps, out of reach)."""
+    spec = getattr(env, "spec", None)
+    threshold = getattr(spec, "reward_threshold", None)
+    steps = getattr(spec, "max_episode_steps", None)
+    if spec is None or threshold is None or not steps:
+        return ""
+    try:
+        registered = gym.spec(spec.id).max_episode_steps
+    except gym.error.Error:  # made by a callable, registered under no id
+        return ""
+    if not registered or steps >= registered:
+        return ""
+    return (f"{spec.id}'s reward_threshold {threshold:g} is for episodes of up to {registered} "
+            f"steps, and these end at {steps} (max_episode_steps), so it is no goal")
 
 
 def space_spec(env: Any, probe: Callable[[], Any] | None = None) -> p.SpaceSpec:
@@ -89,7 +124,8 @@ def space_spec(env: Any, probe: Callable[[], Any] | None = None) -> p.SpaceSpec:
                 looked_at.close()
         infos = list(info.values()) if agents else [info]
         info_mask = any(isinstance(i, dict) and spaces.MASK in i for i in infos)
-    return spaces.describe(obs, act, info_mask=info_mask, reward_threshold=reward_threshold(env))
+    return spaces.describe(obs, act, info_mask=info_mask, reward_threshold=reward_threshold(env),
+                           goal_note=goal_note(env))
 
 
 def episode_seed(seed: int, worker_index: int, env_index: int, episode: int) -> int:

@@ -26,6 +26,7 @@ from stepbus.bus import rows as obs_rows
 from stepbus.bus.rows import Obs
 from stepbus.workers.envs import (
     agents_of,
+    env_kwargs,
     episode_seed,
     make_env,
     seed_spaces,
@@ -43,6 +44,8 @@ class EnvSettings(Protocol):
 
     @property
     def env(self) -> str: ...
+    @property
+    def env_kwargs(self) -> str: ...
     @property
     def envs_per_worker(self) -> int: ...
     @property
@@ -92,9 +95,11 @@ class EnvSet:
         self.in_env = False
         self.raise_errors = False  # an env's exception ends the run instead (`_recreate`)
         self.restarts: collections.deque[float] = collections.deque()  # recent recreations
-        self.envs = [self._env_call(make_env, cfg.env) for _ in range(cfg.envs_per_worker)]
+        self.kwargs = env_kwargs(cfg.env_kwargs)  # ValueError: the worker refuses to start
+        self.envs = [self._env_call(make_env, cfg.env, self.kwargs)
+                     for _ in range(cfg.envs_per_worker)]
         self.spec = space_spec(self.envs[0],
-                               probe=lambda: self._env_call(make_env, cfg.env))
+                               probe=lambda: self._env_call(make_env, cfg.env, self.kwargs))
         self.agents = agents_of(self.envs[0])  # names ([] for Gymnasium envs)
         # The env's own agent keys (PettingZoo allows any hashable) -> row within an env.
         self.agent_keys = list(self.envs[0].possible_agents) if self.agents else []
@@ -392,7 +397,7 @@ class EnvSet:
             self._env_call(self.envs[i].close)
         seed = self._new_episode(i)
         try:
-            self.envs[i] = self._env_call(make_env, self.cfg.env)
+            self.envs[i] = self._env_call(make_env, self.cfg.env, self.kwargs)
             seed_spaces(self.envs[i], seed)
             return self._env_call(self.envs[i].reset, seed=seed, options=options or None)
         except Exception as again:

@@ -36,7 +36,7 @@ from stepbus.bus import checks, node, rows, shm, topology, wiring
 from stepbus.bus import protocol as p
 from stepbus.bus.exits import Exit
 from stepbus.bus.topology import PortName, Role
-from stepbus.workers import calls
+from stepbus.workers import calls, envs
 from stepbus.workers.envset import EnvFailure, EnvSet
 
 __all__ = ["BUSY_BEATS", "Config", "EnvFailure", "EnvSet", "Worker", "run"]
@@ -71,6 +71,10 @@ class Config:
     env: str = wiring.from_env(
         "STEPBUS_ENV", "CartPole-v1", "Gymnasium id, or module:callable returning a Gymnasium "
         "env or a PettingZoo ParallelEnv (e.g. mpe2.simple_spread_v3:parallel_env)")
+    env_kwargs: str = wiring.from_env(
+        "STEPBUS_ENV_KWARGS", "", "keyword arguments for gym.make or the --env callable, as a "
+        """JSON object, e.g. '{"max_episode_steps": 200}' or '{"frameskip": 1}'""",
+        check=envs.env_kwargs)
     envs_per_worker: int = field(default=8, metadata={
         "min": 1, "max": checks.MAX_ENVS_PER_WORKER, "help": "environments hosted (K)"})
     seed: int = field(default=0, metadata={"min": 0,
@@ -107,6 +111,10 @@ def make_envs(cfg: Config, log: logging.Logger) -> EnvSet:
     if not 1 <= cfg.envs_per_worker <= checks.MAX_ENVS_PER_WORKER:
         raise CannotCreateEnv(f"--envs-per-worker must be 1 to {checks.MAX_ENVS_PER_WORKER}, "
                               f"not {cfg.envs_per_worker}")
+    try:
+        envs.env_kwargs(cfg.env_kwargs)
+    except ValueError as exc:
+        raise CannotCreateEnv(f"--env-kwargs: {exc}") from None
     try:
         return EnvSet(cfg, lambda error: None, log)
     except Exception as exc:
