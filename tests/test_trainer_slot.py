@@ -10,7 +10,8 @@ import sys
 import time
 from collections.abc import Callable
 
-from conftest import EVERY_UPDATE, Cluster, never_taken_in, status_rows, wait_for
+from conftest import EVERY_UPDATE, Cluster, never_taken_in, wait_for
+from controller_probe import shutdown, status_rows
 
 
 def row(cluster: Cluster, role: str) -> dict:
@@ -44,7 +45,7 @@ def test_a_killed_learner_is_restarted_by_its_slot_and_nothing_sent_to_it_is_los
                          10, "the assembler to see the new learner")
     print(f"swap gap {assembler['last_swap_gap_s']}s, {assembler['resent']} resent")
     assert procs["trainer"].popen.poll() is None, "the slot itself survives"
-    assert cluster.cli("shutdown").returncode == 0
+    assert shutdown(cluster)
     codes = {name: proc.wait(30) for name, proc in procs.items()}
     assert codes == dict.fromkeys(procs, 0), cluster.dump()
     assert never_taken_in(procs["assembler"].output()) == 0, procs["assembler"].output()[-2000:]
@@ -98,7 +99,7 @@ def test_swap_to_new_flags_and_algorithm_keeps_versions_rising_and_reverts_a_bad
     assert typo.returncode != 0 and "--no-such-flag" in typo.stderr
     assert row(cluster, "trainer")["pid"] == third["pid"], "a refused swap stops nothing"
 
-    assert cluster.cli("shutdown").returncode == 0
+    assert shutdown(cluster)
     codes = {name: proc.wait(30) for name, proc in procs.items()}
     assert codes == dict.fromkeys(procs, 0), cluster.dump()
     assert max(r["policy_version"] for r in cluster.metrics()) > swapped[0]["policy_version"]
@@ -126,7 +127,7 @@ def test_without_a_learner_stepping_pauses_and_the_next_learner_gets_everything(
     wait_for(lambda: assembler_steps() > paused_at, 60, "stepping to resume with a new learner")
     wait_for(lambda: any(r["generation"] == 2 for r in cluster.metrics()), 60,
              "the new learner's first update")
-    assert cluster.cli("shutdown").returncode == 0
+    assert shutdown(cluster)
     codes = {name: proc.wait(30) for name, proc in procs.items()}
     assert codes == dict.fromkeys(procs, 0), cluster.dump()
     assert never_taken_in(procs["assembler"].output()) == 0, procs["assembler"].output()[-2000:]
@@ -144,7 +145,7 @@ def test_a_frozen_learner_is_killed_by_its_slot_and_replaced(cluster: Cluster):
     wait_for(lambda: any(r["generation"] == 2 for r in cluster.metrics()), 60,
              "the replacement learning")
     assert "sent no heartbeat" in procs["trainer"].output()
-    assert cluster.cli("shutdown").returncode == 0
+    assert shutdown(cluster)
     codes = {name: proc.wait(30) for name, proc in procs.items()}
     assert codes == dict.fromkeys(procs, 0), cluster.dump()
 
@@ -215,7 +216,7 @@ def test_a_learner_killed_with_the_assembler_at_its_bound_does_not_stall_the_run
              "the next learner's first update")
     wait_for(lambda: row(cluster, "assembler").get("resent", 0) > 0, 10,
              "what the dead learner held to be sent again")
-    assert cluster.cli("shutdown").returncode == 0
+    assert shutdown(cluster)
     codes = {name: proc.wait(30) for name, proc in procs.items()}
     assert codes == dict.fromkeys(procs, 0), cluster.dump()
     assert never_taken_in(procs["assembler"].output()) == 0
@@ -233,6 +234,6 @@ def test_a_swap_loses_nothing_of_a_batch_the_old_learner_had_not_learned_from(
              "the second learner's first update")
     assembler = row(cluster, "assembler")
     assert assembler["resent"] >= taken, "every unlearned trajectory was sent again"
-    assert cluster.cli("shutdown").returncode == 0
+    assert shutdown(cluster)
     codes = {name: proc.wait(30) for name, proc in procs.items()}
     assert codes == dict.fromkeys(procs, 0), cluster.dump()

@@ -1,0 +1,36 @@
+"""The controller asked from the test process itself, with the request `stepbus status` and
+`stepbus shutdown` send: tests that poll the status would otherwise start a Python process per
+question (0.5-1 s each on two busy cores, most of it importing stepbus), time the cluster under
+test then waits for. What the commands themselves print and exit with is test_status's and
+test_exit_codes' to check."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import Cluster
+
+from stepbus import cli
+from stepbus import status as status_view
+from stepbus.bus import protocol as p
+
+
+def status_rows(cluster: Cluster, timeout: float = 2.0) -> list[dict]:
+    """The rows `stepbus status --json` prints, sorted as it does, or [] if the controller
+    does not answer within `timeout` (as conftest.status_rows)."""
+    try:
+        reply = cli._ask(cluster.endpoints["controller"], p.StatusRequest(), timeout)
+    except status_view.Unreachable:
+        return []
+    assert isinstance(reply, p.StatusReply), reply
+    shown = status_view.as_json({"run_id": reply.run_id, "epoch": reply.epoch,
+                                 "processes": reply.processes})
+    return json.loads(shown)["processes"]
+
+
+def shutdown(cluster: Cluster, timeout: float = 30.0) -> bool:
+    """`stepbus shutdown`'s request: whether the controller said yes (the command's exit 0)."""
+    reply = cli._ask(cluster.endpoints["controller"],
+                     p.ShutdownRequest(reason="stepbus shutdown"), timeout)
+    assert isinstance(reply, p.Reply), reply
+    return reply.ok
