@@ -15,11 +15,11 @@ from stepbus import status as status_view
 from stepbus.bus import protocol as p
 
 
-def status_rows(cluster: Cluster, timeout: float = 2.0) -> list[dict]:
+def status_rows(cluster: Cluster, timeout: float = 2.0, keys: str = "") -> list[dict]:
     """The rows `stepbus status --json` prints, sorted as it does, or [] if the controller
-    does not answer within `timeout` (as conftest.status_rows)."""
+    does not answer within `timeout` (as conftest.status_rows); `keys`: as --keys."""
     try:
-        reply = cli._ask(cluster.endpoints["controller"], p.StatusRequest(), timeout)
+        reply = cli._ask(cluster.endpoints["controller"], p.StatusRequest(), timeout, keys)
     except status_view.Unreachable:
         return []
     assert isinstance(reply, p.StatusReply), reply
@@ -28,9 +28,10 @@ def status_rows(cluster: Cluster, timeout: float = 2.0) -> list[dict]:
     return json.loads(shown)["processes"]
 
 
-def shutdown(cluster: Cluster, timeout: float = 30.0) -> bool:
-    """`stepbus shutdown`'s request: whether the controller said yes (the command's exit 0)."""
+def shutdown(cluster: Cluster, timeout: float = 30.0, keys: str = "") -> bool:
+    """`stepbus shutdown`'s request: whether the controller said yes (the command's exit 0);
+    `keys`: as --keys."""
     reply = cli._ask(cluster.endpoints["controller"],
-                     p.ShutdownRequest(reason="stepbus shutdown"), timeout)
+                     p.ShutdownRequest(reason="stepbus shutdown"), timeout, keys)
     assert isinstance(reply, p.Reply), reply
     return reply.ok

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import zmq
-from conftest import Cluster, status_rows, wait_for
+from conftest import Cluster, wait_for
+from controller_probe import shutdown, status_rows
 
 from stepbus.bus import topology, wiring
 
@@ -30,8 +31,8 @@ def keyed_socket(kind: int, endpoint: str, *, server: bytes | None = None,
     return sock
 
 
-def rejected(cluster: Cluster) -> dict[str, int]:
-    return {r["role"]: r.get("rejected", 0) for r in status_rows(cluster)}
+def rejected(cluster: Cluster, keys: Path) -> dict[str, int]:
+    return {r["role"]: r.get("rejected", 0) for r in status_rows(cluster, keys=str(keys))}
 
 
 @pytest.fixture
@@ -74,7 +75,8 @@ def test_binding_beyond_loopback_needs_keys_or_insecure(cluster: Cluster):
 def test_with_keys_only_authorized_clients_that_know_the_server_get_through(
         cluster: Cluster, keyed: Path):
     procs = cluster.start_all(trainer_args=("--target-return", "0"))
-    wait_for(lambda: (r := {row["role"]: row for row in status_rows(cluster)}).get("trainer")
+    wait_for(lambda: (r := {row["role"]: row for row in status_rows(cluster, keys=str(keyed))}
+                      ).get("trainer")
              and r["trainer"].get("env_steps", 0) > 0 and r, 60,
              "the keyed pipeline to step and learn")
     server_public, _ = zmq.auth.load_certificate(keyed / "server.key")
@@ -106,7 +108,7 @@ def test_with_keys_only_authorized_clients_that_know_the_server_get_through(
         poller.register(sock, zmq.POLLIN)
     heard = dict(poller.poll(2000))
     assert not [who for who, sock in listeners if sock in heard], "a stranger received"
-    assert all(n == 0 for n in rejected(cluster).values()), rejected(cluster)
+    assert all(n == 0 for n in rejected(cluster, keyed).values()), rejected(cluster, keyed)
 
     # The same junk from the authorized client is delivered (and refused as junk): the check
     # above could fail.
@@ -114,10 +116,10 @@ def test_with_keys_only_authorized_clients_that_know_the_server_get_through(
         sock = keyed_socket(kind, cluster.endpoints[name], server=server_public, client=allowed)
         sock.send_multipart(JUNK)
         socks.append(("allowed", name, sock))
-    wait_for(lambda: all(rejected(cluster).get(role, 0) > 0
+    wait_for(lambda: all(rejected(cluster, keyed).get(role, 0) > 0
                          for role in ("controller", "broker", "assembler")), 20,
              "the authorized client's junk to reach every bound socket")
-    assert cluster.cli("shutdown").returncode == 0
+    assert shutdown(cluster, keys=str(keyed))
     codes = {name: proc.wait(30) for name, proc in procs.items()}
     assert codes == dict.fromkeys(procs, 0), cluster.dump()
     for *_, sock in socks:
@@ -128,7 +130,7 @@ def test_with_keys_only_authorized_clients_that_know_the_server_get_through(
 
 def test_a_host_authorized_while_the_run_goes_on_is_let_in(cluster: Cluster, keyed: Path):
     controller = cluster.start("controller")
-    wait_for(lambda: status_rows(cluster), 20, "the keyed controller")
+    wait_for(lambda: status_rows(cluster, keys=str(keyed)), 20, "the keyed controller")
     other = cluster.dir / "other"
     assert cluster.cli("keys", "--dir", str(other), "--client-of", str(keyed)).returncode == 0
     authorized = keyed / "authorized" / "other.key"
