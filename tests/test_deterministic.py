@@ -1,5 +1,6 @@
 """Reproducible runs: with `stepbus broker --deterministic`, one worker and one seed, two runs
-make the same trajectories, metrics and weights, whatever the timing; another seed does not."""
+make the same trajectories, metrics and weights, whatever the timing and whichever runner;
+another seed does not."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import shutil
 import signal
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-from conftest import EVERY_UPDATE, Cluster, Proc, wait_for
+from conftest import EVERY_UPDATE, Cluster, Proc, serial_run, wait_for
 
 UPDATES = 30
 # what may differ between identical runs: the clock, and every rate (`*_per_second`)
@@ -33,10 +36,28 @@ def cluster_of_its_own() -> Iterator[Cluster]:
         shutil.rmtree(c.dir, ignore_errors=True)
 
 
+def checkpoint_arrays(runs_dir: Path) -> dict[str, np.ndarray]:
+    """The latest run's checkpoint: every array but its metadata."""
+    with np.load(runs_dir / "latest" / "checkpoint.npz") as saved:
+        return {k: saved[k].copy() for k in saved.files if k != "meta"}
+
+
+def run_serial(seed: int, runs_dir: Path) -> dict[str, Any]:
+    """`run_pipeline`'s pipeline and flags on the serial runner (every role on one thread in
+    this process): the metrics records and the checkpoint's arrays."""
+    s = str(seed)
+    records = serial_run(runs_dir, "--seed", s, "--deterministic", "--workers", "1",
+                         "--target-return", "0", "--max-updates", str(UPDATES), *EVERY_UPDATE)
+    return {"records": records, "arrays": checkpoint_arrays(runs_dir)}
+
+
 def run_pipeline(seed: int, meddle: Callable[[Cluster, dict[str, Proc]], None] | None = None,
-                 broker_args: tuple[str, ...] = ("--deterministic",)) -> dict[str, Any]:
+                 broker_args: tuple[str, ...] = ("--deterministic",),
+                 meanwhile: Callable[[], Any] | None = None) -> dict[str, Any]:
     """Controller, broker, one worker, assembler and a learner that stops the pipeline after
-    UPDATES updates; the metrics records and the checkpoint's arrays."""
+    UPDATES updates; the metrics records and the checkpoint's arrays. `meddle` runs on a
+    thread of its own while the pipeline runs, and `meanwhile` (serial runs, which need the
+    main thread for their signal handlers) on this one: what it returns is "meanwhile"."""
     with cluster_of_its_own() as c:
         s = str(seed)
         procs = {"controller": c.start("controller"),
@@ -46,14 +67,16 @@ def run_pipeline(seed: int, meddle: Callable[[Cluster, dict[str, Proc]], None] |
                  # a record per update: the runs are compared update by update
                  "learner": c.start("learner", "--seed", s, "--target-return", "0",
                                     "--max-updates", str(UPDATES), *EVERY_UPDATE)}
-        if meddle is not None:
-            meddle(c, procs)
+        with ThreadPoolExecutor(1) as pool:
+            meddling = None if meddle is None else pool.submit(meddle, c, procs)
+            beside = None if meanwhile is None else meanwhile()
+            if meddling is not None:
+                meddling.result()  # its failure (a wait that timed out) fails the test
         codes = {name: proc.wait(60) for name, proc in procs.items()}
         assert set(codes.values()) == {0}, codes
         assert "max-updates" in procs["learner"].output()
-        with np.load(c.runs_dir / "latest" / "checkpoint.npz") as saved:
-            arrays = {k: saved[k].copy() for k in saved.files if k != "meta"}
-        return {"records": c.metrics(), "arrays": arrays}
+        return {"records": c.metrics(), "arrays": checkpoint_arrays(c.runs_dir),
+                "meanwhile": beside}
 
 
 def pauses(c: Cluster, procs: dict[str, Proc]) -> None:
@@ -70,9 +93,18 @@ def pauses(c: Cluster, procs: dict[str, Proc]) -> None:
         procs[name].signal(signal.SIGCONT)
 
 
-def test_two_deterministic_runs_are_bitwise_identical_and_another_seed_is_not():
-    runs = [run_pipeline(3), run_pipeline(3, meddle=pauses)]
-    other = run_pipeline(4)
+def test_two_deterministic_runs_are_bitwise_identical_and_another_seed_is_not(tmp_path: Path):
+    """One run on the serial runner (every role on one thread in this process), the other as
+    real processes whose learner and worker are frozen for a moment (SIGSTOP, which only
+    processes have): neither the timing nor the runner changes a bit of what is learned. The
+    other seed's run is serial too. The serial runs go on while the processes run: more
+    timing to disturb them, and the test takes the time of the slowest."""
+    def both_serial() -> tuple[dict[str, Any], dict[str, Any]]:
+        return run_serial(3, tmp_path / "serial"), run_serial(4, tmp_path / "other")
+
+    paused = run_pipeline(3, meddle=pauses, meanwhile=both_serial)
+    serial, other = paused["meanwhile"]
+    runs = [serial, paused]
 
     first, second = ([{k: v for k, v in r.items() if k not in TIMING} for r in run["records"]]
                      for run in runs)
