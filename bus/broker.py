@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from stepbus import policy
+from stepbus import normalize, policy
 from stepbus.bus import checks, node, policies, relay, rows, topology, wiring
 from stepbus.bus import protocol as p
 from stepbus.bus.barrier import ResetBarrier
@@ -162,8 +162,9 @@ class PolicySlot:
         Raises:
             ValueError: the model cannot act on these spaces.
         """
-        self.policy = built = policy.make_policy(self.model.model, spec,
-                                                 device=self.model.device)
+        # The learner's observation statistics, when its weights carry them, act here too.
+        self.policy = built = normalize.Normalizing(
+            policy.make_policy(self.model.model, spec, device=self.model.device))
         early, self.early = self.early, None
         if early is not None and not built.weights_problem(early[0]):
             built.load(*early)

@@ -160,3 +160,36 @@ def masked_pair_obs() -> MaskedPair:
 
 def masked_pair_info() -> MaskedPair:
     return MaskedPair(in_obs=False)
+
+
+class FarTarget(gym.Env):
+    """A continuous task that needs observation normalisation: each step shows a target x in
+    [-1, 1] as 1000 + 10 x (large, offset units, as raw sensor readings come) and rewards
+    -(a - x)^2 for the action a in [-1, 1]; 10 steps an episode. Raw, the offset saturates
+    every tanh unit and no policy beats a = 0 (about -3.3 an episode, less its noise);
+    normalised, a = x is easily learned."""
+
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (1,), np.float32)
+    action_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+
+    def __init__(self) -> None:
+        self.x, self.t = 0.0, 0
+
+    def observe(self) -> np.ndarray:
+        self.x = float(self.np_random.uniform(-1.0, 1.0))
+        return np.array([1000.0 + 10.0 * self.x], np.float32)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None
+              ) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        self.t = 0
+        return self.observe(), {}
+
+    def step(self, action: np.ndarray) -> tuple[np.ndarray, float, bool, bool, dict]:
+        reward = -float((float(np.asarray(action).reshape(-1)[0]) - self.x) ** 2)
+        self.t += 1
+        return self.observe(), reward, self.t >= 10, False, {}
+
+
+def far_target() -> FarTarget:
+    return FarTarget()

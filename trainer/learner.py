@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from stepbus import policy
+from stepbus import normalize, policy
 from stepbus.bus import node, policies, topology, wiring
 from stepbus.bus import protocol as p
 from stepbus.bus.exits import Exit, SettingError
@@ -69,6 +69,7 @@ SHUTDOWN_DRAIN_MAX_S = 1.5  # at shutdown, take the assembler's flush for at mos
 RECEIPT_INTERVAL_S = 0.02  # receipts go out this often at most (the assembler's bound waits)
 QUIET_S = 0.25  # no trajectories in and no weights out for this long: send the weights again
 SHUTDOWN_REQUEST_INTERVAL_S = 1.0  # a solved run asks this often, until the controller acts
+LOG = logging.getLogger("stepbus.trainer")
 SETUP_NOTE_S = 3.0  # still waiting for the controller or the broker after this: say so
 CHECKPOINT = "checkpoint.npz"
 TORCH_CHECKPOINT = "checkpoint.safetensors"  # a torch model's (no pickle: trainer/checkpoint.py)
@@ -124,6 +125,18 @@ class Config:
         "help": "learning algorithm, module:Class (interface: trainer/algorithm.py's "
                 "Algorithm; with a torch --model, trainer/torch_ppo.py's TorchPPO, which the "
                 "default is then)"})
+    norm_obs: bool = field(default=False, metadata={
+        "help": "normalise observations by their running mean and variance (SB3's VecNormalize "
+                "norm_obs; Box leaves of floating dtype, images and categorical leaves as they "
+                "are): the statistics travel with the weights, so the broker acts with those "
+                "each step is learned with, and are saved in the checkpoint"})
+    norm_reward: bool = field(default=False, metadata={
+        "help": "divide rewards by the running standard deviation of the discounted return "
+                "(SB3's VecNormalize norm_reward), for learning only"})
+    clip_obs: float = field(default=normalize.DEFAULT_CLIP, metadata={
+        "above": 0, "help": "normalised observations are clipped to +-this"})
+    clip_reward: float = field(default=normalize.DEFAULT_CLIP, metadata={
+        "above": 0, "help": "scaled rewards are clipped to +-this"})
     ppo: PPOConfig = field(default_factory=PPOConfig)
     models: ModelConfig = field(default_factory=ModelConfig)
     security: wiring.Security = field(default_factory=wiring.Security)
@@ -230,6 +243,7 @@ class Learner(node.Process):
                  policy_dir, cfg.policy_name, progress.version, progress.generation, cfg.algo)
         self.target_return, goal_line = goal(cfg, env)
         log.info("%s", goal_line)
+        self.obs_norm, self.reward_scale = _normalizers(cfg, model.spec, progress)
         self.phase, self.done = Phase.LEARNING, ""  # done: why no more updates (SOLVED)
         self.batch = Batch()
         self.pending: collections.deque[p.Trajectory] = collections.deque()  # not taken in yet
@@ -307,7 +321,7 @@ class Learner(node.Process):
         self.counts.trajectories += 1
         self.receipt_due()
         alone = Batch()
-        alone.add(t, self.model.record(t))
+        alone.add(t, self.model.record(self.learned_from(t)))
         if self.phase is Phase.DRAINING:
             self.settle(alone, learned=False)  # counted; the run ends, nobody learns from it
         elif self.done:
@@ -319,6 +333,17 @@ class Learner(node.Process):
             self.checkpoint_due()
         else:
             self.batch.add(t, alone.trajectories[0])
+            if self.obs_norm is not None:
+                self.obs_norm.take_in(t)
+
+    def learned_from(self, t: p.Trajectory) -> p.Trajectory:
+        """A trajectory as the algorithm sees it: observations normalised with the statistics
+        each step was acted with (--norm-obs), rewards scaled (--norm-reward)."""
+        if self.obs_norm is not None:
+            t = self.obs_norm.normalize(t)
+        if self.reward_scale is not None:
+            t = self.reward_scale.scale(t)
+        return t
 
     def settle(self, batch: Batch, learned: bool = True) -> None:
         """Trajectories are done with (learned from, or dropped): counted in the progress the
@@ -424,10 +449,17 @@ class Learner(node.Process):
             trainer=self.name, incarnation=self.incarnation, policy=self.cfg.policy_name,
             version=self.progress.version, consumed_steps=self.steps_taken,
             batch_steps=self.cfg.ppo.batch_steps, starving=starving,
-            params=self.model.weights(), checkpointed_steps=self.checkpointed_steps))
+            params=self.weights(), checkpointed_steps=self.checkpointed_steps))
         self.last_publish = self.clock()
         if self.phase is not Phase.DRAINING:
             self.at("republish", self.last_publish + QUIET_S, self.republish)
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """The model's weights, and with --norm-obs the statistics this version acts with."""
+        params = self.model.weights()
+        if self.obs_norm is not None:
+            params |= self.obs_norm.stats_for(self.progress.version).arrays()
+        return params
 
     def republish(self, now: float) -> None:
         """On a quiet link, weights again: a restarted broker gets them, and a stalled credit
@@ -513,6 +545,11 @@ class Learner(node.Process):
         began, progress = self.clock(), self.progress
         progress.recent_returns = list(self.returns)
         progress.assembler, progress.learned = self.receipts.assembler, self.receipts.kept()
+        if self.obs_norm is not None:  # new statistics from the next version on
+            self.obs_norm.fold(progress.version + 1, progress.version - self.cfg.max_policy_lag)
+            progress.obs_norm = self.obs_norm.to_json()
+        if self.reward_scale is not None:
+            progress.reward_norm = self.reward_scale.to_json()
         self.model.save(self.ckpt_path, dataclasses.asdict(progress))
         self.checkpointed_steps = progress.env_steps  # goes out with the next weights
         self.receipts.checkpointed()
@@ -677,6 +714,27 @@ class LearnerSetup(node.Process):
 
     def figures(self) -> dict[str, Any]:
         return {"state": "starting", **self.rejects.figures()}
+
+
+def _normalizers(cfg: Config, spec: p.SpaceSpec, progress: Progress
+                 ) -> tuple[normalize.Normalizer | None, normalize.RewardScale | None]:
+    """--norm-obs and --norm-reward, as the checkpoint left them. Raises CannotStart when its
+    statistics do not fit these spaces."""
+    obs = normalize.Normalizer(spec, cfg.clip_obs) if cfg.norm_obs else None
+    reward = normalize.RewardScale(cfg.ppo.gamma, cfg.clip_reward) if cfg.norm_reward else None
+    if progress.obs_norm and obs is None:
+        LOG.warning("the checkpoint has observation statistics, and this learner was not "
+                    "given --norm-obs: the policy acts on raw observations from now on")
+    try:
+        if obs is not None:
+            obs.restore(progress.obs_norm)
+        if reward is not None:
+            reward.restore(progress.reward_norm)
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise CannotStart(f"the checkpoint's normalisation statistics cannot be used "
+                          f"({type(exc).__name__}: {exc}): start a new run or resume without "
+                          "--norm-obs/--norm-reward") from None
+    return obs, reward
 
 
 def _check_settings(cfg: Config) -> algorithm.AlgorithmClass:

@@ -25,6 +25,10 @@ class Progress:
     updates: int = 0  # over the whole run (every generation), for --max-updates
     assembler: str = ""  # whose numbers `learned` are
     learned: list[int] = field(default_factory=list)  # the newest numbers settled (Receipts.kept)
+    # --norm-obs: the statistics of every version still learned from, and the moments to go
+    # on from (normalize.Normalizer.to_json); --norm-reward: the discounted return's moments
+    obs_norm: list[Any] = field(default_factory=list)
+    reward_norm: list[float] = field(default_factory=list)
 
 
 def progress_of(saved: dict[str, Any], ckpt: Path) -> Progress:
