@@ -11,7 +11,8 @@ import re
 import signal
 import time
 
-from conftest import Cluster, Proc, status_rows, wait_for
+from conftest import Cluster, Proc, wait_for
+from controller_probe import status_rows
 
 SLEEPY = ("--env", "scripted_envs:sleepy_cartpole", "--envs-per-worker", "2")
 
