@@ -7,7 +7,8 @@ import contextlib
 import tracemalloc
 
 import zmq
-from conftest import Cluster, status_rows, wait_for
+from conftest import Cluster, wait_for
+from controller_probe import shutdown, status_rows
 
 from stepbus.trainer import receipts
 from stepbus.trainer.receipts import LEARNED_KEPT, Receipts
@@ -101,6 +102,6 @@ def test_what_the_assembler_sends_again_to_a_learner_that_has_it_is_not_taken_tw
     assert assembler["resent"] > 0
     assert learner_figures["trajectories"] <= assembler["trajectories"], (
         "the learner took in more than the assembler ever made", learner_figures, assembler)
-    assert cluster.cli("shutdown").returncode == 0
+    assert shutdown(cluster)
     codes = {name: proc.wait(30) for name, proc in procs.items()}
     assert codes == dict.fromkeys(procs, 0), cluster.dump()
