@@ -9,8 +9,10 @@ import signal
 import threading
 import time
 
+import conftest
 import zmq
-from conftest import EVERY_UPDATE, Cluster, act_as_trainer, send_message, status_rows, wait_for
+from conftest import EVERY_UPDATE, Cluster, act_as_trainer, send_message, wait_for
+from controller_probe import status_rows
 
 from stepbus import status
 from stepbus.bus import protocol as p
@@ -34,16 +36,19 @@ def test_status_shows_every_live_process_with_rates_queues_versions_and_lag(clus
     cluster.start_all(trainer_args=("--target-return", "0", *EVERY_UPDATE), workers=2)
     wait_for(lambda: len(cluster.metrics()) >= 3, 60, "training under way")
 
-    def settled() -> list[dict]:
+    def settled(rows: list[dict]) -> list[dict]:
         """Rows once every process has a step rate and the learner a data lag."""
-        rows = status_rows(cluster)
         by_role = {r["role"]: r for r in rows}
         ready = (len(rows) == 7 and all(r.get("steps_per_s") for r in rows
                                         if r["role"] in ("broker", "worker", "trainer"))
                  and "policy_lag_p99" in by_role.get("trainer", {}))
         return rows if ready else []
 
-    rows = wait_for(settled, 30, "rates and lags in every row")
+    # Polled in-process (a Python start-up per look otherwise), then read as `stepbus status
+    # --json` prints it.
+    wait_for(lambda: settled(status_rows(cluster)), 30, "rates and lags in every row")
+    rows = wait_for(lambda: settled(conftest.status_rows(cluster)), 30,
+                    "rates and lags in every row of stepbus status --json")
     for row in rows:
         assert {"role", "name", "host", "pid", "uptime_s", "last_heartbeat_s"} <= row.keys()
         assert 0 <= row["last_heartbeat_s"] < 1.5 and row["uptime_s"] > 0
