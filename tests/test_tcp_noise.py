@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import json
 import math
 import os
 import random
@@ -24,6 +23,7 @@ from urllib.parse import urlsplit
 import pytest
 import zmq
 from conftest import EVERY_UPDATE, Cluster, Proc, wait_for
+from controller_probe import status_rows
 
 from stepbus.bus import protocol as p
 from stepbus.bus import topology, wiring
@@ -287,9 +287,9 @@ def blast(ports: list[int], connections: int, rnd: random.Random) -> Blast:
 
 
 def rows_by_role(cluster: Cluster) -> dict[str, dict]:
-    status = cluster.cli("status", "--json", "--timeout", "5")
-    assert status.returncode == 0, f"stepbus status did not answer: {status.stderr}"
-    return {row["role"]: row for row in json.loads(status.stdout)["processes"]}
+    rows = status_rows(cluster, timeout=5)
+    assert rows, "the controller did not answer a status request within 5 s"
+    return {row["role"]: row for row in rows}
 
 
 def rejected_figures(rows: dict[str, dict]) -> dict[str, dict]:
