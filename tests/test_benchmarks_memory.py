@@ -21,7 +21,7 @@ def test_memory_benchmark_prints_a_row_per_process_and_leaves_nothing_behind() -
     env = {**os.environ, TAG_VAR: tag}
     try:
         proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "memory.py"),
-                               "--minutes", "0.1", "--warmup", "3", "--interval", "1",
+                               "--minutes", "0.05", "--warmup", "0.5", "--interval", "1",
                                "--workers", "1", "--envs", "8"],
                               capture_output=True, text=True, env=env, timeout=60)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
