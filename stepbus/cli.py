@@ -19,6 +19,7 @@ import itertools
 import json
 import math
 import os
+import re
 import sys
 import textwrap
 import time
@@ -31,7 +32,7 @@ from stepbus import __version__, single_thread_blas  # noqa: F401  (before numpy
 
 # isort: split
 from stepbus import plot as stepbus_plot
-from stepbus import serial
+from stepbus import runconfig, serial
 from stepbus import status as status_view
 from stepbus.bus import broker, controller, node, supervisor, topology, wiring
 from stepbus.bus import protocol as p
@@ -110,11 +111,13 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 
 def _add_config_flags(parser: argparse.ArgumentParser, cls: type,
+                      settings: dict[str, runconfig.Setting],
                       skip: set[str] | None = None) -> None:
     """One flag per field; a field whose default comes from a variable (`wiring.from_env`)
     names it, and one whose default is decided later (None) says how ("default_help").
-    `skip`: fields not to add, to which the added ones are added (several Configs' flags on
-    one command: a field two share is one flag)."""
+    `settings`: the run configuration's, which set defaults (`runconfig`). `skip`: fields not
+    to add, to which the added ones are added (several Configs' flags on one command: a field
+    two share is one flag)."""
     hints = typing.get_type_hints(cls)
     docs = _field_docs(cls)
     for f in dataclasses.fields(cls):
@@ -123,36 +126,94 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type,
                 continue
             skip.add(f.name)
         hint = hints[f.name]
-        default: Any = (f.default if not callable(f.default_factory)  # every field has one
-                        else f.default_factory())
         if dataclasses.is_dataclass(hint):
             group = parser.add_argument_group(f"{f.name} settings")
-            _add_config_flags(group, hint, skip)  # type: ignore[arg-type]
+            _add_config_flags(group, hint, settings, skip)  # type: ignore[arg-type]
             continue
-        doc = f.metadata.get("help") or docs.get(f.name, "")
+        kwargs = _flag_kwargs(f, hint, docs.get(f.name, ""))
+        kwargs["default"], source = _default(f, hint, kwargs, settings)
+        if source:  # --help tells the default this command will use, and why
+            shown = ",".join(map(str, kwargs["default"])) if isinstance(
+                kwargs["default"], tuple) else kwargs["default"]
+            kwargs["help"] = re.sub(r"\[default: [^\]]*\]$",
+                                    f"[default: {shown}, from {source}]", kwargs["help"])
+        parser.add_argument(*(_flag(name) for name in _names(f)), **kwargs)
+
+
+def _names(f: dataclasses.Field) -> list[str]:
+    """A field's flag names, the first its own (as SB3 and CleanRL name it, where they have
+    the setting), then the names it also answers to."""
+    return [f.metadata.get("flag", f.name), *f.metadata.get("aliases", ())]  # underscores
+
+
+def _default(f: dataclasses.Field, hint: Any, kwargs: dict[str, Any],
+             settings: dict[str, runconfig.Setting]) -> tuple[Any, str]:
+    """A flag's default, and where it came from when not the code ("" then): STEPBUS_<FLAG>
+    (the field's own variable, where it names one), else the run configuration, else the
+    field's default. Raises SettingError naming the file and line, or the variable, of a
+    value the flag would refuse."""
+    default: Any = (f.default if not callable(f.default_factory)  # every field has one
+                    else f.default_factory())
+    names = _names(f)
+    var = f.metadata.get(wiring.ENV_VAR) or runconfig.env_var(names[0])
+    if os.environ.get(var):  # a field's own variable: its help names it already
         if wiring.ENV_VAR in f.metadata:
-            doc += f" (env {f.metadata[wiring.ENV_VAR]})"
-        shown = f.metadata.get("default_help", default)
-        if typing.get_origin(hint) is tuple:
-            shown = ",".join(map(str, default))
-        bounds = _bounds_text(f.metadata)
-        kwargs: dict[str, Any] = {"default": default, "dest": f.name, "help": (
-            f"{doc}{f' ({bounds})' if bounds else ''} [default: {shown}]").strip()}
-        if hint is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif typing.get_origin(hint) is tuple:
-            item = _number(int, f.metadata)
-            kwargs["type"] = lambda s, item=item: tuple(item(x) for x in s.split(",") if x)
-            kwargs["metavar"] = "N,N"
-        elif wiring.CHECK in f.metadata:
-            kwargs["type"] = _checked(f.metadata[wiring.CHECK], f.metadata.get(wiring.ENV_VAR))
-        elif wiring.ENDPOINT in f.metadata:
-            kwargs["type"] = _endpoint(f.metadata[wiring.ENV_VAR],
-                                       f.metadata[wiring.ENDPOINT] == wiring.DISCOVERABLE)
-        else:  # `float | None`: a float when given
-            kind = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
-            kwargs["type"] = _number(kind, f.metadata) if kind in (int, float) else kind
-        parser.add_argument(_flag(f.name), **kwargs)
+            return default, ""
+        return _converted(os.environ[var], hint, kwargs, var), var
+    found = next((settings[n] for n in (*names, f.name) if n in settings), None)
+    if found is None:
+        return default, ""
+    return _converted(found.value, hint, kwargs, f"{found.source}: {names[0]}"), found.source
+
+
+def _converted(value: Any, hint: Any, kwargs: dict[str, Any], source: str) -> Any:
+    """A value from a file or a variable as the flag would take it; SettingError naming
+    `source` if the flag would refuse it."""
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
+            return text in ("1", "true", "yes", "on")
+        raise SettingError(f"{source}: true or false is needed, not {value!r}")
+    if value is None or (isinstance(value, str) and not value and kwargs.get("type") is None):
+        return value
+    if isinstance(value, (list, tuple)):
+        value = ",".join(str(v) for v in value)
+    convert = kwargs.get("type") or str
+    try:
+        return convert(str(value))
+    except (argparse.ArgumentTypeError, ValueError) as exc:
+        raise SettingError(f"{source}: {exc}") from None
+
+
+def _flag_kwargs(f: dataclasses.Field, hint: Any, doc: str) -> dict[str, Any]:
+    """argparse's keywords for a field's flag, its default aside (`_default`)."""
+    default: Any = (f.default if not callable(f.default_factory) else f.default_factory())
+    doc = f.metadata.get("help") or doc
+    if wiring.ENV_VAR in f.metadata:
+        doc += f" (env {f.metadata[wiring.ENV_VAR]})"
+    shown = f.metadata.get("default_help", default)
+    if typing.get_origin(hint) is tuple:
+        shown = ",".join(map(str, default))
+    bounds = _bounds_text(f.metadata)
+    kwargs: dict[str, Any] = {"dest": f.name, "help": (
+        f"{doc}{f' ({bounds})' if bounds else ''} [default: {shown}]").strip()}
+    if hint is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif typing.get_origin(hint) is tuple:
+        item = _number(int, f.metadata)
+        kwargs["type"] = lambda s, item=item: tuple(item(x) for x in s.split(",") if x)
+        kwargs["metavar"] = "N,N"
+    elif wiring.CHECK in f.metadata:
+        kwargs["type"] = _checked(f.metadata[wiring.CHECK], f.metadata.get(wiring.ENV_VAR))
+    elif wiring.ENDPOINT in f.metadata:
+        kwargs["type"] = _endpoint(f.metadata[wiring.ENV_VAR],
+                                   f.metadata[wiring.ENDPOINT] == wiring.DISCOVERABLE)
+    else:  # `float | None`: a float when given
+        kind = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+        kwargs["type"] = _number(kind, f.metadata) if kind in (int, float) else kind
+    return kwargs
 
 
 def _bounds_text(bounds: typing.Mapping[str, Any]) -> str:
@@ -318,7 +379,28 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def config_keys() -> set[str]:
+    """Every key a run configuration may set: each process's flags by their names (and the
+    names they also answer to), `stepbus run`'s too."""
+    keys: set[str] = set()
+    classes = [cls for cls, _, _ in PROCESSES.values()] + [serial.Config]
+    while classes:
+        cls = classes.pop()
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                classes.append(hints[f.name])
+            else:
+                keys |= {f.name, *(n.replace("-", "_") for n in _names(f))}
+    return keys
+
+
+def build_parser(settings: dict[str, runconfig.Setting] | None = None
+                 ) -> argparse.ArgumentParser:
+    """`settings`: the run configuration's (default: `runconfig.load`, which may raise
+    SettingError naming its file and line)."""
+    if settings is None:
+        settings = runconfig.load(config_keys())
     parser = argparse.ArgumentParser(
         prog="stepbus", allow_abbrev=False,
         description="RL experience pipeline on a ZeroMQ bus. Start the five processes with "
@@ -326,8 +408,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"stepbus {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (cls, _, doc) in PROCESSES.items():
-        _add_config_flags(sub.add_parser(name, help=doc, description=doc, allow_abbrev=False), cls)
-    _add_run_parser(sub)
+        cmd = sub.add_parser(name, help=doc, description=doc, allow_abbrev=False)
+        _add_config_flags(cmd, cls, settings)
+        _add_preset_flag(cmd)
+    _add_run_parser(sub, settings)
     plot = sub.add_parser("plot", help=PLOT_HELP, description=PLOT_HELP)
     plot.add_argument("run_dir", metavar="RUN_DIR", type=Path,
                       help="a run directory, e.g. runs/latest")
@@ -370,14 +454,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_run_parser(sub: Any) -> None:
+def _add_run_parser(sub: Any, settings: dict[str, runconfig.Setting]) -> None:
     """`stepbus run` takes the flags of the five processes (one flag for a setting two share,
     as --seed or --model), less what a serial run decides itself (`serial.NOT_SERIAL`)."""
     cmd = sub.add_parser("run", help=RUN_HELP, description=RUN_HELP, allow_abbrev=False)
     skip = set(serial.NOT_SERIAL)
     for cls in (serial.Config, worker.Config, assembler.Config, learner.Config, broker.Config,
                 controller.Config):
-        _add_config_flags(cmd, cls, skip)
+        _add_config_flags(cmd, cls, settings, skip)
+    _add_preset_flag(cmd)
+
+
+def _add_preset_flag(cmd: argparse.ArgumentParser) -> None:
+    """Read before the parser is built (`main`), since a preset sets other flags' defaults."""
+    cmd.add_argument("--preset", metavar="NAME", default=os.environ.get(runconfig.PRESET_ENV, ""),
+                     help=f"settings shipped for an env ({', '.join(runconfig.presets())}), "
+                          f"under the run configuration's own (env {runconfig.PRESET_ENV}; "
+                          f"docs/tuning.md)")
 
 
 def serial_roles(flags: list[str]) -> serial.Roles:
@@ -471,12 +564,25 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = "trainer swap" if argv[:2] == ["trainer", "swap"] else next(iter(argv), "")
     try:
+        _take_preset(argv)
         return _command(argv)
     except SettingError as exc:
         print(f"stepbus {command}: {exc}", file=sys.stderr)
         if command in PROCESSES or command == "supervise":
             _exit_now(Exit.SETTING)
         return Exit.SETTING
+
+
+def _take_preset(argv: list[str]) -> None:
+    """`--preset NAME` sets the defaults of the flags after it, so it is read before the
+    parser is built, as STEPBUS_PRESET, which the processes a command starts inherit."""
+    for i, arg in enumerate(argv):
+        if arg == "--preset" and i + 1 < len(argv):
+            os.environ[runconfig.PRESET_ENV] = argv[i + 1]
+        elif arg.startswith("--preset="):
+            os.environ[runconfig.PRESET_ENV] = arg.partition("=")[2]
+        elif arg == "--":
+            return
 
 
 def _exit_now(code: int) -> typing.NoReturn:

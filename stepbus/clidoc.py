@@ -129,7 +129,7 @@ def render() -> str:
     from stepbus import cli
 
     with neutral_environment():
-        parser = cli.build_parser()
+        parser = cli.build_parser(settings={})
         swap = cli.swap_parser()
     commands = subcommands(parser)
     lines = [HEADER, "| command | what |", "|---|---|"]

@@ -22,6 +22,7 @@ from typing import Any
 
 import zmq
 
+from stepbus import runconfig
 from stepbus.bus import broker, controller, node, wiring
 from stepbus.bus.exits import SettingError
 from stepbus.bus.node import Stage
@@ -107,8 +108,13 @@ def _openers(roles: Roles, endpoints: dict[str, str]) -> list[Any]:
     for i in range(roles.run.workers):
         cfg = dataclasses.replace(wired(roles.worker, endpoints), name=f"w{i}", worker_index=i)
         openers.append(lambda ctx, cfg=cfg: _open_worker(ctx, cfg))
+    settings = {k: s.value for k, s in runconfig.load().items()}
+    for config in (roles.controller, roles.broker, roles.worker, roles.assembler,
+                   roles.learner, roles.run):
+        settings |= runconfig.recorded(config)
     openers.append(lambda ctx: learner.open_learner(ctx, wired(roles.learner, endpoints),
-                                                    logger("trainer"), name="learner"))
+                                                    logger("trainer"), name="learner",
+                                                    settings=settings))
     return openers
 
 

@@ -35,11 +35,13 @@ class PPOConfig:
     """Entropy bonus weight."""
     vf_coef: float = field(default=0.5, metadata={"min": 0})
     """Value loss weight in the shared loss (the nets are separate, so it scales critic lr)."""
-    lr: float = field(default=1e-3, metadata={"above": 0})
+    lr: float = field(default=1e-3, metadata={"above": 0, "flag": "learning_rate",
+                                              "aliases": ("lr",)})
     """Adam learning rate, constant (rl-zoo's linear decay to 0 measured no better here)."""
     n_epochs: int = field(default=20, metadata={"min": 1})
     """Passes over each batch."""
-    minibatch_size: int = field(default=256, metadata={"min": 1})
+    minibatch_size: int = field(default=256, metadata={"min": 1, "flag": "batch_size",
+                                                       "aliases": ("minibatch_size",)})
     """Target samples per gradient step; a batch of n is split into round(n / this) equal
     minibatches, so with batch_steps equal to it each epoch is one full-batch step."""
     batch_steps: int = field(default=256, metadata={"min": 1})

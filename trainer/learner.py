@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from stepbus import normalize, policy
+from stepbus import __version__, normalize, policy, runconfig
 from stepbus.bus import node, policies, topology, wiring
 from stepbus.bus import protocol as p
 from stepbus.bus.exits import Exit, SettingError
@@ -103,7 +103,7 @@ class Config:
     max_updates: int = field(default=0, metadata={"min": 0,
         "help": "stop the whole pipeline once the run has made this many policy updates "
                 "(0: never)"})
-    max_env_steps: int = field(default=0, metadata={"min": 0,
+    max_env_steps: int = field(default=0, metadata={"min": 0, "aliases": ("total_timesteps",),
         "help": "stop the whole pipeline once the run has learned from this many env steps "
                 "(0: no limit)"})
     checkpoint_interval_s: float = field(default=CHECKPOINT_INTERVAL_S, metadata={"min": 0,
@@ -660,10 +660,14 @@ class LearnerSetup(node.Process):
 
     def __init__(self, cfg: Config, ports: node.Ports, log: logging.Logger, *, name: str,
                  controller_beat: Callable[[float], object] | None = None,
-                 slot: SlotBeat | None = None,
+                 slot: SlotBeat | None = None, settings: dict[str, Any] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """`settings`: the run's, to record in its run directory (default: the run
+        configuration's, and this learner's own)."""
         super().__init__(ports, log, name=name, clock=clock)
         self.cfg, self.controller_beat = cfg, controller_beat
+        self.settings = settings if settings is not None else {
+            **{k: s.value for k, s in runconfig.load().items()}, **runconfig.recorded(cfg)}
         self.slot = slot or SlotBeat()
         self.incarnation = uuid.uuid4().hex[:8]
         self.env_spec: p.EnvSpec | None = None
@@ -751,7 +755,7 @@ def _check_settings(cfg: Config) -> algorithm.AlgorithmClass:
 
 
 def open_learner(ctx: zmq.Context, cfg: Config, log: logging.Logger, *,
-                 name: str = "") -> node.Opened:
+                 name: str = "", settings: dict[str, Any] | None = None) -> node.Opened:
     """A learner's setup process on its sockets, what it receives where, and its controller
     link: for its own process (`run`) or one runner of many (`stepbus run`). Raises
     SettingError."""
@@ -767,7 +771,8 @@ def open_learner(ctx: zmq.Context, cfg: Config, log: logging.Logger, *,
                  "assembler_events": node.Port(intake.get_monitor_socket(
                      zmq.EVENT_DISCONNECTED), monitor=True)}
         setup = LearnerSetup(cfg, node.SocketPorts({**sockets, PortName.CONTROLLER: link.dealer}),
-                             log, name=name, controller_beat=link.beat, slot=SlotBeat.from_env())
+                             log, name=name, controller_beat=link.beat, slot=SlotBeat.from_env(),
+                             settings=settings)
     except CannotStart as exc:
         link.close()
         raise SettingError(str(exc)) from None
@@ -796,6 +801,7 @@ def _start(setup: LearnerSetup, run_dir: Path, env_spec: p.EnvSpec) -> Learner:
     cfg = setup.cfg
     run_dir.mkdir(parents=True, exist_ok=True)
     _link_latest(run_dir)
+    _record_settings(run_dir, setup, env_spec)
     # Each policy's learner keeps its own checkpoint and metrics.
     policy_dir = (run_dir if cfg.policy_name == policies.DEFAULT
                   else run_dir / f"policy-{cfg.policy_name}")
@@ -842,6 +848,21 @@ def _note_waiting(cfg: Config, log: logging.Logger, have_run: bool, have_spec: b
     log.info("waiting for %s", " and ".join(
         w for w, ok in ((f"controller at {cfg.controller}", have_run), (broker, have_spec))
         if not ok))
+
+
+def _record_settings(run_dir: Path, setup: LearnerSetup, env_spec: p.EnvSpec) -> None:
+    """RUN_DIR/config.toml: how the run was made, as a run configuration (STEPBUS_CONFIG=it
+    makes the run again), with stepbus's version."""
+    run_id = setup.run_state.run_id if setup.run_state is not None else run_dir.name
+    header = (f"stepbus {__version__}, run {run_id}: the run's settings, written by its learner "
+              f"at start.\nSTEPBUS_CONFIG={run_dir / 'config.toml'} makes the run again "
+              "(settings given only as flags\nto other processes than the trainer are not "
+              "known here; stepbus run records them all).")
+    settings = {"stepbus_version": __version__, "env": env_spec.env_id, **setup.settings}
+    try:
+        (run_dir / "config.toml").write_text(runconfig.dumps(settings, header))
+    except OSError as exc:
+        setup.log.warning("could not write %s: %s", run_dir / "config.toml", exc)
 
 
 def _link_latest(run_dir: Path) -> None:
