@@ -7,7 +7,8 @@ import time
 
 import numpy as np
 import zmq
-from conftest import EVERY_UPDATE, Cluster, recv_message, send_message, status_rows, wait_for
+from conftest import EVERY_UPDATE, Cluster, recv_message, send_message, wait_for
+from controller_probe import status_rows
 
 from stepbus.bus import protocol as p
 
