@@ -50,6 +50,17 @@ class PPOConfig:
     """Global L2 grad-norm clip."""
     hidden: tuple[int, ...] = field(default=(64, 64), metadata={"min": 1})
     """Hidden widths of both the policy and value MLPs."""
+    anneal_lr: bool = False
+    """Learning rate falling linearly to 0 over --max-env-steps (CleanRL's anneal_lr); the
+    learner sets it before each update (`set_learning_rate`), from the env steps learned."""
+    target_kl: float | None = field(default=None, metadata={"above": 0,
+                                                             "default_help": "none"})
+    """Stop an update's epochs once one's mean approximate KL exceeds this (CleanRL's
+    target_kl)."""
+    clip_range_vf: float | None = field(default=None, metadata={"above": 0,
+                                                                 "default_help": "none"})
+    """Clip the value loss around the values the update started from, as the policy's ratio
+    is (SB3's clip_range_vf; CleanRL's clip_vloss with clip_coef)."""
 
 
 @dataclass
@@ -100,7 +111,8 @@ class Algorithm(Protocol):
     place. `update` calls `tick` after every gradient step, so a long update keeps the learner
     heartbeating, and returns the figures that go into the metrics. An optional
     `curriculum(stats) -> options | None` asks, after an update, for a reset barrier with env
-    options (as `stepbus reset --option` does).
+    options (as `stepbus reset --option` does); an optional `set_learning_rate(lr)` takes the
+    rate a schedule (--anneal-lr) gives the next updates.
 
     With a torch `--model` the class is built as `(module, action, config, rng)` instead,
     trains `module` in place and has no `params`; its optimiser state is tensors by name."""

@@ -25,23 +25,31 @@ def minibatch_count(samples: int, size: int, most: int | None = None) -> int:
 
 def run(step: Step, *, items: int, minibatches: int, n_epochs: int, rng: np.random.Generator,
         advantages: np.ndarray, returns: np.ndarray,
-        tick: Callable[[], object] | None = None) -> dict[str, float]:
+        tick: Callable[[], object] | None = None,
+        target_kl: float | None = None) -> dict[str, float]:
     """`n_epochs` passes over `items` (samples, or whole trajectories), each a fresh
     permutation split into `minibatches` equal parts, one `step` on each; `tick` after every
-    step, so a process keeps heartbeating through a long update. The figures: each step's
-    averaged over all steps, then the critic's (`critic_stats` of the batch's GAE targets) and
-    the number of steps."""
+    step, so a process keeps heartbeating through a long update; no more epochs once one's
+    mean `approx_kl` exceeds `target_kl`. The figures: each step's averaged over all steps,
+    then the critic's (`critic_stats` of the batch's GAE targets), the number of steps and of
+    epochs run."""
     totals: dict[str, float] = {}
-    n_steps = 0
+    n_steps = epochs_run = 0
     for _epoch in range(n_epochs):
+        kl_before, steps_before = totals.get("approx_kl", 0.0), n_steps
         for indices in np.array_split(rng.permutation(items), minibatches):
             for key, val in step(indices).items():
                 totals[key] = totals.get(key, 0.0) + val
             n_steps += 1
             if tick is not None:
                 tick()
+        epochs_run += 1
+        epoch_kl = (totals.get("approx_kl", 0.0) - kl_before) / (n_steps - steps_before)
+        if target_kl is not None and epoch_kl > target_kl:
+            break
     means = {key: val / n_steps for key, val in totals.items()}
-    return means | critic_stats(advantages, returns) | {"n_grad_steps": float(n_steps)}
+    return means | critic_stats(advantages, returns) | {"n_grad_steps": float(n_steps),
+                                                        "n_epochs_run": float(epochs_run)}
 
 
 def critic_stats(advantages: np.ndarray, returns: np.ndarray) -> dict[str, float]:

@@ -244,6 +244,9 @@ class Learner(node.Process):
         self.target_return, goal_line = goal(cfg, env)
         log.info("%s", goal_line)
         self.obs_norm, self.reward_scale = _normalizers(cfg, model.spec, progress)
+        if cfg.ppo.anneal_lr and not cfg.max_env_steps:
+            log.warning("--anneal-lr lowers the learning rate over --max-env-steps, and there "
+                        "is none: it stays %g", cfg.ppo.lr)
         self.phase, self.done = Phase.LEARNING, ""  # done: why no more updates (SOLVED)
         self.batch = Batch()
         self.pending: collections.deque[p.Trajectory] = collections.deque()  # not taken in yet
@@ -377,7 +380,10 @@ class Learner(node.Process):
 
     def learn(self) -> None:
         """One update on the full batch, then the new weights, the record and the goal."""
+        lr = self.annealed_lr()
         stats = self.model.update(self.batch.trajectories, tick=self.beat_while_learning)
+        if lr is not None:
+            stats["learning_rate"] = lr
         self.settle(self.batch)  # once checkpointed, the assembler may forget them
         self.batch = Batch()
         self.progress.version += 1
@@ -391,6 +397,17 @@ class Learner(node.Process):
             self.curriculum.want(options)
             self.at("curriculum", self.curriculum.next_try, self.send_reset_request)
         self.check_goal()
+
+    def annealed_lr(self) -> float | None:
+        """--anneal-lr: the learning rate for this update, falling linearly to 0 over
+        --max-env-steps with the env steps learned from (so a resumed run goes on where it
+        was), given to the algorithm (None: no schedule)."""
+        cfg = self.cfg
+        if not (cfg.ppo.anneal_lr and cfg.max_env_steps):
+            return None
+        lr = cfg.ppo.lr * max(0.0, 1.0 - self.progress.env_steps / cfg.max_env_steps)
+        self.model.set_learning_rate(lr)
+        return lr
 
     def check_goal(self) -> None:
         """After an update: the run ends once the mean return reaches the target, or at

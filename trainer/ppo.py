@@ -111,7 +111,7 @@ def ppo_update(
     return epochs.run(step, items=batch.n,
                       minibatches=epochs.minibatch_count(batch.n, cfg.minibatch_size),
                       n_epochs=cfg.n_epochs, rng=rng, advantages=batch.b_adv,
-                      returns=batch.b_returns, tick=tick)
+                      returns=batch.b_returns, tick=tick, target_kl=cfg.target_kl)
 
 
 def masks_of(trajs: Sequence[Trajectory], action: ActionSpace) -> np.ndarray | None:
@@ -179,6 +179,8 @@ def _gradient_step(
         ent_coef=cfg.ent_coef,
         vf_coef=cfg.vf_coef,
         mask=None if batch.b_mask is None else batch.b_mask[mb_inds],
+        old_values=batch.b_returns[mb_inds] - batch.b_adv[mb_inds],
+        clip_range_vf=cfg.clip_range_vf,
     )
     stats["grad_norm"] = clip_grad_norm(grads, cfg.max_grad_norm)
     adam.step(params, grads, lr)
@@ -199,11 +201,16 @@ class PPO:
         self.config, self.action, self.rng = config, action, rng
         self.params: Params = init_params(obs_dim, action, config.hidden, rng)
         self.adam = Adam(lr=config.lr)
+        self.lr = config.lr
+
+    def set_learning_rate(self, lr: float) -> None:
+        """For the next updates (--anneal-lr: the learner lowers it as the run goes on)."""
+        self.lr = lr
 
     def update(self, batch: Sequence[Trajectory],
                tick: Callable[[], object] | None = None) -> dict[str, float]:
         return ppo_update(self.params, self.adam, batch, self.config, self.rng,
-                          action=self.action, tick=tick)
+                          lr=self.lr, action=self.action, tick=tick)
 
     def optimizer_state(self) -> dict[str, np.ndarray]:
         state = {f"m/{k}": v for k, v in self.adam.m.items()}

@@ -37,6 +37,7 @@ class Targets:
     adv: torch.Tensor
     returns: torch.Tensor
     valid: torch.Tensor | None = None
+    values: torch.Tensor | None = None  # the critic's when the update began (value clipping)
 
 
 def loss_step(module: nn.Module, optimizer: torch.optim.Optimizer, cfg: PPOConfig,
@@ -58,7 +59,7 @@ def loss_step(module: nn.Module, optimizer: torch.optim.Optimizer, cfg: PPOConfi
     ratio = logratio.exp()
     clipped = torch.clamp(ratio, 1.0 - cfg.clip_range, 1.0 + cfg.clip_range)
     policy_loss = mean(torch.max(-adv * ratio, -adv * clipped))
-    value_loss = mean((taken.value.reshape(-1) - targets.returns) ** 2)
+    value_loss = mean(_value_sq(taken.value.reshape(-1), targets, cfg.clip_range_vf))
     entropy_mean = mean(taken.entropy)
     loss = policy_loss + cfg.vf_coef * value_loss - cfg.ent_coef * entropy_mean
     optimizer.zero_grad()
@@ -74,6 +75,16 @@ def loss_step(module: nn.Module, optimizer: torch.optim.Optimizer, cfg: PPOConfi
 
 
 
+def _value_sq(value: torch.Tensor, targets: Targets, clip: float | None) -> torch.Tensor:
+    """(V - R)^2, or with a clip the larger of it and (V_clip - R)^2, V_clip the value the
+    update began from moved at most `clip` towards V (trainer/ppo.py's numpy loss, alike)."""
+    sq = (value - targets.returns) ** 2
+    if clip is None or targets.values is None:
+        return sq
+    clipped = targets.values + torch.clamp(value - targets.values, -clip, clip)
+    return torch.max(sq, (clipped - targets.returns) ** 2)
+
+
 class TorchAlgorithm:
     """A torch PPO's optimiser, built as every torch algorithm is, `(module, action, config,
     rng)`: Adam (eps 1e-5) on the module's parameters, its state saved and restored by
@@ -86,6 +97,11 @@ class TorchAlgorithm:
         self.spec = spec
         self.device = next(module.parameters()).device
         self.optimizer = torch.optim.Adam(module.parameters(), lr=config.lr, eps=1e-5)
+
+    def set_learning_rate(self, lr: float) -> None:
+        """For the next updates (--anneal-lr: the learner lowers it as the run goes on)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         """Adam's moments and step counts by parameter name (`name/exp_avg`, ...)."""

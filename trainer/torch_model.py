@@ -74,6 +74,11 @@ class TorchModel(Model):
         stats: dict[str, float] = self.torch_algo.update(batch, tick=tick)
         return stats
 
+    def set_learning_rate(self, lr: float) -> None:
+        hook = getattr(self.torch_algo, "set_learning_rate", None)
+        if callable(hook):
+            hook(lr)
+
     def curriculum(self, stats: dict[str, float]) -> dict | None:
         hook = getattr(self.torch_algo, "curriculum", None)
         return hook(stats) if callable(hook) else None

@@ -103,7 +103,8 @@ def gradient_step(module: nn.Module, optimizer: torch.optim.Optimizer, batch: _B
         inputs, batch.b_actions[mb_inds], **masks)
     return loss_step(module, optimizer, cfg, Taken(newlogp, entropy, newvalue),
                      Targets(batch.b_logp[mb_inds], batch.b_adv[mb_inds],
-                             batch.b_returns[mb_inds]))
+                             batch.b_returns[mb_inds],
+                             values=batch.b_returns[mb_inds] - batch.b_adv[mb_inds]))
 
 
 class TorchPPO(TorchAlgorithm):
@@ -130,4 +131,4 @@ class TorchPPO(TorchAlgorithm):
         return epochs.run(step, items=data.n,
                           minibatches=epochs.minibatch_count(data.n, cfg.minibatch_size),
                           n_epochs=cfg.n_epochs, rng=self.rng, advantages=adv,
-                          returns=returns, tick=tick)
+                          returns=returns, tick=tick, target_kl=cfg.target_kl)

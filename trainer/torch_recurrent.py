@@ -135,7 +135,7 @@ class RecurrentPPO(TorchAlgorithm):
                                              most=len(trajs))
         return epochs.run(step, items=len(trajs), minibatches=minibatches,
                           n_epochs=self.config.n_epochs, rng=self.rng, advantages=adv,
-                          returns=returns, tick=tick)
+                          returns=returns, tick=tick, target_kl=self.config.target_kl)
 
     def sequence_step(self, trajs: list[Trajectory],
                       targets: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, float]:
@@ -158,4 +158,5 @@ class RecurrentPPO(TorchAlgorithm):
         return loss_step(self.module, self.optimizer, self.config, Taken(logp, entropy, value),
                          Targets(steps([t.logp for t in trajs], np.float32),
                                  steps([a for a, _ in targets], np.float32),
-                                 steps([r for _, r in targets], np.float32), seq.valid))
+                                 steps([r for _, r in targets], np.float32), seq.valid,
+                                 values=steps([r - a for a, r in targets], np.float32)))

@@ -414,11 +414,15 @@ def ppo_loss_and_grads(
     ent_coef: float,
     vf_coef: float,
     mask: np.ndarray | None = None,
+    old_values: np.ndarray | None = None,
+    clip_range_vf: float | None = None,
 ) -> tuple[dict[str, float], Params]:
     """SB3's clipped PPO loss and its exact gradient.
 
     loss = -mean(min(r A, clip(r, 1-c, 1+c) A)) + vf_coef mean((R - V)^2) - ent_coef mean(H),
     with r = exp(logp - old_logp). ``advantages`` are used as given (normalise before calling).
+    With ``clip_range_vf`` the value term is mean(max((R - V)^2, (R - V_clip)^2)), V_clip the
+    ``old_values`` moved at most that far towards V (SB3's clip_range_vf, CleanRL's clip_vloss).
     Returns (stats, grads) with grads keyed exactly like ``params``.
     """
     x = _flat_obs(obs)
@@ -431,15 +435,15 @@ def ppo_loss_and_grads(
     v = _mlp(params, "vf", x, vf_inputs)[:, 0]
     terms = _head_terms(params, action, out, actions, mask)
     policy_loss, ratio, log_ratio, g_logp = _surrogate(terms.logp, old_logp, adv, clip_range)
-    value_err = v - ret
-    value_loss = float((value_err * value_err).mean())
+    value_sq, value_grad = _value_terms(v, ret, old_values, clip_range_vf)
+    value_loss = float(value_sq.mean())
     entropy_mean = float(terms.entropy.mean())
     loss = policy_loss + vf_coef * value_loss - ent_coef * entropy_mean
 
     grads: Params = {}
     g_out = _head_grads(terms, action, g_logp, ent_coef, grads)
     _mlp_backward(params, "pi", pi_inputs, g_out, grads)
-    _mlp_backward(params, "vf", vf_inputs, (2.0 * vf_coef / b) * value_err[:, None], grads)
+    _mlp_backward(params, "vf", vf_inputs, (vf_coef / b) * value_grad[:, None], grads)
     stats = {
         "policy_loss": policy_loss,
         "value_loss": value_loss,
@@ -454,6 +458,22 @@ def ppo_loss_and_grads(
 # --------------------------------------------------------------------------------------------
 # Optimisation
 # --------------------------------------------------------------------------------------------
+
+
+def _value_terms(v: np.ndarray, ret: np.ndarray, old: np.ndarray | None,
+                 clip: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """Each sample's value loss and its derivative by V: (V - R)^2 and 2 (V - R); with a clip,
+    where the clipped value's error is the larger, (V_clip - R)^2 and its derivative, which
+    is 2 (V_clip - R) inside the clip range and 0 outside, where V_clip does not move."""
+    err = v - ret
+    if old is None or clip is None:
+        return err * err, 2.0 * err
+    moved = v - old
+    clipped_err = old + np.clip(moved, -clip, clip) - ret
+    use_clipped = clipped_err * clipped_err > err * err
+    loss = np.where(use_clipped, clipped_err * clipped_err, err * err)
+    grad = np.where(use_clipped, 2.0 * clipped_err * (np.abs(moved) < clip), 2.0 * err)
+    return loss, grad
 
 
 def clip_grad_norm(grads: Params, max_norm: float) -> float:
