@@ -37,11 +37,12 @@ def test_a_worker_on_another_host_needs_only_the_controller_address_and_keys(
     # Host A binds its real address (not loopback): that is refused without keys.
     cluster.endpoints = {name: f"tcp://{address}:{7340 + i}"
                          for i, name in enumerate(wiring.ENDPOINTS)}
+    # Started first, so its start-up overlaps the key commands: it is given no keys either way.
+    refused = cluster.start("controller", env={}, prefix=on_a)
     keys, worker_keys = cluster.dir / "keys", cluster.dir / "worker-keys"
     assert cluster.cli("keys", "--dir", str(keys)).returncode == 0
     assert cluster.cli("keys", "--dir", str(worker_keys), "--client-of", str(keys)).returncode == 0
     on_host_a = {"STEPBUS_KEYS": str(keys)}
-    refused = cluster.start("controller", env={}, prefix=on_a)
     assert refused.wait(30) != 0 and "refusing to bind" in refused.output()
     procs = {role: cluster.start(role, env=on_host_a, prefix=on_a)
              for role in ("controller", "broker", "assembler", "trainer")}
