@@ -16,9 +16,9 @@ from conftest import (
     TrajectoryInbox,
     act_as_trainer,
     send_message,
-    status_rows,
     wait_for,
 )
+from controller_probe import status_rows
 from scripted_envs import STAMP_SHAPE, stamp
 from test_deterministic import TIMING, cluster_of_its_own
 
