@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from conftest import EVERY_UPDATE, Cluster, honcho, interrupt_honcho, status_rows, wait_for
+from conftest import EVERY_UPDATE, Cluster, honcho, interrupt_honcho, wait_for
+from controller_probe import status_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -85,9 +86,8 @@ def test_reset_barrier_resets_every_env_with_the_options_and_stepping_resumes(cl
         wait_for(lambda: len(cluster.metrics()) >= 3, 60, "training under way")
 
         def both_workers_served() -> bool:
-            res = cluster.cli("status", "--json", "--timeout", "2")
-            rows = json.loads(res.stdout)["processes"] if res.returncode == 0 else []
-            return sum(r["role"] == "worker" and r.get("env_steps", 0) > 0 for r in rows) == 2
+            return sum(r["role"] == "worker" and r.get("env_steps", 0) > 0
+                       for r in status_rows(cluster)) == 2
 
         wait_for(both_workers_served, 30, "both workers stepping")
         done = cluster.cli("reset", "--option", "level=3", "--option", "mode=hard")
@@ -150,10 +150,8 @@ def test_start_order_does_not_matter_and_nothing_is_stepped_before_the_assembler
     procs["controller"] = cluster.start("controller")
 
     def broker_holds_stepping() -> bool:
-        status = cluster.cli("status", "--json", "--timeout", "2")
-        rows = json.loads(status.stdout)["processes"] if status.returncode == 0 else []
         return any(r["role"] == "broker" and r.get("assembler_blocked") and
-                   r["policy_version"] >= 0 for r in rows)
+                   r["policy_version"] >= 0 for r in status_rows(cluster))
 
     wait_for(broker_holds_stepping, 30, "a broker with weights and a worker but no assembler")
     procs["assembler"] = cluster.start("assembler")
@@ -180,8 +178,7 @@ def test_an_environment_that_raises_is_reported_recreated_and_the_run_goes_on(cl
              "stepping to go on after the error")
 
     def worker_errors() -> int:
-        status = json.loads(cluster.cli("status", "--json").stdout)
-        (worker,) = [r for r in status["processes"] if r["role"] == "worker"]
+        (worker,) = [r for r in status_rows(cluster) if r["role"] == "worker"]
         return worker.get("env_errors", 0)
 
     wait_for(lambda: worker_errors() >= 1, 10, "status to count the env error (next heartbeat)")
