@@ -584,6 +584,11 @@ class Process:
     def on_socket_event(self, port: str, event: int) -> None:
         """An event (zmq.EVENT_*) from the socket monitor on `port` (a `Port(monitor=True)`)."""
 
+    def on_peer_done(self, role: str) -> None:
+        """A process of `role` running on the same thread (the serial runner) has finished
+        its shutdown duties: what a socket event says across processes, where inproc:// gives
+        none."""
+
     def drain_on_stop(self) -> tuple[str, float]:
         """A port to empty before `finish`, and for at most how long ("": none)."""
         return "", 0.0

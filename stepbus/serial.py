@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import threadpoolctl
 import zmq
 
 from stepbus import runconfig
@@ -85,7 +86,8 @@ def run(roles: Roles) -> int:
         log.info("serial run: controller, broker, %d worker(s), assembler and learner in "
                  "this process", roles.run.workers)
         poller = zmq.Poller()
-        return serve([o.loop(stop, poller) for o in opened], poller)
+        with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
+            return serve([o.loop(stop, poller) for o in opened], poller)
     finally:
         for o in opened:
             o.cleanup()
@@ -138,5 +140,8 @@ def serve(loops: list[node.Loop], poller: zmq.Poller) -> int:
         events = dict(poller.poll(min(timeouts)))
         for loop, timeout_ms in zip(active, timeouts, strict=True):
             loop.advance(events, timeout_ms)
-        active = [loop for loop in active if loop.stage is not Stage.DONE]
+        for done in [loop for loop in active if loop.stage is Stage.DONE]:
+            active.remove(done)
+            for loop in active:
+                loop.process.on_peer_done(done.process.role)
     return max(loop.process.exit_code for loop in loops)

@@ -648,6 +648,12 @@ class Learner(node.Process):
             self.end_drain(self.now)
         # before the shutdown: old news (an assembler that restarted)
 
+    def on_peer_done(self, role: str) -> None:
+        """The serial runner's word that the assembler finished (inproc:// has no
+        disconnect events): it heard our receipts for everything, so the drain is over."""
+        if role == "assembler":
+            self.on_socket_event("assembler_events", zmq.EVENT_DISCONNECTED)
+
     def end_drain(self, now: float) -> None:
         self.stop(self.shutdown_reason)
 
