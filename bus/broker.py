@@ -541,8 +541,8 @@ class Broker(node.Process):
 
     # -- timekeeping and stepping
     def on_stalled(self, seconds: float) -> None:
-        self.log.warning("the broker itself did not run for %.1fs (stopped, or starved of CPU): "
-                         "every worker gets a new liveness allowance", seconds)
+        self.log.log(self.stall_log_level, "the broker itself did not run for %.1fs (stopped, "
+                     "or starved of CPU): every worker gets a new liveness allowance", seconds)
         self.table.heard_from_all(self.clock())
 
     def tick(self, now: float) -> float:

@@ -418,8 +418,9 @@ class Controller(node.Process):
     def on_stalled(self, seconds: float) -> None:
         """Not run for `seconds` (SIGSTOP, starved, or the serial runner busy elsewhere): what
         looks like everyone's silence is ours."""
-        self.log.warning("the controller itself did not run for %.1fs (stopped, or starved of "
-                         "CPU): every process gets a new liveness allowance", seconds)
+        self.log.log(self.stall_log_level, "the controller itself did not run for %.1fs "
+                     "(stopped, or starved of CPU): every process gets a new liveness allowance",
+                     seconds)
         self.peers.heard_from_all(self.clock())
 
     def tick(self, now: float) -> float:

@@ -37,6 +37,10 @@ DISCOVER_INTERVAL_S = 0.05
 DISCOVER_QUICK_FOR_S = 3.0
 MAX_POLL_MS = 200  # upper bound on any poll, so a stop signal is seen within it
 STALLED_S = 1.0  # a loop pass this late (past the poll's timeout) means the process stalled
+# On a thread shared with other loops (the serial runner) every other role's turn is a stall:
+# a long one (a PPO update) must not make a peer look silent, so stalls count from this, and
+# are no news worth a warning.
+STALLED_SHARED_S = 0.2
 
 
 def setup_logging(role: str) -> logging.Logger:
@@ -489,6 +493,7 @@ class Process:
         # learner, once its setup heard what it learns for).
         self.successor: Process | None = None
         self.exit_code = 0  # what the loop returns once the process stops
+        self.stall_log_level = logging.WARNING  # of the line saying the process stalled
 
     # -- sending and refusing
     def send(self, port: AnyPort, msg: p.Message, *, to: bytes | None = None,
@@ -683,6 +688,8 @@ class Loop:
         self.watch_fds: set[int] = set()  # the process's `wake_on_readable_fds`, as polled
         self.signalled = False  # the process was told of a signal
         self.shared = poller is not None  # one thread for several loops: see `cpu_time`
+        if self.shared:
+            process.stall_log_level = logging.DEBUG
         self.own_cpu, self.entered_cpu = 0.0, 0.0  # CPU of this loop's turns; at this one's start
         self.last_mark, self.last_cpu = process.clock(), self.cpu_time()  # see `mark_time`
         self.look_again = math.inf  # the process's own next deadline (`tick`)
@@ -765,6 +772,7 @@ class Loop:
         self.pass_once(events)
         if proc.successor is not None:
             self.process, proc.successor = proc.successor, None
+            self.process.stall_log_level = proc.stall_log_level
             proc = self.process
         self.look_again = proc.tick(self.mark_time(0.0))
         for name in self.watch_out ^ proc.wake_on_writable:
@@ -853,7 +861,7 @@ class Loop:
         now, cpu = self.process.clock(), self.cpu_time()
         late = now - self.last_mark - allowed_s - (cpu - self.last_cpu)
         self.last_mark, self.last_cpu = now, cpu
-        if late > STALLED_S:
+        if late > (STALLED_SHARED_S if self.shared else STALLED_S):
             self.process.now = now
             self.process.on_stalled(late)
         return now

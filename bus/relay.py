@@ -198,8 +198,8 @@ class Relay(node.Process):
         self.tell_spec()
 
     def on_stalled(self, seconds: float) -> None:
-        self.log.warning("the relay itself did not run for %.1fs: every worker gets a new "
-                         "liveness allowance", seconds)
+        self.log.log(self.stall_log_level, "the relay itself did not run for %.1fs: every "
+                     "worker gets a new liveness allowance", seconds)
         self.table.heard_from_all(self.clock())
 
     def on_run_state(self, peer: bytes, msg: p.RunState) -> None:
