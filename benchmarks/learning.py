@@ -96,16 +96,27 @@ def evaluate_stepbus(run_dir: Path, env_id: str, seed: int) -> dict[str, Any]:
     norm = normalize.Normalizer(spec)
     norm.restore(progress.get("obs_norm", []))
     stats, action = norm.stats_for(int(progress["version"])), action_space(spec)
+
+    def greedy(obs: np.ndarray) -> Any:
+        out, _ = mlp.forward(params, np.asarray(stats.apply(obs[None])))
+        return (np.clip(out[0], action.low, action.high) if action.kind == "box"
+                else int(np.argmax(out[0])))
+
+    return play(env_id, seed, greedy)
+
+
+def play(env_id: str, seed: int, policy: Any) -> dict[str, Any]:
+    """EVAL_EPISODES episodes of `policy(observation) -> action` on seeds of their own (the
+    same for both systems); the mean return and its spread."""
+    import gymnasium as gym
+
     returns = []
     for episode in range(EVAL_EPISODES):
         env = gym.make(env_id)
         obs, _ = env.reset(seed=10_000 + seed * 100 + episode)
         total, done = 0.0, False
         while not done:
-            out, _ = mlp.forward(params, np.asarray(stats.apply(obs[None])))
-            act: Any = (np.clip(out[0], action.low, action.high) if action.kind == "box"
-                        else int(np.argmax(out[0])))
-            obs, reward, terminated, truncated, _ = env.step(act)
+            obs, reward, terminated, truncated, _ = env.step(policy(obs))
             total, done = total + float(reward), terminated or truncated
         returns.append(total)
     return {"eval_return": round(float(np.mean(returns)), 1),
@@ -174,22 +185,13 @@ def sb3_child(env_id: str, seconds: float, seed: int, torch_threads: int) -> int
 
 
 def sb3_evaluate(model: Any, vec: Any, env_id: str, seed: int) -> dict[str, Any]:
-    import gymnasium as gym
     from stable_baselines3.common.vec_env import VecNormalize
 
-    returns = []
-    for episode in range(EVAL_EPISODES):
-        env = gym.make(env_id)
-        obs, _ = env.reset(seed=10_000 + seed * 100 + episode)
-        total, done = 0.0, False
-        while not done:
-            seen = vec.normalize_obs(obs) if isinstance(vec, VecNormalize) else obs
-            action, _ = model.predict(seen, deterministic=True)
-            obs, reward, terminated, truncated, _ = env.step(action)
-            total, done = total + float(reward), terminated or truncated
-        returns.append(total)
-    return {"eval_return": round(float(np.mean(returns)), 1),
-            "eval_std": round(float(np.std(returns)), 1)}
+    def greedy(obs: np.ndarray) -> Any:
+        seen = vec.normalize_obs(obs) if isinstance(vec, VecNormalize) else obs
+        return model.predict(seen, deterministic=True)[0]
+
+    return play(env_id, seed, greedy)
 
 
 # ----------------------------------------------------------------------------- main

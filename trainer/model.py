@@ -62,16 +62,21 @@ class Model:
                tick: Callable[[], object]) -> dict[str, float]:
         return self.algo.update(batch, tick=tick)
 
+    def algorithm(self) -> object:
+        """The algorithm object, whose optional hooks (`set_learning_rate`, `curriculum`) are
+        looked up on it."""
+        return self.algo
+
     def set_learning_rate(self, lr: float) -> None:
         """A schedule's rate for the next updates, to an algorithm that takes one (else it
         keeps its own: a plug-in without `set_learning_rate`)."""
-        hook = getattr(self.algo, "set_learning_rate", None)
+        hook = getattr(self.algorithm(), "set_learning_rate", None)
         if callable(hook):
             hook(lr)
 
     def curriculum(self, stats: dict[str, float]) -> dict | None:
         """Env options for a reset barrier, if the algorithm asks for one after this update."""
-        hook = getattr(self.algo, "curriculum", None)
+        hook = getattr(self.algorithm(), "curriculum", None)
         return hook(stats) if callable(hook) else None
 
     def weights(self) -> dict[str, np.ndarray]:

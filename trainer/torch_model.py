@@ -74,14 +74,8 @@ class TorchModel(Model):
         stats: dict[str, float] = self.torch_algo.update(batch, tick=tick)
         return stats
 
-    def set_learning_rate(self, lr: float) -> None:
-        hook = getattr(self.torch_algo, "set_learning_rate", None)
-        if callable(hook):
-            hook(lr)
-
-    def curriculum(self, stats: dict[str, float]) -> dict | None:
-        hook = getattr(self.torch_algo, "curriculum", None)
-        return hook(stats) if callable(hook) else None
+    def algorithm(self) -> object:
+        return self.torch_algo
 
     def weights(self) -> dict[str, np.ndarray]:
         return torch_policy.state_arrays(self.module)
