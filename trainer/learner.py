@@ -16,8 +16,9 @@ intake stops while a batch is full, so which trajectories an update learns from,
 policy versions count as stale, never depend on how many happened to be queued. Each metrics
 record carries a digest of every trajectory this learner took in, so two runs can be compared.
 
-The wait for the run id and the env spec comes first (`wait_for_setup`): what the learner is
-built from is known only then. `Learner` is the process from there on, run by `node.Loop`.
+The wait for the run id and the env spec comes first (`LearnerSetup`, a process on the loop):
+what the learner is built from is known only then. `Learner` takes its place on the same loop
+and sockets from there on.
 """
 
 from __future__ import annotations
