@@ -140,7 +140,10 @@ def test_broker_that_cannot_map_the_segment_gets_rows_on_the_socket(cluster: Clu
     checker = Checker(cluster)
     try:
         checker.run_until(1500)
-        broker, worker = figures(cluster, "broker"), figures(cluster, "worker")
+        # figures travel with heartbeats (every 0.5 s): wait for the worker's to show steps
+        worker = wait_for(lambda: (lambda row: row if row.get("env_steps", 0) > 0 else None)(
+            figures(cluster, "worker")), 10, "the worker's figures to show its steps")
+        broker = figures(cluster, "broker")
         assert broker["shm_refused"] == 1 and broker["shm_slots_forwarded"] == 0, broker
         assert worker["shm_batches"] == 0 and worker["env_steps"] > 0, worker
         assert figures(cluster, "assembler")["shm_read"] == 0
