@@ -3,6 +3,7 @@ it, quiet signal handling, the controller link, and the accounting of untrusted 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import logging
@@ -13,7 +14,7 @@ import socket as pysocket
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, overload
 
@@ -721,16 +722,23 @@ class Loop:
         return self.own_cpu + (time.process_time() - self.entered_cpu if self.entered_cpu
                                else 0.0)
 
-    def prepare(self) -> int:
-        """Heartbeat and due timers; how long the next poll may wait (ms)."""
+    @contextlib.contextmanager
+    def own_turn(self) -> Iterator[None]:
+        """On a shared thread, the CPU used inside counts as this loop's (`cpu_time`)."""
         if not self.shared:
-            return self.prepare_turn()
+            yield
+            return
         self.entered_cpu = time.process_time()
         try:
-            return self.prepare_turn()
+            yield
         finally:
             self.own_cpu += time.process_time() - self.entered_cpu
             self.entered_cpu = 0.0
+
+    def prepare(self) -> int:
+        """Heartbeat and due timers; how long the next poll may wait (ms)."""
+        with self.own_turn():
+            return self.prepare_turn()
 
     def prepare_turn(self) -> int:
         if self.stage is not Stage.RUNNING:
@@ -747,15 +755,8 @@ class Loop:
 
     def advance(self, events: dict[Any, int], timeout_ms: int) -> None:
         """Act on what the poll found (`events` may hold other loops' sockets too)."""
-        if not self.shared:
+        with self.own_turn():
             self.advance_turn(events, timeout_ms)
-            return
-        self.entered_cpu = time.process_time()
-        try:
-            self.advance_turn(events, timeout_ms)
-        finally:
-            self.own_cpu += time.process_time() - self.entered_cpu
-            self.entered_cpu = 0.0
 
     def advance_turn(self, events: dict[Any, int], timeout_ms: int) -> None:
         if self.stage is Stage.RUNNING:

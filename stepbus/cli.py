@@ -130,8 +130,10 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type,
             group = parser.add_argument_group(f"{f.name} settings")
             _add_config_flags(group, hint, settings, skip)  # type: ignore[arg-type]
             continue
-        kwargs = _flag_kwargs(f, hint, docs.get(f.name, ""))
-        kwargs["default"], source = _default(f, hint, kwargs, settings)
+        default: Any = (f.default if not callable(f.default_factory)  # every field has one
+                        else f.default_factory())
+        kwargs = _flag_kwargs(f, hint, docs.get(f.name, ""), default)
+        kwargs["default"], source = _default(f, hint, kwargs, settings, default)
         if source:  # --help tells the default this command will use, and why
             shown = ",".join(map(str, kwargs["default"])) if isinstance(
                 kwargs["default"], tuple) else kwargs["default"]
@@ -147,13 +149,11 @@ def _names(f: dataclasses.Field) -> list[str]:
 
 
 def _default(f: dataclasses.Field, hint: Any, kwargs: dict[str, Any],
-             settings: dict[str, runconfig.Setting]) -> tuple[Any, str]:
+             settings: dict[str, runconfig.Setting], default: Any) -> tuple[Any, str]:
     """A flag's default, and where it came from when not the code ("" then): STEPBUS_<FLAG>
     (the field's own variable, where it names one), else the run configuration, else the
     field's default. Raises SettingError naming the file and line, or the variable, of a
-    value the flag would refuse."""
-    default: Any = (f.default if not callable(f.default_factory)  # every field has one
-                    else f.default_factory())
+    value the flag would refuse. `default`: the field's own."""
     names = _names(f)
     var = f.metadata.get(wiring.ENV_VAR) or runconfig.env_var(names[0])
     if os.environ.get(var):  # a field's own variable: its help names it already
@@ -187,9 +187,9 @@ def _converted(value: Any, hint: Any, kwargs: dict[str, Any], source: str) -> An
         raise SettingError(f"{source}: {exc}") from None
 
 
-def _flag_kwargs(f: dataclasses.Field, hint: Any, doc: str) -> dict[str, Any]:
-    """argparse's keywords for a field's flag, its default aside (`_default`)."""
-    default: Any = (f.default if not callable(f.default_factory) else f.default_factory())
+def _flag_kwargs(f: dataclasses.Field, hint: Any, doc: str, default: Any) -> dict[str, Any]:
+    """argparse's keywords for a field's flag, its default aside (`_default`); `default`, the
+    field's own, for its help."""
     doc = f.metadata.get("help") or doc
     if wiring.ENV_VAR in f.metadata:
         doc += f" (env {f.metadata[wiring.ENV_VAR]})"
