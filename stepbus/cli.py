@@ -13,6 +13,7 @@ import ast
 import contextlib
 import dataclasses
 import functools
+import importlib
 import inspect
 import io
 import itertools
@@ -31,31 +32,54 @@ from typing import Any, TypeVar
 from stepbus import __version__, single_thread_blas  # noqa: F401  (before numpy loads)
 
 # isort: split
-from stepbus import plot as stepbus_plot
-from stepbus import runconfig, serial
+from stepbus import runconfig
 from stepbus import status as status_view
-from stepbus.bus import broker, controller, node, supervisor, topology, wiring
+from stepbus.bus import node, topology, wiring
 from stepbus.bus import protocol as p
 from stepbus.bus.exits import Exit, SettingError
 from stepbus.bus.topology import PortName, Role
-from stepbus.processor import assembler
-from stepbus.trainer import learner, slot
-from stepbus.workers import worker
 
-PROCESSES: dict[str, tuple[type, Callable[..., int], str]] = {
-    "controller": (controller.Config, controller.run,
-                   "registration, heartbeats, status, reset barriers, shutdown broadcast"),
-    "broker": (broker.Config, broker.run,
-               "step broker: serves ready workers, batched policy inference"),
-    "worker": (worker.Config, worker.run, "environment worker hosting K environments"),
-    "assembler": (assembler.Config, assembler.run,
-                  "trajectory assembler: per-agent trajectories cut at a horizon"),
-    "trainer": (learner.Config, slot.run,
-                "trainer slot: runs `stepbus learner` with these flags, restarts it when it "
-                "dies, replaces it on `stepbus trainer swap [LEARNER FLAGS]`"),
-    "learner": (learner.Config, learner.run,
-                "the learner alone, unsupervised: PPO on trajectories, versioned weights, "
-                "checkpoints"),
+if typing.TYPE_CHECKING:
+    from stepbus import serial
+
+
+class Command(typing.NamedTuple):
+    """A process subcommand. Its module is imported only when the command is the one run (or
+    its flags are wanted): a worker never loads the learner, which keeps a process's start to
+    what it needs."""
+
+    config: str  # module:Config, the dataclass its flags come from
+    run: str  # module:function that runs it with that Config
+    doc: str
+
+    def config_class(self) -> type:
+        return typing.cast(type, _own(self.config))
+
+    def runner(self) -> Callable[..., int]:
+        return typing.cast(Callable[..., int], _own(self.run))
+
+
+def _own(path: str) -> Any:
+    """One of stepbus's own objects by `module:name` (user code goes through `load_object`)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+PROCESSES: dict[str, Command] = {
+    "controller": Command("stepbus.bus.controller:Config", "stepbus.bus.controller:run",
+                          "registration, heartbeats, status, reset barriers, shutdown broadcast"),
+    "broker": Command("stepbus.bus.broker:Config", "stepbus.bus.broker:run",
+                      "step broker: serves ready workers, batched policy inference"),
+    "worker": Command("stepbus.workers.worker:Config", "stepbus.workers.worker:run",
+                      "environment worker hosting K environments"),
+    "assembler": Command("stepbus.processor.assembler:Config", "stepbus.processor.assembler:run",
+                         "trajectory assembler: per-agent trajectories cut at a horizon"),
+    "trainer": Command("stepbus.trainer.learner:Config", "stepbus.trainer.slot:run",
+                       "trainer slot: runs `stepbus learner` with these flags, restarts it when "
+                       "it dies, replaces it on `stepbus trainer swap [LEARNER FLAGS]`"),
+    "learner": Command("stepbus.trainer.learner:Config", "stepbus.trainer.learner:run",
+                       "the learner alone, unsupervised: PPO on trajectories, versioned weights, "
+                       "checkpoints"),
 }
 STATUS_REPLY_MAX_BYTES = 64 << 20
 KEYS_HELP = ("create CURVE keys: a server keypair (for the processes that bind: controller, "
@@ -383,7 +407,9 @@ def config_keys() -> set[str]:
     """Every key a run configuration may set: each process's flags by their names (and the
     names they also answer to), `stepbus run`'s too."""
     keys: set[str] = set()
-    classes = [cls for cls, _, _ in PROCESSES.values()] + [serial.Config]
+    from stepbus import serial
+
+    classes = [command.config_class() for command in PROCESSES.values()] + [serial.Config]
     while classes:
         cls = classes.pop()
         hints = typing.get_type_hints(cls)
@@ -395,23 +421,40 @@ def config_keys() -> set[str]:
     return keys
 
 
-def build_parser(settings: dict[str, runconfig.Setting] | None = None
+class _AllKeys:
+    """`config_keys()`, computed (which imports every process's module) only once a run
+    configuration file or preset is there to be checked."""
+
+    def __iter__(self) -> typing.Iterator[str]:
+        return iter(config_keys())
+
+
+def build_parser(settings: dict[str, runconfig.Setting] | None = None, only: str | None = None
                  ) -> argparse.ArgumentParser:
     """`settings`: the run configuration's (default: `runconfig.load`, which may raise
-    SettingError naming its file and line)."""
+    SettingError naming its file and line). `only`: the one process command given its flags
+    (the others are listed, with their help, but not built), so that a process imports its
+    own module and no other's; None builds them all (the docs, the tests), as does a run
+    configuration, whose every value each process checks so that all refuse a bad file alike."""
     if settings is None:
-        settings = runconfig.load(config_keys())
+        settings = runconfig.load(_AllKeys())
+    only = None if settings else only
     parser = argparse.ArgumentParser(
         prog="stepbus", allow_abbrev=False,
         description="RL experience pipeline on a ZeroMQ bus. Start the five processes with "
         "`honcho start` (see Procfile) or one subcommand each.")
     parser.add_argument("--version", action="version", version=f"stepbus {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (cls, _, doc) in PROCESSES.items():
-        cmd = sub.add_parser(name, help=doc, description=doc, allow_abbrev=False)
-        _add_config_flags(cmd, cls, settings)
-        _add_preset_flag(cmd)
-    _add_run_parser(sub, settings)
+    for name, command in PROCESSES.items():
+        cmd = sub.add_parser(name, help=command.doc, description=command.doc,
+                             allow_abbrev=False)
+        if only in (None, name):
+            _add_config_flags(cmd, command.config_class(), settings)
+            _add_preset_flag(cmd)
+    if only in (None, "run"):
+        _add_run_parser(sub, settings)
+    else:
+        sub.add_parser("run", help=RUN_HELP, description=RUN_HELP, allow_abbrev=False)
     plot = sub.add_parser("plot", help=PLOT_HELP, description=PLOT_HELP)
     plot.add_argument("run_dir", metavar="RUN_DIR", type=Path,
                       help="a run directory, e.g. runs/latest")
@@ -444,7 +487,11 @@ def build_parser(settings: dict[str, runconfig.Setting] | None = None
                              metavar="KEY=VALUE",
                              help="passed to env.reset(options=...); VALUE parsed as JSON "
                                   "when it is JSON, else a string; repeatable")
-    _add_supervise_parser(sub)
+    if only in (None, "supervise"):
+        _add_supervise_parser(sub)
+    else:
+        sub.add_parser("supervise", help=SUPERVISE_HELP, description=SUPERVISE_HELP,
+                       allow_abbrev=False)
     keys = sub.add_parser("keys", help=KEYS_HELP, description=KEYS_HELP)
     keys.add_argument("--dir", default="keys", help="directory to create the keys in")
     keys.add_argument("--client-of", default="", metavar="KEYS_DIR",
@@ -457,10 +504,12 @@ def build_parser(settings: dict[str, runconfig.Setting] | None = None
 def _add_run_parser(sub: Any, settings: dict[str, runconfig.Setting]) -> None:
     """`stepbus run` takes the flags of the five processes (one flag for a setting two share,
     as --seed or --model), less what a serial run decides itself (`serial.NOT_SERIAL`)."""
+    from stepbus import serial
+
     cmd = sub.add_parser("run", help=RUN_HELP, description=RUN_HELP, allow_abbrev=False)
     skip = set(serial.NOT_SERIAL)
-    for cls in (serial.Config, worker.Config, assembler.Config, learner.Config, broker.Config,
-                controller.Config):
+    for cls in (serial.Config, *(PROCESSES[name].config_class() for name in
+                                 ("worker", "assembler", "learner", "broker", "controller"))):
         _add_config_flags(cmd, cls, settings, skip)
     _add_preset_flag(cmd)
 
@@ -476,24 +525,30 @@ def _add_preset_flag(cmd: argparse.ArgumentParser) -> None:
 def serial_roles(flags: list[str]) -> serial.Roles:
     """The settings of a serial run from `stepbus run` flags (for tests and notebooks: then
     `serial.run(roles)`). A bad flag exits 2, as on the command line."""
-    return _roles(build_parser().parse_args(["run", *flags]))
+    return _roles(build_parser(only="run").parse_args(["run", *flags]))
 
 
 def _run_serial(args: argparse.Namespace) -> int:
+    from stepbus import serial
+
     node.setup_logging("run")
     return serial.run(_roles(args))
 
 
 def _roles(args: argparse.Namespace) -> serial.Roles:
-    return serial.Roles(controller=_build_config(controller.Config, args),
-                         broker=_build_config(broker.Config, args),
-                         worker=_build_config(worker.Config, args),
-                         assembler=_build_config(assembler.Config, args),
-                         learner=_build_config(learner.Config, args),
-                         run=_build_config(serial.Config, args))
+    from stepbus import serial
+
+    def config(name: str) -> Any:
+        return _build_config(PROCESSES[name].config_class(), args)
+
+    return serial.Roles(controller=config("controller"), broker=config("broker"),
+                        worker=config("worker"), assembler=config("assembler"),
+                        learner=config("learner"), run=_build_config(serial.Config, args))
 
 
 def _add_supervise_parser(sub: Any) -> None:
+    from stepbus.bus import supervisor
+
     cmd = sub.add_parser("supervise", help=SUPERVISE_HELP, description=SUPERVISE_HELP,
                          allow_abbrev=False,
                          usage="stepbus supervise [options] ROLE [ROLE FLAGS ...]")
@@ -515,8 +570,11 @@ def _add_supervise_parser(sub: Any) -> None:
 def _supervise(args: argparse.Namespace) -> int:
     if args.quick_deaths < 1:
         raise SettingError(f"--quick-deaths must be at least 1, not {args.quick_deaths}")
-    child = build_parser().parse_args([args.role, *args.flags])  # bad flags: exit 2 here
-    config = _build_config(PROCESSES[args.role][0], child)
+    from stepbus.bus import supervisor
+
+    # bad flags: exit 2 here
+    child = build_parser(only=args.role).parse_args([args.role, *args.flags])
+    config = _build_config(PROCESSES[args.role].config_class(), child)
     give_up = (supervisor.GiveUp(args.on_give_up) if args.on_give_up
                else supervisor.default_give_up(args.role))
     return supervisor.run(args.role, args.flags, controller=config.controller,
@@ -551,7 +609,7 @@ def learner_flags_problem(flags: list[str]) -> str:
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
         try:
-            build_parser().parse_args(["learner", *flags])
+            build_parser(only="learner").parse_args(["learner", *flags])
         except SystemExit:
             return stderr.getvalue().strip().splitlines()[-1] if stderr.getvalue() else "invalid"
     return ""
@@ -603,8 +661,11 @@ def _command(argv: list[str]) -> int:
         swap = p.TrainerSwap(slot=opts.slot, args=flags)
         return _client("trainer swap", lambda: _answer(
             _ask(opts.controller, swap, opts.timeout, opts.keys)))
-    args = build_parser().parse_args(argv)
+    given = next(iter(argv), "")
+    args = build_parser(only=None if given.startswith("-") else given).parse_args(argv)
     if args.command == "plot":
+        from stepbus import plot as stepbus_plot
+
         try:
             print(stepbus_plot.plot(args.run_dir, args.output))
         except stepbus_plot.NoMetrics as exc:
@@ -616,11 +677,12 @@ def _command(argv: list[str]) -> int:
         if args.command == "supervise":
             code = _supervise(args)
         elif args.command == "trainer":
-            code = slot.run(_build_config(learner.Config, args), argv[1:], learner_flags_problem,
-                            entry=functools.partial(main, ["learner", *argv[1:]]))
+            code = PROCESSES["trainer"].runner()(
+                _build_config(PROCESSES["trainer"].config_class(), args), argv[1:],
+                learner_flags_problem, entry=functools.partial(main, ["learner", *argv[1:]]))
         else:
-            cls, run, _ = PROCESSES[args.command]
-            code = run(_build_config(cls, args))
+            command = PROCESSES[args.command]
+            code = command.runner()(_build_config(command.config_class(), args))
         _exit_now(code)
     if args.command == "run":
         return _run_serial(args)

@@ -116,7 +116,8 @@ def config_env_vars(cls: type) -> set[str]:
 
 
 def test_every_environment_variable_is_documented_in_operations():
-    names = sorted(set().union(*(config_env_vars(cls) for cls, _, _ in cli.PROCESSES.values())))
+    names = sorted(set().union(*(config_env_vars(command.config_class())
+                                 for command in cli.PROCESSES.values())))
     assert {"STEPBUS_ENV", "STEPBUS_RUNS_DIR", "STEPBUS_CONTROLLER"} <= set(names)
     names += ["STEPBUS_LOG_LEVEL", wiring.KEYS_ENV, wiring.INSECURE_ENV]
     operations = text(ROOT / "docs" / "operations.md")
