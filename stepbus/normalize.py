@@ -171,9 +171,9 @@ class Normalizing(Policy):
     def normalized(self, obs: p.Obs) -> p.Obs:
         return obs if self.stats is None else self.stats.apply(obs)
 
-    def act(self, obs: p.Obs, rng: np.random.Generator
+    def act(self, obs: p.Obs, rng: np.random.Generator, deterministic: bool = False
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return self.inner.act(self.normalized(obs), rng)
+        return self.inner.act(self.normalized(obs), rng, deterministic)
 
     @property
     def recurrent(self) -> bool:
@@ -182,9 +182,10 @@ class Normalizing(Policy):
     def initial_state(self, n: int) -> State:
         return self.inner.initial_state(n)
 
-    def act_recurrent(self, obs: p.Obs, state: State, rng: np.random.Generator
+    def act_recurrent(self, obs: p.Obs, state: State, rng: np.random.Generator,
+                      deterministic: bool = False
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, State]:
-        return self.inner.act_recurrent(self.normalized(obs), state, rng)
+        return self.inner.act_recurrent(self.normalized(obs), state, rng, deterministic)
 
     def weights_problem(self, params: Mapping[str, np.ndarray]) -> str:
         arrays, own = split(params)

@@ -453,7 +453,7 @@ class Fragile(policy.Policy):
     def prepare(self, params: dict[str, np.ndarray]) -> None:  # type: ignore[override]
         self.explode = bool(params["explode"][0])
 
-    def act(self, obs: p.Obs, rng: np.random.Generator
+    def act(self, obs: p.Obs, rng: np.random.Generator, deterministic: bool = False
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if self.explode:
             raise FloatingPointError("probability tensor contains inf")

@@ -31,11 +31,12 @@ class Counter(Policy):
     def prepare(self, params: Mapping[str, np.ndarray]) -> None:
         pass
 
-    def act(self, obs: p.Obs, rng: np.random.Generator
+    def act(self, obs: p.Obs, rng: np.random.Generator, deterministic: bool = False
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         raise AssertionError("a recurrent policy is asked to act_recurrent")
 
-    def act_recurrent(self, obs: p.Obs, state: State, rng: np.random.Generator
+    def act_recurrent(self, obs: p.Obs, state: State, rng: np.random.Generator,
+                      deterministic: bool = False
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, State]:
         count = state["count"][:, 0]
         n = len(count)
@@ -180,7 +181,8 @@ class FlakyCounter(Counter):
     def prepare(self, params: Mapping[str, np.ndarray]) -> None:
         self.explode = bool(params["w"][0])
 
-    def act_recurrent(self, obs: p.Obs, state: State, rng: np.random.Generator
+    def act_recurrent(self, obs: p.Obs, state: State, rng: np.random.Generator,
+                      deterministic: bool = False
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, State]:
         if self.explode:
             raise FloatingPointError("probability tensor contains inf")

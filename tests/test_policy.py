@@ -36,7 +36,7 @@ class ConstantPolicy(Policy):
     def prepare(self, params: Mapping[str, np.ndarray]) -> None:
         self.params = dict(params)
 
-    def act(self, obs: p.Obs, rng: np.random.Generator
+    def act(self, obs: p.Obs, rng: np.random.Generator, deterministic: bool = False
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         b = len(obs)
         return np.zeros(b, np.int64), np.zeros(b, np.float32), np.zeros(b, np.float32)

@@ -76,6 +76,16 @@ class ActionSpace:
         """How actions travel: int64 categories (int8 for multi_binary), float32 boxes."""
         return {"box": np.float32, "multi_binary": np.int8}.get(self.kind, np.int64)
 
+    def clipped(self, actions: np.ndarray) -> np.ndarray:
+        """A batch of Box actions clipped to the space's bounds, as a worker clips what it
+        steps with; any other kind, or a Box without bounds, as it is."""
+        if self.kind != "box" or not self.low:
+            return actions
+        b = len(actions)
+        return np.clip(actions.reshape(b, -1), np.asarray(self.low, np.float32),
+                       np.asarray(self.high, np.float32)).astype(actions.dtype).reshape(
+                           actions.shape)
+
     @classmethod
     def from_gymnasium(cls, space: Any) -> ActionSpace:
         """Build from a Gymnasium Discrete, Box, MultiDiscrete or MultiBinary space."""
@@ -155,11 +165,15 @@ class Policy(abc.ABC):
         return spaces.zeros(self.spec, n)
 
     @abc.abstractmethod
-    def act(self, obs: p.Obs, rng: np.random.Generator
+    def act(self, obs: p.Obs, rng: np.random.Generator, deterministic: bool = False
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Actions for a batch of observations (`stepbus.spaces`: one array for a Box, else a
         map of leaves, the action mask among them when the env gives one; a masked action
         must never be chosen).
+
+        `deterministic` acts greedily, for evaluation: the distribution's mode, the argmax of
+        each dimension's (masked) logits, or a Box's mean clipped to the space's bounds
+        (`ActionSpace.clipped`); the log-prob is then the mode's, before clipping.
 
         Returns:
             (actions, logp, value): actions of `ActionSpace.dtype` and ``(B, *batch_shape)``;
@@ -180,10 +194,11 @@ class Policy(abc.ABC):
         (the batch dimension first, whatever the model's own layout)."""
         raise NotImplementedError(f"{type(self).__name__} is not recurrent")
 
-    def act_recurrent(self, obs: p.Obs, state: State, rng: np.random.Generator
+    def act_recurrent(self, obs: p.Obs, state: State, rng: np.random.Generator,
+                      deterministic: bool = False
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, State]:
         """`act` from each row's memory `state` (as `initial_state` lays it out): the outputs
-        and each row's next state.
+        and each row's next state; `deterministic` as for `act`.
 
         Raises:
             NoWeights: before the first `load`.

@@ -291,6 +291,7 @@ def act(
     action: ActionSpace,
     rng: np.random.Generator,
     mask: np.ndarray | None = None,
+    deterministic: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Sample a batch: (actions, logp float32 (B,), value float32 (B,)).
 
@@ -298,20 +299,22 @@ def act(
     CDF (one uniform per row and dimension), never one that `mask` (B, action.dim) rules out.
     Box actions are float32 (B, *shape), unclipped; logp is computed on the float32 values
     actually returned so the learner's recomputed log-prob matches at ratio 1.
+    `deterministic`: each dimension's most likely category, or the Gaussian's mean clipped to
+    the space's bounds (its log-prob the mean's), and no draw from `rng`.
     """
     obs = np.asarray(obs)
     b = obs.shape[0]
     widest = max(w.shape[1] for k, w in params.items() if k.endswith(".w"))
     block = max(1, _ACT_BLOCK_ELEMS // widest)
     if b <= block:
-        return _act_block(params, obs, action, rng, mask)
+        return _act_block(params, obs, action, rng, mask, deterministic)
     actions: np.ndarray = np.empty((b, *action.batch_shape), dtype=action.dtype)
     logp = np.empty(b, dtype=np.float32)
     v = np.empty(b, dtype=np.float32)
     for start in range(0, b, block):
         rows = slice(start, start + block)
         actions[rows], logp[rows], v[rows] = _act_block(
-            params, obs[rows], action, rng, None if mask is None else mask[rows])
+            params, obs[rows], action, rng, None if mask is None else mask[rows], deterministic)
     return actions, logp, v
 
 
@@ -331,24 +334,43 @@ def _sample_categorical(logp_all: np.ndarray, action: ActionSpace, rng: np.rando
     return taken, logp
 
 
+def _greedy_categorical(logp_all: np.ndarray, action: ActionSpace
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """(each dimension's most likely category (B, dims) int64, their summed log-prob (B,))."""
+    b = logp_all.shape[0]
+    taken = np.empty((b, len(action.categories)), np.int64)
+    logp = np.zeros(b)
+    for j, (start, n) in enumerate(zip(_offsets(action), action.categories, strict=True)):
+        part = logp_all[:, start:start + n]
+        taken[:, j] = part.argmax(axis=1)
+        logp += np.take_along_axis(part, taken[:, j:j + 1], axis=1)[:, 0]
+    return taken, logp
+
+
 def _act_block(
     params: Mapping[str, np.ndarray],
     obs: np.ndarray,
     action: ActionSpace,
     rng: np.random.Generator,
     mask: np.ndarray | None = None,
+    deterministic: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``act`` on one block of rows."""
     out, v = forward(params, obs)
     b = out.shape[0]
     if action.categorical:
-        taken, logp = _sample_categorical(categorical_log_probs(out, action, mask), action, rng)
+        logp_all = categorical_log_probs(out, action, mask)
+        taken, logp = (_greedy_categorical(logp_all, action) if deterministic
+                       else _sample_categorical(logp_all, action, rng))
         actions: np.ndarray = taken.reshape(b, *action.batch_shape).astype(action.dtype)
     else:
-        log_std = params["log_std"]
-        sample = (out + np.exp(log_std) * rng.standard_normal(out.shape)).astype(np.float32)
+        noise = 0.0 if deterministic else np.exp(params["log_std"]) * rng.standard_normal(
+            out.shape)
+        sample = (out + noise).astype(np.float32)
         logp, _ = log_prob_entropy(out, params, action, sample)
         actions = sample.reshape(b, *action.shape)
+        if deterministic:
+            actions = action.clipped(actions)
     return actions, logp.astype(np.float32), v.astype(np.float32)
 
 
@@ -538,17 +560,17 @@ class MLPPolicy(Policy):
     def prepare(self, params: Mapping[str, np.ndarray]) -> None:
         self.params = for_inference(params)
 
-    def act(self, obs: p.Obs, rng: np.random.Generator
+    def act(self, obs: p.Obs, rng: np.random.Generator, deterministic: bool = False
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not self.params:
             raise NoWeights("the MLP policy has no weights yet")
-        return self._act(self.params, obs, rng)
+        return self._act(self.params, obs, rng, deterministic)
 
-    def _act(self, params: Mapping[str, np.ndarray], obs: p.Obs, rng: np.random.Generator
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _act(self, params: Mapping[str, np.ndarray], obs: p.Obs, rng: np.random.Generator,
+             deterministic: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Categorical leaves one-hot, the rest flattened (`spaces.flatten`), then `act`."""
         x = spaces.flatten(self.spec, obs, _input_dtype(params))
-        return act(params, x, self.action, rng, spaces.mask(self.spec, obs))
+        return act(params, x, self.action, rng, spaces.mask(self.spec, obs), deterministic)
 
     def weights_problem(self, params: Mapping[str, np.ndarray]) -> str:
         """Names and shapes of an MLP for these spaces, float and finite values, and one trial

@@ -60,7 +60,8 @@ class Head(nn.Module):
     a Gaussian mean with a learned log-std for a Box. `action_mask` (bool, one per category,
     the dimensions' in turn) rules out actions by giving them a logit of -1e8. The log-probs
     and entropies are `torch.distributions`' Categorical and Normal ones, written out: building
-    a distribution object cost more than the rest of a small model's forward pass."""
+    a distribution object cost more than the rest of a small model's forward pass.
+    `deterministic` (no `action` given) takes the mode: each dimension's argmax, or the mean."""
 
     def __init__(self, features: int, action_space: Any) -> None:
         super().__init__()
@@ -73,22 +74,25 @@ class Head(nn.Module):
             self.logstd = nn.Parameter(torch.zeros(1, dim))
 
     def forward(self, hidden: torch.Tensor, action: torch.Tensor | None,
-                action_mask: torch.Tensor | None
+                action_mask: torch.Tensor | None, deterministic: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(action, log-prob, entropy): `action` sampled when None, else its log-prob."""
+        """(action, log-prob, entropy): `action` sampled (or the mode) when None, else its
+        log-prob."""
         b, out = hidden.shape[0], self.out(hidden)
         if self.categories:
-            return self.categorical(out, action, action_mask)
+            return self.categorical(out, action, action_mask, deterministic)
         logstd = self.logstd.expand_as(out)
-        flat = (out + logstd.exp() * torch.randn_like(out) if action is None
-                else action.reshape(b, -1).to(out.dtype))
+        if action is not None:
+            flat = action.reshape(b, -1).to(out.dtype)
+        else:
+            flat = out if deterministic else out + logstd.exp() * torch.randn_like(out)
         z = (flat - out) * (-logstd).exp()
         logp = (-0.5 * z * z - logstd - 0.5 * LOG_2PI).sum(1)
         entropy = (0.5 + 0.5 * LOG_2PI + logstd).sum(1)
         return flat.reshape(b, *self.shape), logp, entropy
 
     def categorical(self, out: torch.Tensor, action: torch.Tensor | None,
-                    action_mask: torch.Tensor | None
+                    action_mask: torch.Tensor | None, deterministic: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b = out.shape[0]
         if action_mask is not None:
@@ -99,7 +103,10 @@ class Head(nn.Module):
         for j, logits in enumerate(torch.split(out, list(self.categories), dim=1)):
             logp_all = torch.log_softmax(logits, dim=-1)
             probs = logp_all.exp()
-            pick = torch.multinomial(probs, 1)[:, 0] if given is None else given[:, j]
+            if given is not None:
+                pick = given[:, j]
+            else:
+                pick = logp_all.argmax(1) if deterministic else torch.multinomial(probs, 1)[:, 0]
             taken.append(pick)
             logp = logp + logp_all.gather(1, pick[:, None])[:, 0]
             entropy = entropy - (probs * logp_all).sum(1)
@@ -161,10 +168,10 @@ class MLPAgent(nn.Module):
         return self.critic(self.flatten(x))
 
     def get_action_and_value(self, x: Any, action: torch.Tensor | None = None,
-                             action_mask: torch.Tensor | None = None
+                             action_mask: torch.Tensor | None = None, deterministic: bool = False
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         x = self.flatten(x)
-        taken, logp, entropy = self.head(self.actor(x), action, action_mask)
+        taken, logp, entropy = self.head(self.actor(x), action, action_mask, deterministic)
         return taken, logp, entropy, self.critic(x)
 
 
@@ -213,10 +220,10 @@ class NatureCNNAgent(nn.Module):
         return self.critic(self.features(x))
 
     def get_action_and_value(self, x: torch.Tensor, action: torch.Tensor | None = None,
-                             action_mask: torch.Tensor | None = None
+                             action_mask: torch.Tensor | None = None, deterministic: bool = False
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         hidden = self.features(x)
-        taken, logp, entropy = self.head(hidden, action, action_mask)
+        taken, logp, entropy = self.head(hidden, action, action_mask, deterministic)
         return taken, logp, entropy, self.critic(hidden)
 
 
@@ -302,11 +309,11 @@ class LSTMAgent(nn.Module):
 
     def get_action_and_value(self, x: Any, state: tuple[torch.Tensor, torch.Tensor],
                              done: torch.Tensor, action: torch.Tensor | None = None,
-                             action_mask: torch.Tensor | None = None
+                             action_mask: torch.Tensor | None = None, deterministic: bool = False
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                         tuple[torch.Tensor, torch.Tensor]]:
         hidden, state = self.get_states(x, state, done)
-        taken, logp, entropy = self.head(hidden, action, action_mask)
+        taken, logp, entropy = self.head(hidden, action, action_mask, deterministic)
         return taken, logp, entropy, self.critic(hidden), state
 
 

@@ -2,17 +2,25 @@
 for `--model torch` or `--model module:factory`.
 
 The module has CleanRL's agent methods: ``get_action_and_value(obs, action=None) -> (action,
-logprob, entropy, value)`` and ``get_value(obs)``. Its weights travel as they do for the numpy
-MLP, a flat map of named numpy arrays: the module's ``state_dict``, one raw frame per tensor.
-A broker judges weights against its own module's state_dict (names, shapes, dtypes, finite
-values) and acts once with them (the module left as it is) before loading them, so weights of
-another model, or ones whose outputs are not finite, are refused, never half-loaded.
+logprob, entropy, value)`` and ``get_value(obs)``. Greedy acting (`act(..., deterministic=True)`)
+passes ``deterministic=True`` to a ``get_action_and_value`` that takes it (the built-in agents
+do: the distribution's mode); for one that does not, categorical actions are the most likely
+category of each dimension, found by scoring each one with the module's own log-prob (exact
+for CleanRL's heads, whose dimensions are independent), and Box actions cannot be had (a
+Gaussian's mean is not among CleanRL's outputs): `greedy_problem` says so.
+
+Its weights travel as they do for the numpy MLP, a flat map of named numpy arrays: the
+module's ``state_dict``, one raw frame per tensor. A broker judges weights against its own
+module's state_dict (names, shapes, dtypes, finite values) and acts once with them (the module
+left as it is) before loading them, so weights of another model, or ones whose outputs are not
+finite, are refused, never half-loaded.
 
 Importing this module imports torch: only a process configured with a torch model does.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, cast
 
@@ -222,6 +230,17 @@ class TorchPolicy(Policy):
         self.recent: p.Obs | None = None  # the first rows of the last batch it acted on
         self.memory = (StateLayout(self.module) if callable(getattr(self.module, "initial_state",
                                                                      None)) else None)
+        self.takes_deterministic = takes_keyword(self.module, "deterministic")
+
+    @property
+    def greedy_problem(self) -> str:
+        """Why this module cannot act greedily ("" if it can): Box actions from a module whose
+        get_action_and_value takes no ``deterministic`` keyword."""
+        if self.takes_deterministic or self.action.categorical:
+            return ""
+        return (f"{type(self.module).__name__}.get_action_and_value takes no deterministic= "
+                "keyword, and a Box action's mean is not among CleanRL's outputs: give it "
+                "`deterministic: bool = False` (True: return the mean), or act stochastically")
 
     @classmethod
     def of_factory(cls, factory: Callable[..., Any], spec: p.SpaceSpec, *, name: str,
@@ -251,51 +270,75 @@ class TorchPolicy(Policy):
         with torch.no_grad():
             return self.memory.rows(recurrent_agent(self.module).initial_state(n))
 
-    def act(self, obs: p.Obs, rng: np.random.Generator
+    def act(self, obs: p.Obs, rng: np.random.Generator, deterministic: bool = False
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not self.loaded:
             raise NoWeights("the torch policy has no weights yet")
         # A copy: frames off the wire are reused.
         self.recent = rows.copy(rows.take(obs, slice(0, TRIAL_ROWS)))
-        return self._act(obs, rng)
+        return self._act(obs, rng, deterministic)
 
-    def act_recurrent(self, obs: p.Obs, state: State, rng: np.random.Generator
+    def act_recurrent(self, obs: p.Obs, state: State, rng: np.random.Generator,
+                      deterministic: bool = False
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, State]:
         if not self.loaded:
             raise NoWeights("the torch policy has no weights yet")
         self.recent = rows.copy(rows.take(obs, slice(0, TRIAL_ROWS)))
-        return self._act_recurrent(obs, state, rng)
+        return self._act_recurrent(obs, state, rng, deterministic)
 
-    def _act(self, obs: p.Obs, rng: np.random.Generator
+    def _act(self, obs: p.Obs, rng: np.random.Generator, deterministic: bool = False
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A feed-forward module's outputs; a recurrent one's from the initial state."""
         if self.memory is not None:
-            return self._act_recurrent(obs, self.initial_state(rows.count(obs)), rng)[:3]
+            return self._act_recurrent(obs, self.initial_state(rows.count(obs)), rng,
+                                       deterministic)[:3]
         self.seed(rng)
-        with torch.no_grad():
-            action, logp, _, value = agent(self.module).get_action_and_value(
-                module_input(self.spec, obs, self.device),
-                **mask_input(self.spec, obs, self.device))
-        return self.outputs(rows.count(obs), action, logp, value)
+        call = _Call(self, obs, None)
+        action, logp, value, _ = self.greedy(call) if deterministic else call()
+        return self.outputs(rows.count(obs), action, logp, value, deterministic)
 
-    def _act_recurrent(self, obs: p.Obs, state: State, rng: np.random.Generator
+    def _act_recurrent(self, obs: p.Obs, state: State, rng: np.random.Generator,
+                       deterministic: bool = False
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, State]:
         assert self.memory is not None
-        b = rows.count(obs)
         self.seed(rng)
-        with torch.no_grad():
-            action, logp, _, value, after = recurrent_agent(self.module).get_action_and_value(
-                module_input(self.spec, obs, self.device),
-                self.memory.module(state, self.device),
-                torch.zeros(b, dtype=torch.bool, device=self.device),
-                **mask_input(self.spec, obs, self.device))
-        return (*self.outputs(b, action, logp, value), self.memory.rows(after))
+        call = _Call(self, obs, self.memory.module(state, self.device))
+        action, logp, value, after = self.greedy(call) if deterministic else call()
+        return (*self.outputs(rows.count(obs), action, logp, value, deterministic),
+                self.memory.rows(after))
 
-    def outputs(self, b: int, action: torch.Tensor, logp: torch.Tensor, value: torch.Tensor
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The module's outputs as the broker sends them."""
+    def greedy(self, call: _Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+        """The mode: the module's own when it takes ``deterministic``, else each categorical
+        dimension's category of highest log-prob, the others held at 0 (exact when the
+        dimensions are independent, as in CleanRL's heads).
+
+        Raises:
+            ModelUnavailable: Box actions from a module that cannot give its mean.
+        """
+        if self.takes_deterministic:
+            return call(deterministic=True)
+        if self.greedy_problem:
+            raise ModelUnavailable(self.greedy_problem)
+        b = call.rows
+        base = torch.zeros((b, len(self.action.categories)), dtype=torch.long,
+                           device=self.device)
+        best = base.clone()
+        for j, n in enumerate(self.action.categories):
+            scores = []
+            for k in range(n):
+                candidate = base.clone()
+                candidate[:, j] = k
+                scores.append(call(candidate.reshape(b, *self.action.batch_shape))[1].reshape(b))
+            best[:, j] = torch.stack(scores, 1).argmax(1)
+        return call(best.reshape(b, *self.action.batch_shape))
+
+    def outputs(self, b: int, action: torch.Tensor, logp: torch.Tensor, value: torch.Tensor,
+                deterministic: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The module's outputs as the broker sends them (a greedy Box action clipped)."""
         actions: np.ndarray = action.reshape(b, *self.action.batch_shape).cpu().numpy().astype(
             self.action.dtype)
+        if deterministic:
+            actions = self.action.clipped(actions)
         return (actions, logp.reshape(b).to(torch.float32).cpu().numpy(),
                 value.reshape(b).to(torch.float32).cpu().numpy())
 
@@ -362,6 +405,44 @@ class TorchPolicy(Policy):
         if not (np.isfinite(logp).all() and np.isfinite(value).all()):
             return "non-finite log-prob or value"
         return ""
+
+
+class _Call:
+    """One forward of a policy's module on a batch (and, for a recurrent module, the state it
+    starts from), under ``torch.no_grad()``: called with an action for its log-prob, without
+    one for a sampled (or, `deterministic`, the module's greedy) action."""
+
+    def __init__(self, policy: TorchPolicy, obs: p.Obs, state: Any) -> None:
+        self.module, self.state = policy.module, state
+        self.rows = rows.count(obs)
+        self.x = module_input(policy.spec, obs, policy.device)
+        self.mask = mask_input(policy.spec, obs, policy.device)
+        self.done = torch.zeros(self.rows, dtype=torch.bool, device=policy.device)
+
+    def __call__(self, action: torch.Tensor | None = None, deterministic: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+        """(action, log-prob, value, the state after: None for a feed-forward module)."""
+        kwargs: dict[str, Any] = dict(self.mask)
+        if action is not None:
+            kwargs["action"] = action
+        if deterministic:
+            kwargs["deterministic"] = True
+        with torch.no_grad():
+            if self.state is None:
+                taken, logp, _, value = agent(self.module).get_action_and_value(self.x, **kwargs)
+                return taken, logp, value, None
+            taken, logp, _, value, after = recurrent_agent(self.module).get_action_and_value(
+                self.x, self.state, self.done, **kwargs)
+        return taken, logp, value, after
+
+
+def takes_keyword(module: nn.Module, name: str) -> bool:
+    """Whether the module's get_action_and_value has a parameter `name` (not just **kwargs)."""
+    try:
+        method = cast(Callable[..., Any], agent(module).get_action_and_value)
+        return name in inspect.signature(method).parameters
+    except (TypeError, ValueError):  # a builtin or odd callable: assume not
+        return False
 
 
 class _Trial(nn.Module):
