@@ -49,6 +49,8 @@ Who sends what (sender -> receiver, socket pair):
     RECEIPT           trainer -> assembler      PUSH   -> PULL     trajectories taken in (acks)
     TRAINER_SWAP      cli -> controller -> slot DEALER -> ROUTER   replace the running learner
     REPLY             slot -> controller        DEALER -> ROUTER   outcome of a swap, relayed
+    WEIGHTS           trainer -> evaluator      DEALER -> ROUTER   each new version, if one listens
+    EVAL_RESULT       evaluator -> trainer      ROUTER -> DEALER   greedy return of one version
 """
 
 from __future__ import annotations
@@ -71,9 +73,9 @@ import numpy as np
 from stepbus.bus import rows
 from stepbus.bus.rows import Obs
 
-PROTOCOL_VERSION = 7  # 2: RUN_STATE's horizon; 3: SpaceSpec's goal; 4: every Gymnasium space;
+PROTOCOL_VERSION = 8  # 2: RUN_STATE's horizon; 3: SpaceSpec's goal; 4: every Gymnasium space;
 # 5: vector envs (RESET's seeds, rows and modes, the relay's kinds); 6: WEIGHTS' checkpointed_steps;
-# 7: SpaceSpec's goal_note
+# 7: SpaceSpec's goal_note; 8: EVAL_RESULT
 
 # Decoding cost grows with the header's bytes and its lists and maps (each one allocated,
 # checked, freed), so both are bounded: any header, valid or not, decodes in at most 3 to 4
@@ -153,6 +155,7 @@ class Kind(enum.IntEnum):
     VECTOR_SPEC = 27
     ENV_CALL = 28
     ENV_CALL_RESULT = 29
+    EVAL_RESULT = 30
 
 
 # A JSON-like value (str keys, scalars, lists, maps) of bounded depth: options, figures, status.
@@ -933,6 +936,21 @@ class WorkerLost(Message):
     reason: str
 
 
+@dataclass(frozen=True)
+class EvalResult(Message):
+    """What an evaluator's greedy episodes of one policy version returned: their mean, standard
+    deviation and mean length, over `episodes` episodes on envs of its own."""
+
+    KIND: ClassVar[Kind] = Kind.EVAL_RESULT
+    evaluator: str
+    policy: str
+    version: int
+    episodes: int
+    mean_return: float
+    std_return: float
+    mean_length: float
+
+
 MESSAGE_TYPES: dict[Kind, type[Message]] = {
     cls.KIND: cls
     for cls in (
@@ -940,6 +958,7 @@ MESSAGE_TYPES: dict[Kind, type[Message]] = {
         Weights, Heartbeat, RunState, StatusRequest, StatusReply, ResetRequest,
         ShutdownRequest, Reply, Barrier, BarrierDone, Shutdown, RemoteError, WorkerLost,
         Receipt, TrainerSwap, Trajectories, VectorHello, VectorSpec, EnvCall, EnvCallResult,
+        EvalResult,
     )
 }
 assert set(MESSAGE_TYPES) == set(Kind), "every kind needs exactly one message class"

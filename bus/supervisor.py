@@ -560,12 +560,13 @@ class Supervisor(node.Process):
         self.log.info("%s stopping (%s)", self.role, self.leaving or self.stop_reason)
 
 
-SUPERVISED_ROLES = ("controller", "broker", "worker", "assembler", "learner")
+SUPERVISED_ROLES = ("controller", "broker", "worker", "assembler", "learner", "evaluator")
 
 
 def default_give_up(role: str) -> GiveUp:
-    """A worker is one of many: the run goes on without it. Any other role it cannot."""
-    return GiveUp.STAY if role == "worker" else GiveUp.EXIT
+    """A worker is one of many, and an evaluator is beside the training path: the run goes on
+    without either. Without any other role it cannot."""
+    return GiveUp.STAY if role in ("worker", "evaluator") else GiveUp.EXIT
 
 
 def run(role: str, flags: list[str], *, controller: str, security: wiring.Security,

@@ -56,6 +56,7 @@ class PortName(str, enum.Enum):
     TRAJECTORIES = "trajectories"  # the default policy's: assembler PUSH, learner PULL
     RECEIPTS = "receipts"  # learner PUSH to the assembler; the assembler's PULL
     VECTOR = "vector"  # relay ROUTER facing a vector env client; the client's DEALER
+    EVALUATION = "evaluation"  # evaluator ROUTER facing learners; a learner's DEALER to it
 
     def __str__(self) -> str:
         return self.value
@@ -79,6 +80,7 @@ class Role(str, enum.Enum):
     WORKER = "worker"
     ASSEMBLER = "assembler"
     LEARNER = "learner"
+    EVALUATOR = "evaluator"  # plays a policy version's greedy episodes, beside the training path
     LINK = "link"  # every process's link to the controller (and the trainer slot's only one)
     CLIENT = "client"  # the CLI's commands, the vector env's discovery
     VECTOR_CLIENT = "vector-client"  # stepbus.vector's DEALER to the relay
@@ -136,13 +138,21 @@ ROLES: dict[Role, tuple[SocketSpec, ...]] = {
     Role.LEARNER: (SocketSpec(PortName.POLICY, zmq.DEALER, False, "policy", sndhwm=4),
                    SocketSpec(PortName.TRAJECTORIES, zmq.PULL, False, "trajectories",
                               rcvhwm=64),
-                   SocketSpec(PortName.RECEIPTS, zmq.PUSH, False, "receipts", immediate=True)),
+                   SocketSpec(PortName.RECEIPTS, zmq.PUSH, False, "receipts", immediate=True),
+                   # Weights for an evaluator, if one listens: none connected or its short
+                   # queue full, a send fails at once and the version goes unevaluated.
+                   SocketSpec(PortName.EVALUATION, zmq.DEALER, False, "evaluation",
+                              immediate=True, sndhwm=2, rcvhwm=16)),
+    # A learner's newest weights only: older ones queued behind them are of no use.
+    Role.EVALUATOR: (SocketSpec(PortName.EVALUATION, zmq.ROUTER, True, "evaluation",
+                                rcvhwm=4),),
     Role.LINK: _LINK,
     Role.CLIENT: (SocketSpec(PortName.CONTROLLER, zmq.DEALER, False, "controller"),),
     Role.VECTOR_CLIENT: (SocketSpec(PortName.VECTOR, zmq.DEALER, False, "vector"),),
 }
 # Ports a role sends on through its controller link as well as its own.
-LINKED = {Role.BROKER, Role.RELAY, Role.WORKER, Role.ASSEMBLER, Role.LEARNER, Role.LINK}
+LINKED = {Role.BROKER, Role.RELAY, Role.WORKER, Role.ASSEMBLER, Role.LEARNER, Role.EVALUATOR,
+          Role.LINK}
 
 
 def ports_of(role: Role) -> frozenset[str]:

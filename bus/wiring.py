@@ -60,6 +60,8 @@ ENDPOINTS: dict[str, EndpointSpec] = {
                      "assembler PULL receiving the trainer's receipts for trajectories"),
         EndpointSpec("vector", "STEPBUS_VECTOR", "tcp://127.0.0.1:7347",
                      "broker ROUTER (--external) facing a vector env client's DEALER"),
+        EndpointSpec("evaluation", "STEPBUS_EVALUATION", "tcp://127.0.0.1:7348",
+                     "evaluator ROUTER receiving trainer weights, answering with returns"),
     )
 }
 

@@ -80,6 +80,10 @@ PROCESSES: dict[str, Command] = {
     "learner": Command("stepbus.trainer.learner:Config", "stepbus.trainer.learner:run",
                        "the learner alone, unsupervised: PPO on trajectories, versioned weights, "
                        "checkpoints"),
+    "evaluator": Command("stepbus.processor.evaluator:Config", "stepbus.processor.evaluator:run",
+                         "greedy episodes of each new policy version on envs of its own, their "
+                         "mean return sent to the learner (eval_return in its metrics); beside "
+                         "the training path, which never waits for it"),
 }
 STATUS_REPLY_MAX_BYTES = 64 << 20
 KEYS_HELP = ("create CURVE keys: a server keypair (for the processes that bind: controller, "
@@ -462,7 +466,8 @@ def build_parser(settings: dict[str, runconfig.Setting] | None = None, only: str
                       help="where to write the PNG [default: RUN_DIR/progress.png]")
     for name, doc in (("status", "one table of every live process, from the controller: role, "
                                  "name, host, pid, uptime, heartbeat age, steps/s, queues, "
-                                 "dropped, rejected, policy version and lag; exits 2 naming "
+                                 "dropped, rejected, policy version and lag, training and "
+                                 "eval return; exits 2 naming "
                                  "the address when the controller does not answer"),
                       ("reset", "reset barrier: pause, drain, reset every env, resume"),
                       ("shutdown", "stop the whole pipeline through the controller")):
@@ -509,7 +514,8 @@ def _add_run_parser(sub: Any, settings: dict[str, runconfig.Setting]) -> None:
     cmd = sub.add_parser("run", help=RUN_HELP, description=RUN_HELP, allow_abbrev=False)
     skip = set(serial.NOT_SERIAL)
     for cls in (serial.Config, *(PROCESSES[name].config_class() for name in
-                                 ("worker", "assembler", "learner", "broker", "controller"))):
+                                 ("worker", "assembler", "learner", "broker", "controller",
+                                  "evaluator"))):
         _add_config_flags(cmd, cls, settings, skip)
     _add_preset_flag(cmd)
 
@@ -543,7 +549,8 @@ def _roles(args: argparse.Namespace) -> serial.Roles:
 
     return serial.Roles(controller=config("controller"), broker=config("broker"),
                         worker=config("worker"), assembler=config("assembler"),
-                        learner=config("learner"), run=_build_config(serial.Config, args))
+                        learner=config("learner"), run=_build_config(serial.Config, args),
+                        evaluator=config("evaluator"))
 
 
 def _add_supervise_parser(sub: Any) -> None:

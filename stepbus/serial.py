@@ -27,14 +27,14 @@ from stepbus import runconfig
 from stepbus.bus import broker, controller, node, wiring
 from stepbus.bus.exits import SettingError
 from stepbus.bus.node import Stage
-from stepbus.processor import assembler
+from stepbus.processor import assembler, evaluator
 from stepbus.trainer import learner
 from stepbus.workers import worker
 
 # Flags a serial run does not take: its endpoints are its own, it binds nothing reachable
 # from outside (so no keys), and it names its workers itself.
 NOT_SERIAL = frozenset({*wiring.ENDPOINTS, "security", "external", "name", "worker_index",
-                        "policy_endpoints"})
+                        "policy_endpoints", "nice"})
 MAX_WORKERS = 64
 
 
@@ -45,6 +45,9 @@ class Config:
     workers: int = dataclasses.field(default=1, metadata={
         "help": "environment workers, each with --envs-per-worker envs (all in this process)",
         "min": 1, "max": MAX_WORKERS})
+    evaluator: bool = dataclasses.field(default=False, metadata={
+        "help": "also run an evaluator (`stepbus evaluator`, its --eval-* flags) on this thread: "
+                "greedy episodes of each new policy version, eval_return in the metrics"})
 
 
 @dataclass
@@ -57,6 +60,7 @@ class Roles:
     assembler: assembler.Config
     learner: learner.Config
     run: Config
+    evaluator: evaluator.Config = dataclasses.field(default_factory=evaluator.Config)
 
 
 def inproc_endpoints() -> dict[str, str]:
@@ -83,8 +87,8 @@ def run(roles: Roles) -> int:
     try:
         for open_role in _openers(roles, endpoints):
             opened.append(open_role(ctx))
-        log.info("serial run: controller, broker, %d worker(s), assembler and learner in "
-                 "this process", roles.run.workers)
+        log.info("serial run: controller, broker, %d worker(s), assembler%s and learner in "
+                 "this process", roles.run.workers, ", evaluator" if roles.run.evaluator else "")
         poller = zmq.Poller()
         with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
             return serve([o.loop(stop, poller) for o in opened], poller)
@@ -110,9 +114,12 @@ def _openers(roles: Roles, endpoints: dict[str, str]) -> list[Any]:
     for i in range(roles.run.workers):
         cfg = dataclasses.replace(wired(roles.worker, endpoints), name=f"w{i}", worker_index=i)
         openers.append(lambda ctx, cfg=cfg: _open_worker(ctx, cfg))
+    if roles.run.evaluator:
+        openers.append(lambda ctx: evaluator.open_evaluator(
+            ctx, wired(roles.evaluator, endpoints), logger("evaluator"), raise_env_errors=True))
     settings = {k: s.value for k, s in runconfig.load().items()}
     for config in (roles.controller, roles.broker, roles.worker, roles.assembler,
-                   roles.learner, roles.run):
+                   roles.learner, roles.run, *([roles.evaluator] if roles.run.evaluator else [])):
         settings |= runconfig.recorded(config)
     openers.append(lambda ctx: learner.open_learner(ctx, wired(roles.learner, endpoints),
                                                     logger("trainer"), name="learner",

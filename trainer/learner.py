@@ -78,6 +78,14 @@ TORCH_CHECKPOINT = "checkpoint.safetensors"  # a torch model's (no pickle: train
 # of the learner's time), and the learning a kill loses (sent again) is not stale by the time
 # it comes back; see docs/performance.md.
 CHECKPOINT_INTERVAL_S = 0.1
+TARGET_ON_TRAIN, TARGET_ON_EVAL = "train", "eval"  # --target-on
+
+
+def _target_on(text: str) -> str:
+    """--target-on's check: ValueError naming the choices."""
+    if text not in (TARGET_ON_TRAIN, TARGET_ON_EVAL):
+        raise ValueError(f"train or eval, not {text!r}")
+    return text
 
 
 @dataclass
@@ -85,6 +93,8 @@ class Config:
     policy: str = wiring.endpoint("policy", "broker endpoint to send weights to")
     trajectories: str = wiring.endpoint("trajectories", "assembler endpoint to pull from")
     receipts: str = wiring.endpoint("receipts", "assembler endpoint to send receipts to")
+    evaluation: str = wiring.endpoint("evaluation", "evaluator endpoint to send each new "
+                                      "version's weights to (dropped while none listens)")
     controller: str = wiring.endpoint("controller", "controller endpoint to connect")
     broadcast: str = wiring.endpoint("broadcast", "controller broadcast endpoint to connect")
     runs_dir: str = wiring.from_env("STEPBUS_RUNS_DIR", "runs",
@@ -98,6 +108,11 @@ class Config:
                         "--max-env-steps"})
     target_episodes: int = field(default=20, metadata={"min": 1,
                                                        "help": "episodes in the mean"})
+    target_on: str = field(default=TARGET_ON_TRAIN, metadata={
+        wiring.CHECK: _target_on,
+        "help": "what --target-return is judged on: train (the mean return of the last "
+                "--target-episodes training episodes) or eval (the newest mean return of an "
+                "evaluator's greedy episodes, `stepbus evaluator`)"})
     max_policy_lag: int = field(default=8, metadata={"min": 0,
         "help": "trajectories acted by a policy more than this many versions old are dropped "
                 "(counted)"})
@@ -164,8 +179,10 @@ def goal(cfg: Config, env: p.EnvSpec | None) -> tuple[float | None, str]:
         until = (" or ".join(["stopped", *limits]) if limits
                  else "stopped (give --target-return or --max-env-steps to end it)")
         return None, f"no target return ({source}): the run goes on until {until}"
-    return target, (f"the run ends once the mean return of the last {cfg.target_episodes} "
-                    f"episodes reaches {target:g} ({source})"
+    judged = (f"an evaluator's mean greedy return (--target-on {TARGET_ON_EVAL})"
+              if cfg.target_on == TARGET_ON_EVAL
+              else f"the mean return of the last {cfg.target_episodes} episodes")
+    return target, (f"the run ends once {judged} reaches {target:g} ({source})"
                     + "".join(f", or at {limit}" for limit in limits))
 
 
@@ -189,6 +206,51 @@ class Counts:
     updates: int = 0
     trajectories: int = 0  # taken in
     duplicates: int = 0  # sent again after a disconnect, taken in already
+
+
+class Evaluations:
+    """What an evaluator said of this learner's versions: the newest result, whether a metrics
+    record has it yet, and the newest version offered to it."""
+
+    def __init__(self) -> None:
+        self.newest: p.EvalResult | None = None
+        self.recorded = True
+        self.offered = -1
+
+    @staticmethod
+    def problem(msg: p.EvalResult, policy_name: str, version: int) -> str:
+        """Why a result cannot be taken ("" if it can): off a socket, so checked whole."""
+        if msg.policy != policy_name:
+            return f"policy {msg.policy[:64]!r}; this learner trains {policy_name!r}"
+        if not 0 <= msg.version <= version or not 1 <= msg.episodes <= 2**31:
+            return f"version {msg.version} (ours: {version}), {msg.episodes} episodes"
+        figures = (msg.mean_return, msg.std_return, msg.mean_length)
+        if not all(math.isfinite(x) for x in figures) or msg.std_return < 0 or \
+                msg.mean_length < 0:
+            return f"return {msg.mean_return} +- {msg.std_return}, length {msg.mean_length}"
+        return ""
+
+    def take_in(self, msg: p.EvalResult) -> bool:
+        """Whether `msg` is news: a version above the newest result's."""
+        if self.newest is not None and msg.version <= self.newest.version:
+            return False
+        self.newest, self.recorded = msg, False
+        return True
+
+    def take(self) -> dict[str, float | int]:
+        """The newest result's figures for a metrics record, once ({} after)."""
+        if self.recorded or self.newest is None:
+            return {}
+        self.recorded = True
+        return {**self.figures(), "eval_return_std": round(self.newest.std_return, 4),
+                "eval_episodes": self.newest.episodes,
+                "eval_length": round(self.newest.mean_length, 2)}
+
+    def figures(self) -> dict[str, float | int]:
+        if self.newest is None:
+            return {}
+        return {"eval_return": round(self.newest.mean_return, 4),
+                "eval_version": self.newest.version}
 
 
 class Learner(node.Process):
@@ -256,6 +318,7 @@ class Learner(node.Process):
         self.steps_taken = progress.env_steps
         self.checkpointed_steps = progress.env_steps  # what the newest checkpoint holds
         self.counts, self.receipts, self.digest = Counts(), Receipts(), RunDigest()
+        self.evaluation = Evaluations()  # what an evaluator said of our versions
         self.receipts.resume(progress.assembler, progress.learned)
         self.unsaved = Unsaved(cfg.checkpoint_interval_s)
         self.curriculum = Curriculum(log)
@@ -425,7 +488,14 @@ class Learner(node.Process):
     def goal_reached(self) -> tuple[str, str]:
         """(why the run ends, for the shutdown request; the log's words) or ("", "")."""
         cfg, progress, mean = self.cfg, self.progress, self.mean_return()
-        if (self.target_return is not None and len(self.returns) >= cfg.target_episodes
+        evaluated = self.evaluation.newest
+        if cfg.target_on == TARGET_ON_EVAL:
+            if (self.target_return is not None and evaluated is not None
+                    and evaluated.mean_return >= self.target_return):
+                return (f"trainer reached eval return {evaluated.mean_return:.1f}",
+                        f"solved: mean return {evaluated.mean_return:.1f} over "
+                        f"{evaluated.episodes} greedy episodes of version {evaluated.version}")
+        elif (self.target_return is not None and len(self.returns) >= cfg.target_episodes
                 and mean is not None and mean >= self.target_return):
             return (f"trainer reached mean return {mean:.1f}",
                     f"solved: mean return {mean:.1f} over the last {len(self.returns)} episodes")
@@ -463,11 +533,17 @@ class Learner(node.Process):
 
     # -- what goes out
     def publish(self, starving: bool = False) -> None:
-        self.send(PortName.POLICY, p.Weights(
+        """Weights to the broker; a new version's to the evaluator too, if one listens (a
+        send that fails at once: it never holds anything up)."""
+        weights = p.Weights(
             trainer=self.name, incarnation=self.incarnation, policy=self.cfg.policy_name,
             version=self.progress.version, consumed_steps=self.steps_taken,
             batch_steps=self.cfg.ppo.batch_steps, starving=starving,
-            params=self.weights(), checkpointed_steps=self.checkpointed_steps))
+            params=self.weights(), checkpointed_steps=self.checkpointed_steps)
+        self.send(PortName.POLICY, weights)
+        if weights.version > self.evaluation.offered:
+            self.evaluation.offered = weights.version
+            self.send(PortName.EVALUATION, weights)
         self.last_publish = self.clock()
         if self.phase is not Phase.DRAINING:
             self.at("republish", self.last_publish + QUIET_S, self.republish)
@@ -539,7 +615,7 @@ class Learner(node.Process):
             "mean_return": self.mean_return(), "policy_version": progress.version,
             "generation": progress.generation, "steps_per_second": round(rate, 1),
             "stale_dropped": self.counts.stale_dropped, "digest": self.digest.hexdigest(),
-            **counts, **self.intake_stats.take(), **means,
+            **counts, **self.intake_stats.take(), **means, **self.evaluation.take(),
         })
 
     def record_due(self, now: float) -> None:
@@ -587,6 +663,7 @@ class Learner(node.Process):
                 "policy_version": progress.version, "env_steps": progress.env_steps,
                 "episodes": progress.episodes, "generation": progress.generation,
                 "mean_return": None if mean is None else round(mean, 2),
+                **self.evaluation.figures(),
                 **self.rejects.figures(), **dataclasses.asdict(self.counts),
                 **self.unsaved.figures(), **self.intake_stats.last}
 
@@ -603,6 +680,23 @@ class Learner(node.Process):
 
     def on_env_spec(self, peer: bytes, msg: p.EnvSpec) -> None:
         """A late reply to a hello from before the learner started: nothing new."""
+
+    # -- the evaluator
+    def on_eval_result(self, peer: bytes, msg: p.EvalResult) -> None:
+        """An evaluator's return for one of our versions: into the next metrics record (one a
+        --metrics-interval-s at most, as ever), and with --target-on eval, the goal."""
+        problem = self.evaluation.problem(msg, self.cfg.policy_name, self.progress.version)
+        if problem:
+            self.refuse("bad eval result", problem, claims=msg.evaluator)
+            return
+        if not self.evaluation.take_in(msg) or self.phase is Phase.DRAINING:
+            return
+        if self.clock() >= self.cadence.due:
+            self.record_due(self.now)
+        elif "record" not in self.timers:
+            self.at("record", self.cadence.due, self.record_due)
+        if self.cfg.target_on == TARGET_ON_EVAL and self.phase is Phase.LEARNING:
+            self.check_goal()
 
     # -- shutting down
     def on_run_state(self, peer: bytes, msg: p.RunState) -> None:
@@ -791,6 +885,7 @@ def open_learner(ctx: zmq.Context, cfg: Config, log: logging.Logger, *,
         intake = sockets[PortName.TRAJECTORIES]
         ports = {PortName.TRAJECTORIES: node.Port(intake, (p.Trajectory, p.Trajectories)),
                  PortName.POLICY: node.Port(sockets[PortName.POLICY], (p.EnvSpec,)),
+                 PortName.EVALUATION: node.Port(sockets[PortName.EVALUATION], (p.EvalResult,)),
                  # the intake's disconnects: in the shutdown drain, the assembler has finished
                  "assembler_events": node.Port(intake.get_monitor_socket(
                      zmq.EVENT_DISCONNECTED), monitor=True)}

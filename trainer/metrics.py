@@ -53,6 +53,11 @@ TAGS = {
     "policy_version": "run/policy_version",
     "generation": "run/generation",
     "stale_dropped": "run/stale_dropped",
+    "eval_return": "eval/return_mean",  # an evaluator's greedy episodes (processor/evaluator.py)
+    "eval_return_std": "eval/return_std",
+    "eval_length": "eval/length_mean",
+    "eval_episodes": "eval/episodes",
+    "eval_version": "eval/policy_version",
 }
 SKIPPED = {"time", "wall_s", "env_steps", "digest", "n_samples", "n_grad_steps", "updates"}
 

@@ -17,6 +17,7 @@ import gymnasium as gym
 
 from stepbus import imports, spaces
 from stepbus.bus import protocol as p
+from stepbus.bus import wiring
 
 
 def make_env(env: str, kwargs: Mapping[str, Any] | None = None) -> Any:
@@ -29,6 +30,22 @@ def make_env(env: str, kwargs: Mapping[str, Any] | None = None) -> Any:
             raise TypeError(f"{env} returned {type(made).__name__}, not an environment")
         return made
     return gym.make(env, **(kwargs or {}))
+
+
+def env_field() -> Any:
+    """The `--env` setting, one for every process that makes envs (workers, the evaluator), so
+    STEPBUS_ENV or one line of stepbus.toml sets them all alike."""
+    return wiring.from_env(
+        "STEPBUS_ENV", "CartPole-v1", "Gymnasium id, or module:callable returning a Gymnasium "
+        "env or a PettingZoo ParallelEnv (e.g. mpe2.simple_spread_v3:parallel_env)")
+
+
+def env_kwargs_field() -> Any:
+    """The `--env-kwargs` setting, shared as `env_field` is."""
+    return wiring.from_env(
+        "STEPBUS_ENV_KWARGS", "", "keyword arguments for gym.make or the --env callable, as a "
+        """JSON object, e.g. '{"max_episode_steps": 200}' or '{"frameskip": 1}'""",
+        check=env_kwargs)
 
 
 def env_kwargs(text: str) -> dict[str, Any]:

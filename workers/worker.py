@@ -68,13 +68,8 @@ def _default_index() -> int:
 
 @dataclass
 class Config:
-    env: str = wiring.from_env(
-        "STEPBUS_ENV", "CartPole-v1", "Gymnasium id, or module:callable returning a Gymnasium "
-        "env or a PettingZoo ParallelEnv (e.g. mpe2.simple_spread_v3:parallel_env)")
-    env_kwargs: str = wiring.from_env(
-        "STEPBUS_ENV_KWARGS", "", "keyword arguments for gym.make or the --env callable, as a "
-        """JSON object, e.g. '{"max_episode_steps": 200}' or '{"frameskip": 1}'""",
-        check=envs.env_kwargs)
+    env: str = envs.env_field()
+    env_kwargs: str = envs.env_kwargs_field()
     envs_per_worker: int = field(default=8, metadata={
         "min": 1, "max": checks.MAX_ENVS_PER_WORKER, "help": "environments hosted (K)"})
     seed: int = field(default=0, metadata={"min": 0,
