@@ -99,7 +99,9 @@ class VersionHistory:
 LIVENESS_S = node.LIVENESS_S
 SWAP_TIMEOUT_S = 30.0  # a slot stops its learner (<= 4 s) and watches the new one (3 s)
 ADOPT_RUN_S = 5.0  # a restarted controller takes the run id its peers report this long after start
-RUN_ID_PATTERN = re.compile(r"\d{8}-\d{6}-[0-9a-f]{6}")  # what `run_id` makes: safe in a path
+# A run id as one is taken from a peer: what `run_id` makes, or the name of a run directory a
+# learner resumes; safe in a path either way (no separator, no leading dot).
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 REBROADCAST_S = 0.2  # while shutting down, Shutdown again this often for late subscribers
 KINDS = (p.Heartbeat, p.StatusRequest, p.ResetRequest, p.BarrierDone, p.ShutdownRequest,
          p.RemoteError, p.TrainerSwap, p.Reply)  # what the ROUTER takes
@@ -194,6 +196,8 @@ class Controller(node.Process):
         self.cfg = cfg
         self.run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         self.adopted, self.adopted_from = False, ("", "")  # see `adopt_run`
+        self.resumed_by = ""  # the trainer whose resumed run this is (`carry_on_resumed`)
+        self.resume_refused: set[str] = set()  # trainers told they resume another run
         self.peers = PeerTable()
         self.epoch = 0
         self.options: dict[str, p.Json] = {}
@@ -253,6 +257,7 @@ class Controller(node.Process):
         known.rate.add(now, known.figures.get("env_steps"))
         self.versions.add(now, known.figures)
         self.adopt_run(known)
+        self.carry_on_resumed(known)
         broker_epoch = known.figures.get("epoch") if msg.role == "broker" else None
         if isinstance(broker_epoch, int) and broker_epoch > self.epoch:
             self.epoch = broker_epoch  # this controller restarted: continue the run's epochs
@@ -277,6 +282,27 @@ class Controller(node.Process):
         self.log.info("carrying on run %s (from %s %s's heartbeat) instead of %s",
                       said, peer.role, peer.name, self.run_id)
         self.run_id, self.adopted, self.adopted_from = said, True, (said, peer.name)
+
+    def carry_on_resumed(self, peer: Peer) -> None:
+        """A learner resuming a stopped run (`stepbus trainer --resume`) says which: this
+        controller carries that run's id on instead of its own new one, so `stepbus status`,
+        every process's heartbeats and a learner that joins later (RUNS_DIR/<run id>) agree
+        with it. Only a run id of its own or adopted from a restart's peers is kept: a second
+        resumed run in one pipeline is warned of, once per trainer."""
+        said = peer.figures.get("resumes")
+        if (peer.role != "trainer" or not isinstance(said, str) or said == self.run_id
+                or not RUN_ID_PATTERN.fullmatch(said)):
+            return
+        if self.resumed_by or self.adopted:
+            if peer.name not in self.resume_refused:
+                self.resume_refused.add(peer.name)
+                self.log.warning("trainer %s resumes run %s, while this pipeline carries run "
+                                 "%s on: its learner writes in its own run directory",
+                                 peer.name, said, self.run_id)
+            return
+        self.log.info("carrying on run %s (trainer %s resumes it) instead of %s", said,
+                      peer.name, self.run_id)
+        self.run_id, self.resumed_by = said, peer.name
 
     def purge(self, now: float) -> None:
         for peer in self.peers.expire(now):

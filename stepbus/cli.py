@@ -630,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "trainer swap" if argv[:2] == ["trainer", "swap"] else next(iter(argv), "")
     try:
         _take_preset(argv)
-        return _command(argv)
+        return _command(_take_resume(argv))
     except SettingError as exc:
         print(f"stepbus {command}: {exc}", file=sys.stderr)
         if command in PROCESSES or command == "supervise":
@@ -648,6 +648,16 @@ def _take_preset(argv: list[str]) -> None:
             os.environ[runconfig.PRESET_ENV] = arg.partition("=")[2]
         elif arg == "--":
             return
+
+
+def _take_resume(argv: list[str]) -> list[str]:
+    """`--resume RUN` or STEPBUS_RESUME: the run's own configuration, set before the parser
+    is built, as a preset is (trainer/resume.py). Imported only for a resume."""
+    if not os.environ.get("STEPBUS_RESUME") and not any(a.startswith("--resume") for a in argv):
+        return argv
+    from stepbus.trainer import resume
+
+    return resume.prepare(argv)
 
 
 def _exit_now(code: int) -> typing.NoReturn:

@@ -121,7 +121,7 @@ def line_of(text: str, key: str) -> int:
     return 0
 
 
-NOT_RECORDED = ("security", "run_dir", "runs_dir", "name", "worker_index")
+NOT_RECORDED = ("security", "run_dir", "runs_dir", "resume", "name", "worker_index")
 
 
 def recorded(config: Any) -> dict[str, Any]:

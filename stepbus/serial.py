@@ -28,7 +28,7 @@ from stepbus.bus import broker, controller, node, wiring
 from stepbus.bus.exits import SettingError
 from stepbus.bus.node import Stage
 from stepbus.processor import assembler, evaluator
-from stepbus.trainer import learner
+from stepbus.trainer import learner, resume
 from stepbus.workers import worker
 
 # Flags a serial run does not take: its endpoints are its own, it binds nothing reachable
@@ -79,6 +79,9 @@ def run(roles: Roles) -> int:
     """Train until the goal (or a stop), every role on this thread; the exit code. Raises
     whatever an env, model or algorithm raises, and SettingError for a bad setting."""
     log = logging.getLogger("stepbus.run")
+    if done := resume.finished(roles.learner):  # nothing to do, said before anything starts
+        log.info("%s", done)
+        return 0
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     stop = node.StopFlag()
     endpoints = inproc_endpoints()

@@ -22,6 +22,9 @@ import numpy as np
 
 from stepbus.trainer.algorithm import CannotStart
 
+NPZ_FILE = "checkpoint.npz"  # the numpy MLP's
+TORCH_FILE = "checkpoint.safetensors"  # a torch model's
+FILE_NAMES = (NPZ_FILE, TORCH_FILE)
 # What the first bytes of a file that is no checkpoint say it is, for the refusal's line.
 MAGIC = ((b"PK\x03\x04", "a zip archive (torch.save writes those; stepbus never unpickles)"),
          (b"\x80", "a pickle (stepbus never unpickles)"),
@@ -102,6 +105,33 @@ def load(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict
     params = {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("param/")}
     optimizer = {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("optimizer/")}
     return params, optimizer, record["progress"]
+
+
+def progress_only(path: Path) -> dict[str, Any]:
+    """The progress record of a checkpoint of either kind, its weights unread (a torch
+    model's without importing torch): what `stepbus trainer --resume` looks at before anything
+    starts. Raises CannotStart for a file that is no checkpoint."""
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError, safe_open
+
+        check_file(path, "a safetensors file")
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                meta = f.metadata() or {}
+        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+            refuse(path, f"is not a readable safetensors file ({exc})"[:300])
+        return progress_of(path, meta.get("progress", "{}"))
+    check_file(path, "an .npz", own=b"PK\x03\x04")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            if "meta" not in data.files:
+                refuse(path, "is not a stepbus checkpoint (no meta record)")
+            record = progress_of(path, data["meta"].tobytes().decode())
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, UnicodeDecodeError) as exc:
+        refuse(path, f"is not a readable .npz ({type(exc).__name__}: {exc})"[:300])
+    if not isinstance(record.get("progress"), dict):
+        refuse(path, "has no progress record")
+    return record["progress"]
 
 
 def check_values(path: Path, arrays: dict[str, np.ndarray]) -> None:

@@ -47,7 +47,7 @@ from stepbus.bus import protocol as p
 from stepbus.bus.exits import Exit, SettingError
 from stepbus.bus.topology import PortName, Role
 from stepbus.policy import ModelConfig
-from stepbus.trainer import algorithm
+from stepbus.trainer import algorithm, checkpoint, resume
 from stepbus.trainer.algorithm import CannotStart, PPOConfig
 from stepbus.trainer.checkpoint import Unsaved
 from stepbus.trainer.curriculum import Curriculum
@@ -72,8 +72,8 @@ QUIET_S = 0.25  # no trajectories in and no weights out for this long: send the 
 SHUTDOWN_REQUEST_INTERVAL_S = 1.0  # a solved run asks this often, until the controller acts
 LOG = logging.getLogger("stepbus.trainer")
 SETUP_NOTE_S = 3.0  # still waiting for the controller or the broker after this: say so
-CHECKPOINT = "checkpoint.npz"
-TORCH_CHECKPOINT = "checkpoint.safetensors"  # a torch model's (no pickle: trainer/checkpoint.py)
+CHECKPOINT = checkpoint.NPZ_FILE
+TORCH_CHECKPOINT = checkpoint.TORCH_FILE  # a torch model's (no pickle: trainer/checkpoint.py)
 # Checkpoints at most this often by default: every update or two of PPO on CartPole (about 3%
 # of the learner's time), and the learning a kill loses (sent again) is not stale by the time
 # it comes back; see docs/performance.md.
@@ -101,6 +101,11 @@ class Config:
                                     "runs live in RUNS_DIR/<run id from the controller>")
     run_dir: str = field(default="", metadata={
         "help": "use this run directory instead (resumes its checkpoint if present)"})
+    resume: str = field(default="", metadata={
+        "help": "continue the stopped run RESUME (a run directory, or 'latest') where its "
+                "checkpoint left it, with the settings in its config.toml (flags given now "
+                "override them); a run that reached its goal exits 0 unless a new goal is "
+                "given (docs/operations.md#resuming-a-run)"})
     target_return: float | None = field(default=None, metadata={
         "help": "stop the whole pipeline once the mean return of the last "
                 "--target-episodes episodes reaches this (0: never)",
@@ -333,6 +338,8 @@ class Learner(node.Process):
         elif cfg.max_env_steps and progress.env_steps >= cfg.max_env_steps:
             self.solve(f"the run learned from --max-env-steps {cfg.max_env_steps} env steps "
                        "already")
+        elif progress.solved:  # reached its goal before, and no new one is given
+            self.solve(progress.solved)
         self.checkpoint(self.now)
         self.publish()
 
@@ -510,6 +517,10 @@ class Learner(node.Process):
     def solve(self, reason: str) -> None:
         """No more updates: ask the controller to shut the pipeline down until it does."""
         self.phase, self.done = Phase.SOLVED, reason
+        self.progress.solved = reason  # a resume needs a new goal to go on (trainer/resume.py)
+        self.progress.goal = {"target_return": self.target_return or 0.0,
+                              "max_env_steps": self.cfg.max_env_steps,
+                              "max_updates": self.cfg.max_updates}
         self.every("shutdown_request", SHUTDOWN_REQUEST_INTERVAL_S, self.request_shutdown,
                    first_due=self.now)
 
@@ -644,6 +655,7 @@ class Learner(node.Process):
             progress.obs_norm = self.obs_norm.to_json()
         if self.reward_scale is not None:
             progress.reward_norm = self.reward_scale.to_json()
+        progress.rng = self.model.rng_state()
         self.model.save(self.ckpt_path, dataclasses.asdict(progress))
         self.checkpointed_steps = progress.env_steps  # goes out with the next weights
         self.receipts.checkpointed()
@@ -665,7 +677,7 @@ class Learner(node.Process):
                 "mean_return": None if mean is None else round(mean, 2),
                 **self.evaluation.figures(),
                 **self.rejects.figures(), **dataclasses.asdict(self.counts),
-                **self.unsaved.figures(), **self.intake_stats.last}
+                **self.unsaved.figures(), **self.intake_stats.last, **_resumes(self.cfg)}
 
     # -- the controller and the broker
     def send_reset_request(self, now: float) -> None:
@@ -783,6 +795,8 @@ class LearnerSetup(node.Process):
         """`settings`: the run's, to record in its run directory (default: the run
         configuration's, and this learner's own)."""
         super().__init__(ports, log, name=name, clock=clock)
+        if cfg.resume:  # resolved once: `latest` may point elsewhere by a restart
+            cfg = dataclasses.replace(cfg, resume=str(resume.locate(cfg.resume, cfg.runs_dir)))
         self.cfg, self.controller_beat = cfg, controller_beat
         self.settings = settings if settings is not None else {
             **{k: s.value for k, s in runconfig.load().items()}, **runconfig.recorded(cfg)}
@@ -814,8 +828,8 @@ class LearnerSetup(node.Process):
         self.start_if_ready()
 
     def run_dir(self) -> Path | None:
-        if self.cfg.run_dir:
-            return Path(self.cfg.run_dir)
+        if self.cfg.resume or self.cfg.run_dir:
+            return Path(self.cfg.resume or self.cfg.run_dir)
         if self.run_state is not None:
             return Path(self.cfg.runs_dir) / self.run_state.run_id
         return None
@@ -835,7 +849,13 @@ class LearnerSetup(node.Process):
         _note_waiting(self.cfg, self.log, self.run_dir() is not None, self.env_spec is not None)
 
     def figures(self) -> dict[str, Any]:
-        return {"state": "starting", **self.rejects.figures()}
+        return {"state": "starting", **self.rejects.figures(), **_resumes(self.cfg)}
+
+
+def _resumes(cfg: Config) -> dict[str, str]:
+    """A resuming learner's word to the controller: the run it continues, whose id the
+    controller then carries on (bus/controller.py)."""
+    return {"resumes": Path(cfg.resume).name} if cfg.resume else {}
 
 
 def _normalizers(cfg: Config, spec: p.SpaceSpec, progress: Progress
@@ -908,6 +928,9 @@ def run(cfg: Config) -> int:
     stop = node.StopFlag((signal.SIGINT, signal.SIGTERM, signal.SIGUSR1))
     MetricsFiles.preload()
     try:
+        if done := resume.finished(cfg):
+            log.info("%s", done)
+            return Exit.OK
         return node.run_role(lambda ctx: open_learner(ctx, cfg, log), cfg.security, stop)
     except SettingError as exc:  # said in the log too, which the slot passes on
         log.error("%s", exc)
@@ -920,6 +943,9 @@ def _start(setup: LearnerSetup, run_dir: Path, env_spec: p.EnvSpec) -> Learner:
     cfg = setup.cfg
     run_dir.mkdir(parents=True, exist_ok=True)
     _link_latest(run_dir)
+    if cfg.resume:  # before config.toml is written again with them
+        for line in resume.overrides(run_dir, runconfig.recorded(cfg)):
+            setup.log.info("resuming run %s: %s", run_dir.name, line)
     _record_settings(run_dir, setup, env_spec)
     # Each policy's learner keeps its own checkpoint and metrics.
     policy_dir = (run_dir if cfg.policy_name == policies.DEFAULT
@@ -930,8 +956,11 @@ def _start(setup: LearnerSetup, run_dir: Path, env_spec: p.EnvSpec) -> Learner:
     progress = Progress()
     if ckpt.exists():
         progress = progress_of(model.resume(ckpt), ckpt)
-        setup.log.info("resumed from %s (version %d, generation %d, %d env steps)",
-                       ckpt, progress.version, progress.generation, progress.env_steps)
+        model.restore_rng(progress.rng, ckpt)
+        setup.log.info("resumed from %s (version %d, generation %d, %d env steps, %d "
+                       "episodes)", ckpt, progress.version, progress.generation,
+                       progress.env_steps, progress.episodes)
+        cfg = resume.go_on(cfg, progress, goal(cfg, env_spec)[0], setup.log)
     return Learner(cfg, model, progress, policy_dir, setup.ports, setup.log, name=setup.name,
                    incarnation=setup.incarnation, newest_version=env_spec.policy_version,
                    slot=setup.slot, controller_beat=setup.controller_beat,
@@ -972,7 +1001,8 @@ def _note_waiting(cfg: Config, log: logging.Logger, have_run: bool, have_spec: b
 def _record_settings(run_dir: Path, setup: LearnerSetup, env_spec: p.EnvSpec) -> None:
     """RUN_DIR/config.toml: how the run was made, as a run configuration (STEPBUS_CONFIG=it
     makes the run again), with stepbus's version."""
-    run_id = setup.run_state.run_id if setup.run_state is not None else run_dir.name
+    run_id = (setup.run_state.run_id if setup.run_state is not None and not setup.cfg.resume
+              else run_dir.name)
     header = (f"stepbus {__version__}, run {run_id}: the run's settings, written by its learner "
               f"at start.\nSTEPBUS_CONFIG={run_dir / 'config.toml'} makes the run again "
               "(settings given only as flags\nto other processes than the trainer are not "

@@ -28,10 +28,10 @@ class Model:
         """Raises CannotStart when the algorithm fails to start (user code: one clear line)."""
         self.spec, self.config = env_spec.spec, config
         self.action = policy.action_space(self.spec)
-        rng = np.random.default_rng(seed)
+        self.rng = np.random.default_rng(seed)
         try:
             self.algo: Algorithm = algo_class(policy.obs_dim(self.spec), self.action, config,
-                                              rng)
+                                              self.rng)
         except Exception as exc:
             raise CannotStart(f"--algo {name} failed to start: {type(exc).__name__}: "
                               f"{exc}") from exc
@@ -78,6 +78,22 @@ class Model:
         """Env options for a reset barrier, if the algorithm asks for one after this update."""
         hook = getattr(self.algorithm(), "curriculum", None)
         return hook(stats) if callable(hook) else None
+
+    def rng_state(self) -> dict[str, Any]:
+        """The algorithm's generator's state, as JSON (a checkpoint holds no pickle)."""
+        return dict(self.rng.bit_generator.state)
+
+    def restore_rng(self, state: dict[str, Any], path: Path) -> None:
+        """Go on with the generator where the checkpoint at `path` left it (an empty state:
+        a checkpoint without one, the seed's). Raises CannotStart for one that is no state
+        of this generator."""
+        if not state:
+            return
+        try:
+            self.rng.bit_generator.state = state
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise CannotStart(f"checkpoint {path} has a generator state this learner cannot "
+                              f"use ({type(exc).__name__}: {exc})"[:300]) from None
 
     def weights(self) -> dict[str, np.ndarray]:
         """Copies: frames are sent zero-copy and the next update changes the params in place."""

@@ -29,13 +29,20 @@ class Progress:
     # on from (normalize.Normalizer.to_json); --norm-reward: the discounted return's moments
     obs_norm: list[Any] = field(default_factory=list)
     reward_norm: list[float] = field(default_factory=list)
+    # the minibatch generator's state (numpy's bit_generator.state: JSON, no pickle), so a
+    # resumed learner draws what the one before it would have drawn next
+    rng: dict[str, Any] = field(default_factory=dict)
+    # what ended the run, as said then ("" while it goes on), and the goal it met: the target
+    # return (0: none) and limits it had; a resume needs a higher one to go on (trainer/resume.py)
+    solved: str = ""
+    goal: dict[str, float] = field(default_factory=dict)
 
 
 def progress_of(saved: dict[str, Any], ckpt: Path) -> Progress:
     """A checkpoint's progress record, each field of its own type (a JSON number may be an
     int where a float is meant). Raises CannotStart naming the fields that are not."""
     kinds = {f.name: type(getattr(Progress(), f.name)) for f in dataclasses.fields(Progress)}
-    ok = {int: (int,), float: (int, float), str: (str,), list: (list,)}
+    ok = {int: (int,), float: (int, float), str: (str,), list: (list,), dict: (dict,)}
     wrong = sorted(k for k, v in saved.items() if k not in kinds or isinstance(v, bool)
                    or not isinstance(v, ok[kinds[k]]))
     if wrong:

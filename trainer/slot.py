@@ -22,9 +22,10 @@ from typing import Any
 
 from stepbus.bus import launch, node, supervisor
 from stepbus.bus import protocol as p
+from stepbus.bus.exits import Exit, SettingError
 from stepbus.bus.supervisor import Running
 from stepbus.bus.topology import PortName
-from stepbus.trainer import learner
+from stepbus.trainer import learner, resume
 
 PROBATION_S = 3.0  # a swapped-in learner that exits this early refused its settings: revert
 
@@ -166,6 +167,13 @@ def run(cfg: learner.Config, learner_args: list[str],
     returns why a swap's flags are unusable (empty if they are fine); `entry` runs a learner
     with them in this interpreter (the first learner is a fork that calls it)."""
     log = node.setup_logging("slot")
+    try:
+        if done := resume.finished(cfg):  # said before a learner, or anything, starts
+            log.info("%s", done)
+            return Exit.OK
+    except SettingError as exc:
+        log.error("%s", exc)
+        return Exit.SETTING
     name = (os.environ.get("HONCHO_PROCESS_NAME")
             or f"trainer-{pysocket.gethostname()}-{os.getpid()}")
     return supervisor.serve(

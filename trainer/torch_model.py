@@ -46,10 +46,11 @@ class TorchModel(Model):
         default = TorchPPO if self.memory is None else torch_recurrent.RecurrentPPO
         algo_class = default if algo in DEFAULT_ALGOS else algorithm.load(algo)
         given = {"spec": self.spec} if algo_class is default else {}
+        self.rng = np.random.default_rng(seed)  # minibatches (its state is checkpointed)
         self.initial = acting.initial_state(1) if self.memory is not None else {}
         try:
-            self.torch_algo = algo_class(self.module, self.action, config,
-                                         np.random.default_rng(seed), **given)
+            self.torch_algo = algo_class(self.module, self.action, config, self.rng,
+                                         **given)
         except Exception as exc:  # user code: one line
             raise CannotStart(f"--algo {algo} failed to start with --model {models.model}: "
                               f"{type(exc).__name__}: {exc}") from exc
