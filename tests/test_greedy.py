@@ -5,19 +5,18 @@ CleanRL-shaped user module that knows nothing of it."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import gymnasium as gym
 import numpy as np
 import pytest
+import torch
+from torch import nn
 
 from stepbus import spaces
 from stepbus.bus import protocol as p
-from stepbus.models import mlp
+from stepbus.models import mlp, torch_agents, torch_policy
 from stepbus.policy import ModelUnavailable, Policy, make_policy
-
-torch = pytest.importorskip("torch")
-from stepbus.models import torch_agents, torch_policy  # noqa: E402
 
 OBS = gym.spaces.Box(-1.0, 1.0, (4,))
 MASKED = gym.spaces.Dict({"obs": OBS, "action_mask": gym.spaces.MultiBinary(5)})
@@ -73,9 +72,7 @@ def test_greedy_actions_are_the_mode_and_draw_nothing(name: str, action: gym.Spa
         assert np.allclose(greedy, want, atol=1e-5) and (np.abs(greedy) <= 0.5).all()
         assert (np.abs(out) > 0.5).any(), "some means must lie outside the bounds"
     else:
-        parts = np.split(out, np.cumsum(spaces.action_space(spec).nvec
-                                        if isinstance(action, gym.spaces.MultiDiscrete)
-                                        else [5])[:-1], axis=1)
+        parts = np.split(out, np.cumsum(spec.action_nvec or [spec.action_n])[:-1], axis=1)
         want = np.stack([part.argmax(1) for part in parts], 1).reshape(greedy.shape)
         assert (greedy == want).all()
     assert (greedy == again).all() and np.isfinite(logp).all()
@@ -94,7 +91,7 @@ def test_greedy_actions_obey_the_action_mask(name: str) -> None:
     assert obs["action_mask"][np.arange(200), greedy].all()
 
 
-class PlainAgent(torch.nn.Module):
+class PlainAgent(nn.Module):
     """A CleanRL-shaped module that knows nothing of greedy acting (no `deterministic`)."""
 
     def __init__(self, observation_space: Any, action_space: Any) -> None:
@@ -115,7 +112,7 @@ def test_a_user_module_without_deterministic_acts_greedily_by_its_own_log_probs(
         obs_space: gym.Space, action: gym.Space) -> None:
     spec = spaces.describe(obs_space, action)
     plain = torch_policy.TorchPolicy.of_factory(PlainAgent, spec, name="plain")
-    builtin = torch_policy.TorchPolicy(spec, plain.module.inner)
+    builtin = torch_policy.TorchPolicy(spec, cast(PlainAgent, plain.module).inner)
     assert not plain.takes_deterministic and builtin.takes_deterministic
     weights = sharpened(builtin, 0)
     builtin.load(weights, 0)
