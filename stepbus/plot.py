@@ -1,7 +1,8 @@
 """`stepbus plot RUN_DIR`: one PNG of how a run went, from the learner's metrics.jsonl.
 
-Four panels, readable at a glance: mean return against env steps and against wall time,
-throughput, and policy lag. Each policy's learner (RUN_DIR/policy-NAME) is its own line. Drawn
+Four panels, readable at a glance: mean return against env steps and against wall time (with
+an evaluator's greedy return as a dashed line, where the records have one), throughput, and
+policy lag. Each policy's learner (RUN_DIR/policy-NAME) is its own line. Drawn
 with matplotlib's Agg canvas, so it needs no display and touches no global backend state.
 """
 
@@ -116,16 +117,25 @@ def plot(run_dir: Path, output: Path | None = None) -> Path:
     for s in series:
         _draw(s, axis, several, ret_steps, ret_time, rate_ax, lag_ax)
     _label(series, axis, ret_steps, ret_time, rate_ax, lag_ax)
-    if several:
+    if several or any("eval_return" in r for s in series for r in s.records):
         ret_steps.legend(loc="lower right")
     last = series[0].records[-1]
     final = last.get("mean_return")
     fig.suptitle(f"{run_dir.resolve().name}: {sum(len(s.records) for s in series)} updates, "
                  f"{int(last['env_steps']):,} env steps in {axis.span / axis.scale:.1f} "
                  f"{axis.unit}"
-                 + (f", mean return {final:.1f}" if isinstance(final, (int, float)) else ""))
+                 + (f", mean return {final:.1f}" if isinstance(final, (int, float)) else "")
+                 + _last_eval(series[0]))
     fig.savefig(output, dpi=DPI, format="png")
     return output
+
+
+def _last_eval(s: Series) -> str:
+    """The title's word on the newest eval return ("" if there is none)."""
+    found = [r for r in s.records if isinstance(r.get("eval_return"), (int, float))]
+    if not found:
+        return ""
+    return f", eval return {found[-1]['eval_return']:.1f} (version {found[-1].get('eval_version')})"
 
 
 def _draw(s: Series, axis: TimeAxis, several: bool, ret_steps: Any, ret_time: Any,
@@ -136,6 +146,13 @@ def _draw(s: Series, axis: TimeAxis, several: bool, ret_steps: Any, ret_time: An
     returns = s.column("mean_return")
     ret_steps.plot(steps, returns, label=label)
     ret_time.plot(times / axis.scale, returns, label=label)
+    evaluated = s.column("eval_return")
+    if not np.isnan(evaluated).all():  # an evaluator's greedy returns, where records have one
+        at = ~np.isnan(evaluated)
+        name = f"{s.policy} eval (greedy)" if several else "eval (greedy)"
+        ret_steps.plot(steps[at], evaluated[at], marker=".", linestyle="--", label=name)
+        ret_time.plot(times[at] / axis.scale, evaluated[at], marker=".", linestyle="--",
+                      label=name)
     x, rate = _rate(s.column("time"), steps, axis.start)
     rate_ax.plot(x / axis.scale, rate, label=label)
     p50, p99 = s.column("policy_lag_p50"), s.column("policy_lag_p99")

@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-ROLE_ORDER = ("controller", "broker", "assembler", "slot", "trainer", "worker", "supervisor")
+ROLE_ORDER = ("controller", "broker", "assembler", "slot", "trainer", "evaluator", "worker",
+              "supervisor")
 # Queue-like figures, in the words the QUEUES column uses; see the README's status section.
 QUEUE_FIGURES = (("held", "held"), ("untaken", "untaken"), ("unlearned", "unlearned"))
 CLEAR_SCREEN, HOME, CLEAR_LINE, CLEAR_BELOW = "\x1b[2J", "\x1b[H", "\x1b[K", "\x1b[J"
@@ -75,6 +76,10 @@ COLUMNS: tuple[tuple[str, Callable[[dict], str]], ...] = (
                              and row["policy_version"] >= 0 else "-")),
     ("LAG", _figure("policy_lag")),
     ("DATA LAG", _data_lag),
+    # the learner's mean of its last training episodes; an evaluator's greedy mean (its own row
+    # and the learner's, which also carries eval_version in --json)
+    ("RETURN", _figure("mean_return", "{:.1f}")),
+    ("EVAL", _figure("eval_return", "{:.1f}")),
 )
 
 

@@ -18,7 +18,7 @@ from stepbus import status
 from stepbus.bus import protocol as p
 
 COLUMNS = ["ROLE", "NAME", "HOST", "PID", "UP", "BEAT", "STEPS/S", "QUEUES", "DROPPED",
-           "REJECTED", "VERSION", "LAG", "DATA LAG"]
+           "REJECTED", "VERSION", "LAG", "DATA LAG", "RETURN", "EVAL"]
 
 
 def parse_table(text: str) -> tuple[str, list[dict[str, str]]]:
@@ -158,9 +158,21 @@ def test_the_table_shows_a_dash_where_a_process_has_no_such_figure():
     assert broker == {"ROLE": "broker", "NAME": "b", "HOST": "h", "PID": "8", "UP": "1m01s",
                       "BEAT": "0.0s", "STEPS/S": "812", "QUEUES": "ahead 10/20",
                       "DROPPED": "3", "REJECTED": "4", "VERSION": "9", "LAG": "0",
-                      "DATA LAG": "-"}
+                      "DATA LAG": "-", "RETURN": "-", "EVAL": "-"}
     assert worker["UP"] == "1h02m"
-    assert [worker[c] for c in COLUMNS[6:]] == ["-"] * 7
+    assert [worker[c] for c in COLUMNS[6:]] == ["-"] * 9
+
+
+def test_the_table_shows_the_training_return_and_the_eval_return():
+    text = status.table({"run_id": "r", "epoch": 0, "processes": [
+        {"role": "trainer", "name": "t", "policy_version": 12, "mean_return": 187.456,
+         "eval_return": 500.0, "eval_version": 11},
+        {"role": "evaluator", "name": "e", "policy_version": 11, "eval_return": 500.0},
+        {"role": "trainer", "name": "fresh", "policy_version": 1, "mean_return": None}]})
+    _, (fresh, trainer, evaluator) = parse_table(text)
+    assert (trainer["RETURN"], trainer["EVAL"]) == ("187.5", "500.0")
+    assert (evaluator["RETURN"], evaluator["EVAL"], evaluator["VERSION"]) == ("-", "500.0", "11")
+    assert (fresh["RETURN"], fresh["EVAL"]) == ("-", "-")
 
 
 def test_a_broker_holding_recurrent_states_shows_how_many_and_their_size():

@@ -639,8 +639,9 @@ class Learner(node.Process):
             self.unsaved.records.clear()
 
     def flush_record(self) -> None:
-        """The run or this learner ends: the updates waiting for a record get it now."""
-        if self.cadence.updates:
+        """The run or this learner ends: the updates (or the eval result) waiting for a record
+        get it now."""
+        if self.cadence.updates or not self.evaluation.recorded:
             self.make_record()
 
     def checkpoint(self, now: float) -> None:
