@@ -962,6 +962,7 @@ def _start(setup: LearnerSetup, run_dir: Path, env_spec: p.EnvSpec) -> Learner:
                        "episodes)", ckpt, progress.version, progress.generation,
                        progress.env_steps, progress.episodes)
         cfg = resume.go_on(cfg, progress, goal(cfg, env_spec)[0], setup.log)
+    progress.spec, progress.model = p.to_map(env_spec.spec), cfg.models.model
     return Learner(cfg, model, progress, policy_dir, setup.ports, setup.log, name=setup.name,
                    incarnation=setup.incarnation, newest_version=env_spec.policy_version,
                    slot=setup.slot, controller_beat=setup.controller_beat,

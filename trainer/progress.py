@@ -36,6 +36,10 @@ class Progress:
     # return (0: none) and limits it had; a resume needs a higher one to go on (trainer/resume.py)
     solved: str = ""
     goal: dict[str, float] = field(default_factory=dict)
+    # what acting needs besides weights (stepbus.trained.load_policy): the spaces trained on
+    # (the SpaceSpec as it travels, protocol.to_map) and the model's name (--model)
+    spec: dict[str, Any] = field(default_factory=dict)
+    model: str = ""
 
 
 def progress_of(saved: dict[str, Any], ckpt: Path) -> Progress:
