@@ -295,6 +295,7 @@ class Learner(node.Process):
         super().__init__(ports, log, name=name, clock=clock)
         if rejects is not None:  # with what was refused while setting up
             self.rejects = rejects
+        cfg = resume.go_on(cfg, progress, goal(cfg, env)[0], log)  # a solved run, a new goal
         self.cfg, self.model, self.progress = cfg, model, progress
         self.incarnation, self.controller_beat = incarnation, controller_beat
         self.slot = slot or SlotBeat()
@@ -333,15 +334,20 @@ class Learner(node.Process):
         self.shutdown_reason, self.drain_end, self.drained_from = "", "", 0
         self.every("slot_beat", node.HEARTBEAT_INTERVAL_S, self.beat_slot, first_due=self.now)
         self.at("report", self.progress_log.due, self.report)
-        if cfg.max_updates and progress.updates >= cfg.max_updates:  # a resumed, finished run
-            self.solve(f"the run made --max-updates {cfg.max_updates} policy updates already")
-        elif cfg.max_env_steps and progress.env_steps >= cfg.max_env_steps:
-            self.solve(f"the run learned from --max-env-steps {cfg.max_env_steps} env steps "
-                       "already")
-        elif progress.solved:  # reached its goal before, and no new one is given
-            self.solve(progress.solved)
+        if done := self.done_already():  # a resumed, finished run
+            self.solve(done)
         self.checkpoint(self.now)
         self.publish()
+
+    def done_already(self) -> str:
+        """Why a resumed run has no more to do ("": it goes on): a limit it reached, or the
+        goal it met before, with no new one given (trainer/resume.py)."""
+        cfg, progress = self.cfg, self.progress
+        if cfg.max_updates and progress.updates >= cfg.max_updates:
+            return f"the run made --max-updates {cfg.max_updates} policy updates already"
+        if cfg.max_env_steps and progress.env_steps >= cfg.max_env_steps:
+            return f"the run learned from --max-env-steps {cfg.max_env_steps} env steps already"
+        return progress.solved
 
     # -- taking trajectories in
     def on_trajectory(self, peer: bytes, msg: p.Trajectory) -> None:
@@ -961,7 +967,6 @@ def _start(setup: LearnerSetup, run_dir: Path, env_spec: p.EnvSpec) -> Learner:
         setup.log.info("resumed from %s (version %d, generation %d, %d env steps, %d "
                        "episodes)", ckpt, progress.version, progress.generation,
                        progress.env_steps, progress.episodes)
-        cfg = resume.go_on(cfg, progress, goal(cfg, env_spec)[0], setup.log)
     progress.spec, progress.model = p.to_map(env_spec.spec), cfg.models.model
     return Learner(cfg, model, progress, policy_dir, setup.ports, setup.log, name=setup.name,
                    incarnation=setup.incarnation, newest_version=env_spec.policy_version,
