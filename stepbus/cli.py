@@ -104,6 +104,9 @@ SUPERVISE_HELP = (
     "--quick-deaths quick deaths in a row it gives up, with the child's last error in `stepbus "
     "status` and the log. A child that exits 0 (a shutdown) ends the supervisor with 0; "
     "SIGINT/SIGTERM are passed on, SIGKILL after 4 s")
+EXPORT_HELP = ("write the trained policy's greedy acting path (observation normalisation, "
+               "model, masks, recurrent state) to an ONNX file that onnxruntime runs alone "
+               "(docs/export.md); needs pip install -e \".[onnx]\"")
 SWAP_HELP = ("replace the learner in the running trainer slot: the current learner "
              "checkpoints and exits, a new one resumes the checkpoint with the slot's flags "
              "plus these (any `stepbus learner` flag, e.g. --lr 3e-4 or --algo "
@@ -503,6 +506,12 @@ def build_parser(settings: dict[str, runconfig.Setting] | None = None, only: str
                       help="make a client-only directory for another host instead: a new client "
                            "keypair and the server's public key from KEYS_DIR, whose "
                            "authorized/ gets the new public key")
+    export = sub.add_parser("export", help=EXPORT_HELP, description=EXPORT_HELP)
+    export.add_argument("run", metavar="RUN", type=Path,
+                        help="a run directory (e.g. runs/latest) or its checkpoint file")
+    export.add_argument("--format", default="onnx", help="what to write: onnx (the one format)")
+    export.add_argument("--output", "-o", type=Path, default=None, metavar="FILE",
+                        help="where to write it [default: RUN_DIR/policy.onnx]")
     return parser
 
 
@@ -706,6 +715,11 @@ def _command(argv: list[str]) -> int:
     if args.command == "keys":
         for path in wiring.make_keys(args.dir, args.client_of):
             print(path)
+        return 0
+    if args.command == "export":
+        from stepbus import export
+
+        print(export.export_run(args.run, args.format, args.output).path)
         return 0
     if args.command == "status":
         return _client("status", lambda: _status(args))

@@ -36,7 +36,7 @@ from stepbus import spaces
 from stepbus.bus import protocol as p
 from stepbus.bus.exits import SettingError
 from stepbus.models.base import Policy
-from stepbus.normalize import SINGLE, Stats
+from stepbus.normalize import SINGLE, Normalizing
 
 FORMATS = ("onnx",)
 INSTALL = 'pip install -e ".[onnx]"'
@@ -58,7 +58,12 @@ class Exported:
 
 def require() -> None:
     """Raises SettingError, naming the pip command, when an export's libraries are missing."""
-    missing = [name for name in NEEDS if importlib.util.find_spec(name) is None]
+    missing = []
+    for name in NEEDS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
     if missing:
         raise SettingError(f"ONNX export needs {', '.join(missing)}, not installed: {INSTALL}")
 
@@ -76,11 +81,33 @@ def output_names(recurrent_parts: int) -> list[str]:
     return [ACTION, *(f"next_state_{i}" for i in range(recurrent_parts))]
 
 
-def export_onnx(policy: Policy, stats: Stats | None, path: Path,
-                metadata: Mapping[str, str] | None = None) -> Exported:
-    """Write `policy`'s greedy acting path behind `stats` (None: no normalisation) to `path`
-    as ONNX, the batch dimension dynamic, then run it once in onnxruntime on a trial batch to
-    see it gives actions of the right shape and dtype.
+def export_run(run: Path, fmt: str = "onnx", output: Path | None = None) -> Exported:
+    """Export the policy of a run directory (or checkpoint file) as `load_policy` loads it,
+    to `output` (default: RUN_DIR/policy.onnx).
+
+    Raises:
+        SettingError: an unknown format, missing libraries, a path that is no run (one line
+            from `load_policy`), or a model that cannot act greedily or be exported.
+    """
+    if fmt not in FORMATS:
+        raise SettingError(f"--format {fmt}: unknown; stepbus exports {', '.join(FORMATS)}")
+    require()
+    from stepbus.trained import load_policy
+
+    trained = load_policy(run)
+    if trained.greedy_problem:
+        raise SettingError(f"{trained.checkpoint}: {trained.greedy_problem}")
+    target = output or (trained.run_dir or trained.checkpoint.parent) / f"policy.{fmt}"
+    return export_onnx(trained.policy, target, {
+        "stepbus.model": trained.model, "stepbus.policy_version": str(trained.policy_version),
+        "stepbus.env": str(trained.config.get("env", ""))})
+
+
+def export_onnx(policy: Policy, path: Path, metadata: Mapping[str, str] | None = None
+                ) -> Exported:
+    """Write `policy`'s greedy acting path (behind its normalisation when it is
+    `Normalizing`) to `path` as ONNX, the batch dimension dynamic, then run it once in
+    onnxruntime on a trial batch to see it gives actions of the right shape and dtype.
 
     Raises:
         SettingError: a model that cannot be exported, or a graph that does not act.
@@ -89,13 +116,15 @@ def export_onnx(policy: Policy, stats: Stats | None, path: Path,
 
     from stepbus.models import torch_acting
 
+    stats = policy.stats if isinstance(policy, Normalizing) else None
+    inner = policy.inner if isinstance(policy, Normalizing) else policy
     try:
-        module = torch_acting.acting_module(policy, stats)
+        module = torch_acting.acting_module(inner, stats)
     except ValueError as exc:
         raise SettingError(str(exc)) from None
     parts = len(policy.initial_state(1)) if policy.recurrent else 0
     inputs, outputs = input_names(policy.spec, parts), output_names(parts)
-    example = tuple(torch_acting.example_inputs(policy, TRIAL_ROWS))
+    example = tuple(torch_acting.example_inputs(inner, TRIAL_ROWS))
     path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation, tracer notes
