@@ -5,6 +5,8 @@ measures both.
 
     python benchmarks/solve_time.py --runs 3 [--workers 1] [--deterministic] [--no-sb3]
     python benchmarks/solve_time.py --runs 3 --wait-load 1.5   # each run waits for a quiet machine
+    python benchmarks/solve_time.py --runs 4 --evaluator-ab    # the Procfile with an evaluator
+                                                               # line and without, alternating
 
 stepbus: each run uses the repository's Procfile in a fresh temp dir, endpoints on free TCP
 ports, and seed i for workers, broker and trainer; the figure is `honcho start` to its exit
@@ -115,11 +117,15 @@ def before_run() -> dict[str, float]:
 
 # ----------------------------------------------------------------------------- stepbus
 
-def in_work_dir(work: Path, seed: int, flags: dict[str, str]) -> dict[str, str]:
+EVALUATOR_LINE = "evaluator: exec stepbus supervise evaluator"  # docs/operations.md's
+
+
+def in_work_dir(work: Path, seed: int, flags: dict[str, str],
+                evaluator: bool = False) -> dict[str, str]:
     """The repository's Procfile in `work`, `--seed seed` (and `flags` by role) at the end of
-    the worker, broker and trainer lines (a supervised line passes them to its child); the
-    environment to start it in: endpoints on free TCP ports, this Python's scripts first on
-    PATH."""
+    the worker, broker and trainer lines (a supervised line passes them to its child), and
+    with `evaluator` the evaluator's line; the environment to start it in: endpoints on free
+    TCP ports, this Python's scripts first on PATH."""
     from stepbus.bus import wiring
 
     lines = []
@@ -128,6 +134,8 @@ def in_work_dir(work: Path, seed: int, flags: dict[str, str]) -> dict[str, str]:
         if name in ("worker", "broker", "trainer"):  # `stepbus supervise ROLE` passes flags on
             line = f"{line} --seed {seed} {flags.get(name, '')}".rstrip()
         lines.append(line)
+    if evaluator:
+        lines.append(EVALUATOR_LINE)
     (work / "Procfile").write_text("\n".join(lines) + "\n")
     env = dict(os.environ)
     ports = wiring.free_tcp_ports(len(wiring.ENDPOINTS))
@@ -137,23 +145,29 @@ def in_work_dir(work: Path, seed: int, flags: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def one_run(seed: int, workers: int, timeout_s: float, deterministic: bool = False) -> dict:
-    """`honcho start` of the repository's Procfile with this seed, timed to its exit."""
+def one_run(seed: int, workers: int, timeout_s: float, deterministic: bool = False,
+            evaluator: bool = False) -> dict:
+    """`honcho start` of the repository's Procfile (with `evaluator`, plus the evaluator's
+    line) with this seed, timed to its exit."""
     work = Path(tempfile.mkdtemp(prefix="sb-bench-"))
     try:
-        env = in_work_dir(work, seed, {"broker": "--deterministic"} if deterministic else {})
+        env = in_work_dir(work, seed, {"broker": "--deterministic"} if deterministic else {},
+                          evaluator)
         honcho = shutil.which("honcho", path=env["PATH"]) or "honcho"
         rc, wall, _, err = run_tagged([honcho, "start", "-c", f"worker={workers}"], env, work,
                                       timeout_s)
-        result: dict[str, Any] = {"system": "stepbus", "seed": seed, "rc": rc,
-                                  "wall_s": round(wall, 2)}
+        result: dict[str, Any] = {"system": "stepbus+evaluator" if evaluator else "stepbus",
+                                  "seed": seed, "rc": rc, "wall_s": round(wall, 2)}
         metrics_files = list(work.glob("runs/*/metrics.jsonl"))
         lines = metrics_files[0].read_text().splitlines() if metrics_files else []
         if lines:
             last = json.loads(lines[-1])
             result.update({"trainer_wall_s": last["wall_s"], "env_steps": last["env_steps"],
                            "mean_return": last["mean_return"],
-                           "policy_version": last["policy_version"]})
+                           "policy_version": last["policy_version"],
+                           # stepping throughput: env steps learned over the learner's time
+                           "steps_per_s": round(last["env_steps"] / max(last["wall_s"], 1e-9)),
+                           "eval_records": sum('"eval_return"' in line for line in lines)})
         result["solved"] = rc == 0 and (result.get("mean_return") or 0) >= TARGET_RETURN
         if rc != 0:
             result["error"] = (err.strip().splitlines() or ["no output"])[-1][-300:]
@@ -253,6 +267,19 @@ def torch_importable() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
+def print_evaluator_ab(results: dict[str, list[dict]]) -> None:
+    """--evaluator-ab: the runs with the evaluator, and stepping throughput with and without."""
+    print(median_line("stepbus + evaluator line in the Procfile", results["stepbus+evaluator"])
+          + f"; all exit 0: {all(r['rc'] == 0 for r in results['stepbus+evaluator'])}")
+    for system in ("stepbus", "stepbus+evaluator"):
+        rates = [r["steps_per_s"] for r in results[system] if r.get("steps_per_s")]
+        print(f"{system}: env steps/s (learned / learner wall time) median "
+              f"{statistics.median(rates) if rates else 0:.0f} ({', '.join(map(str, rates))})"
+              + ("; eval records per run " + ", ".join(
+                  str(r.get("eval_records", 0)) for r in results[system])
+                 if system != "stepbus" else ""))
+
+
 def median_line(name: str, results: list[dict]) -> str:
     walls = [r["wall_s"] for r in results]
     steps = [r["env_steps"] for r in results if r.get("env_steps")]
@@ -270,6 +297,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--deterministic", action="store_true",
                         help="run the broker with --deterministic")
     parser.add_argument("--no-sb3", action="store_true", help="stepbus only")
+    parser.add_argument("--evaluator-ab", action="store_true",
+                        help="instead of SB3, each seed's stepbus run again with an evaluator "
+                             "line in the Procfile (A/B/A/B), and both step rates")
     parser.add_argument("--sb3-python", default="", metavar="PYTHON",
                         help="interpreter for SB3 (default: this one), e.g. a venv of its own: "
                              "with torch importable, tensorboardX imports it in stepbus's learner "
@@ -305,11 +335,14 @@ def main() -> int:
 def alternate_runs(args: argparse.Namespace, sb3: bool, sb3_python: str) -> dict[str, list[dict]]:
     """Every run, stepbus and SB3 taking turns seed by seed so a change in machine load hits
     both alike; one JSON line printed per run as it ends."""
-    results: dict[str, list[dict]] = {"stepbus": [], "sb3": []}
+    results: dict[str, list[dict]] = {"stepbus": [], "sb3": [], "stepbus+evaluator": []}
     for seed in range(args.runs):
         runs = [("stepbus", lambda s=seed: one_run(s, args.workers, args.timeout_s,
                                                     args.deterministic))]
-        if sb3:
+        if args.evaluator_ab:  # A/B/A/B: each seed without, then with the evaluator
+            runs.append(("stepbus+evaluator", lambda s=seed: one_run(
+                s, args.workers, args.timeout_s, args.deterministic, evaluator=True)))
+        elif sb3:
             runs.append(("sb3", lambda s=seed: sb3_run(s, args.timeout_s,
                                                        args.sb3_torch_threads, sb3_python)))
         for system, start in runs:
@@ -329,7 +362,9 @@ def print_medians(args: argparse.Namespace, sb3: bool, sb3_python: str,
     print(median_line(f"stepbus honcho start -> exit ({args.workers} worker(s)"
                       f"{', deterministic' if args.deterministic else ''})", results["stepbus"])
           + f"; all exit 0: {all(r['rc'] == 0 for r in results['stepbus'])}")
-    if args.no_sb3:
+    if args.evaluator_ab:
+        print_evaluator_ab(results)
+    elif args.no_sb3:
         print("SB3 PPO: skipped (--no-sb3)")
     elif not sb3:
         print(f"SB3 PPO: not measured: stable_baselines3 is not importable in {sb3_python} "
