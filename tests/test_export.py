@@ -22,6 +22,10 @@ import pytest
 pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
 
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributions import Categorical  # noqa: E402
+
 from stepbus import cli, export, spaces  # noqa: E402
 from stepbus.bus import protocol as p  # noqa: E402
 from stepbus.normalize import Normalizer  # noqa: E402
@@ -139,6 +143,27 @@ def greedy(trained: TrainedPolicy, obs: p.Obs) -> np.ndarray:
     return np.asarray(trained.predict(obs, deterministic=True)[0])
 
 
+class CleanRLAgent(nn.Module):
+    """CleanRL ``ppo.py``'s agent as a user writes it: a torch Categorical, no deterministic=."""
+
+    def __init__(self, observation_space: gym.Space, action_space: gym.Space) -> None:
+        super().__init__()
+        width = gym.spaces.flatdim(observation_space)
+        self.critic = nn.Sequential(nn.Linear(width, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.actor = nn.Sequential(nn.Linear(width, 16), nn.Tanh(),
+                                   nn.Linear(16, int(action_space.n)))  # type: ignore[attr-defined]
+
+    def get_value(self, x: torch.Tensor) -> torch.Tensor:
+        return self.critic(x)
+
+    def get_action_and_value(self, x: torch.Tensor, action: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        probs = Categorical(logits=self.actor(x))
+        if action is None:
+            action = probs.sample()
+        return action, probs.log_prob(action), probs.entropy(), self.critic(x)
+
+
 IMAGE = gym.spaces.Box(0, 255, (44, 44, 3), np.uint8)
 BOX4 = gym.spaces.Box(-2.0, 2.0, (4,), np.float32)
 DICT = gym.spaces.Dict({"pos": gym.spaces.Box(-1.0, 1.0, (3,), np.float32),
@@ -152,12 +177,14 @@ CASES = {
     "numpy MLP, Dict": Case(DICT, gym.spaces.MultiDiscrete([3, 2])),
     "numpy MLP, masked": Case(BOX4, gym.spaces.Discrete(5), info_mask=True),
     "numpy MLP, Box": Case(BOX4, gym.spaces.Box(-0.003, 0.003, (2,), np.float32)),
+    "numpy MLP, image": Case(IMAGE, gym.spaces.Discrete(6)),
     "torch MLP": Case(BOX4, gym.spaces.Discrete(3), "torch"),
     "torch MLP, normalised": Case(gym.spaces.Box(-np.inf, np.inf, (5,), np.float32),
                                   gym.spaces.MultiBinary(3), "torch", normalised=True),
     "torch CNN": Case(IMAGE, gym.spaces.Discrete(6), "torch"),
     "torch MLP, Dict": Case(DICT, gym.spaces.Discrete(3), "torch"),
     "torch MLP, masked": Case(BOX4, gym.spaces.MultiDiscrete([4, 3]), "torch", info_mask=True),
+    "CleanRL module": Case(BOX4, gym.spaces.Discrete(3), "test_export:CleanRLAgent"),
     "torch MLP, Box": Case(BOX4, gym.spaces.Box(-0.003, 0.003, (2,), np.float32), "torch"),
 }
 
