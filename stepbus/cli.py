@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from stepbus import __version__, single_thread_blas  # noqa: F401  (before numpy loads)
 
 # isort: split
-from stepbus import runconfig
+from stepbus import evaluate, runconfig
 from stepbus import status as status_view
 from stepbus.bus import node, topology, wiring
 from stepbus.bus import protocol as p
@@ -467,6 +467,30 @@ def build_parser(settings: dict[str, runconfig.Setting] | None = None, only: str
                       help="a run directory, e.g. runs/latest")
     plot.add_argument("--output", "-o", type=Path, default=None, metavar="PNG",
                       help="where to write the PNG [default: RUN_DIR/progress.png]")
+    _add_client_parsers(sub)
+    if only in (None, "supervise"):
+        _add_supervise_parser(sub)
+    else:
+        sub.add_parser("supervise", help=SUPERVISE_HELP, description=SUPERVISE_HELP,
+                       allow_abbrev=False)
+    evaluate.add_parser(sub)
+    keys = sub.add_parser("keys", help=KEYS_HELP, description=KEYS_HELP)
+    keys.add_argument("--dir", default="keys", help="directory to create the keys in")
+    keys.add_argument("--client-of", default="", metavar="KEYS_DIR",
+                      help="make a client-only directory for another host instead: a new client "
+                           "keypair and the server's public key from KEYS_DIR, whose "
+                           "authorized/ gets the new public key")
+    export = sub.add_parser("export", help=EXPORT_HELP, description=EXPORT_HELP)
+    export.add_argument("run", metavar="RUN", type=Path,
+                        help="a run directory (e.g. runs/latest) or its checkpoint file")
+    export.add_argument("--format", default="onnx", help="what to write: onnx (the one format)")
+    export.add_argument("--output", "-o", type=Path, default=None, metavar="FILE",
+                        help="where to write it [default: RUN_DIR/policy.onnx]")
+    return parser
+
+
+def _add_client_parsers(sub: Any) -> None:
+    """status, reset and shutdown: requests to the controller."""
     for name, doc in (("status", "one table of every live process, from the controller: role, "
                                  "name, host, pid, uptime, heartbeat age, steps/s, queues, "
                                  "dropped, rejected, policy version and lag, training and "
@@ -495,24 +519,6 @@ def build_parser(settings: dict[str, runconfig.Setting] | None = None, only: str
                              metavar="KEY=VALUE",
                              help="passed to env.reset(options=...); VALUE parsed as JSON "
                                   "when it is JSON, else a string; repeatable")
-    if only in (None, "supervise"):
-        _add_supervise_parser(sub)
-    else:
-        sub.add_parser("supervise", help=SUPERVISE_HELP, description=SUPERVISE_HELP,
-                       allow_abbrev=False)
-    keys = sub.add_parser("keys", help=KEYS_HELP, description=KEYS_HELP)
-    keys.add_argument("--dir", default="keys", help="directory to create the keys in")
-    keys.add_argument("--client-of", default="", metavar="KEYS_DIR",
-                      help="make a client-only directory for another host instead: a new client "
-                           "keypair and the server's public key from KEYS_DIR, whose "
-                           "authorized/ gets the new public key")
-    export = sub.add_parser("export", help=EXPORT_HELP, description=EXPORT_HELP)
-    export.add_argument("run", metavar="RUN", type=Path,
-                        help="a run directory (e.g. runs/latest) or its checkpoint file")
-    export.add_argument("--format", default="onnx", help="what to write: onnx (the one format)")
-    export.add_argument("--output", "-o", type=Path, default=None, metavar="FILE",
-                        help="where to write it [default: RUN_DIR/policy.onnx]")
-    return parser
 
 
 def _add_run_parser(sub: Any, settings: dict[str, runconfig.Setting]) -> None:
@@ -712,6 +718,8 @@ def _command(argv: list[str]) -> int:
         _exit_now(code)
     if args.command == "run":
         return _run_serial(args)
+    if args.command == "eval":
+        return evaluate.main(args)
     if args.command == "keys":
         for path in wiring.make_keys(args.dir, args.client_of):
             print(path)

@@ -166,7 +166,9 @@ class TrainedPolicy:
             raise ValueError("this run's env gave no action masks: action_masks cannot be "
                              "applied")
         width = math.prod(obs[spaces.MASK].shape[1:])
-        flat = np.asarray(action_masks)
+        # Gymnasium gives a MultiDiscrete's mask as a tuple of each dimension's arrays
+        flat = (np.concatenate([np.ravel(part) for part in action_masks])
+                if isinstance(action_masks, tuple) else np.asarray(action_masks))
         if flat.size != n * width:
             raise ValueError(f"action_masks of shape {flat.shape}: {n} row(s) of {width} "
                              "(one per category of each action dimension) are needed")
