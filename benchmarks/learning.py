@@ -22,6 +22,7 @@ Prints one JSON line per system and a summary; writes the curves next to `--out`
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -81,28 +82,17 @@ def stepbus_run(env_id: str, preset: str, seconds: float, seed: int) -> dict[str
 
 
 def evaluate_stepbus(run_dir: Path, env_id: str, seed: int) -> dict[str, Any]:
-    """EVAL_EPISODES episodes of the checkpoint's policy, acting with the Gaussian's mean (or
-    the likeliest category) on observations normalised as its last version's."""
-    import gymnasium as gym
+    """EVAL_EPISODES episodes of the run's policy as `stepbus.load_policy` loads it, acting
+    greedily (the Gaussian's mean clipped to the bounds, or the likeliest category) on
+    observations normalised with its version's statistics."""
+    import stepbus
 
-    from stepbus import normalize
-    from stepbus.models import mlp
-    from stepbus.policy import action_space
-    from stepbus.trainer import checkpoint
-    from stepbus.workers import envs
+    policy = stepbus.load_policy(run_dir)
+    return play(env_id, seed, functools.partial(_greedy, policy))
 
-    params, _, progress = checkpoint.load(run_dir / "checkpoint.npz")
-    spec = envs.space_spec(gym.make(env_id))
-    norm = normalize.Normalizer(spec)
-    norm.restore(progress.get("obs_norm", []))
-    stats, action = norm.stats_for(int(progress["version"])), action_space(spec)
 
-    def greedy(obs: np.ndarray) -> Any:
-        out, _ = mlp.forward(params, np.asarray(stats.apply(obs[None])))
-        return (np.clip(out[0], action.low, action.high) if action.kind == "box"
-                else int(np.argmax(out[0])))
-
-    return play(env_id, seed, greedy)
+def _greedy(policy: Any, obs: np.ndarray) -> Any:
+    return policy.predict(obs, deterministic=True)[0]
 
 
 def play(env_id: str, seed: int, policy: Any) -> dict[str, Any]:
