@@ -452,27 +452,13 @@ def build_parser(settings: dict[str, runconfig.Setting] | None = None, only: str
         "`honcho start` (see Procfile) or one subcommand each.")
     parser.add_argument("--version", action="version", version=f"stepbus {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, command in PROCESSES.items():
-        cmd = sub.add_parser(name, help=command.doc, description=command.doc,
-                             allow_abbrev=False)
-        if only in (None, name):
-            _add_config_flags(cmd, command.config_class(), settings)
-            _add_preset_flag(cmd)
-    if only in (None, "run"):
-        _add_run_parser(sub, settings)
-    else:
-        sub.add_parser("run", help=RUN_HELP, description=RUN_HELP, allow_abbrev=False)
+    _add_process_parsers(sub, settings, only)
     plot = sub.add_parser("plot", help=PLOT_HELP, description=PLOT_HELP)
     plot.add_argument("run_dir", metavar="RUN_DIR", type=Path,
                       help="a run directory, e.g. runs/latest")
     plot.add_argument("--output", "-o", type=Path, default=None, metavar="PNG",
                       help="where to write the PNG [default: RUN_DIR/progress.png]")
     _add_client_parsers(sub)
-    if only in (None, "supervise"):
-        _add_supervise_parser(sub)
-    else:
-        sub.add_parser("supervise", help=SUPERVISE_HELP, description=SUPERVISE_HELP,
-                       allow_abbrev=False)
     evaluate.add_parser(sub)
     keys = sub.add_parser("keys", help=KEYS_HELP, description=KEYS_HELP)
     keys.add_argument("--dir", default="keys", help="directory to create the keys in")
@@ -487,6 +473,27 @@ def build_parser(settings: dict[str, runconfig.Setting] | None = None, only: str
     export.add_argument("--output", "-o", type=Path, default=None, metavar="FILE",
                         help="where to write it [default: RUN_DIR/policy.onnx]")
     return parser
+
+
+def _add_process_parsers(sub: Any, settings: dict[str, runconfig.Setting],
+                         only: str | None) -> None:
+    """The commands that run processes, each with its flags if it is `only` (or `only` is
+    None), else with its help alone."""
+    for name, command in PROCESSES.items():
+        cmd = sub.add_parser(name, help=command.doc, description=command.doc,
+                             allow_abbrev=False)
+        if only in (None, name):
+            _add_config_flags(cmd, command.config_class(), settings)
+            _add_preset_flag(cmd)
+    if only in (None, "run"):
+        _add_run_parser(sub, settings)
+    else:
+        sub.add_parser("run", help=RUN_HELP, description=RUN_HELP, allow_abbrev=False)
+    if only in (None, "supervise"):
+        _add_supervise_parser(sub)
+    else:
+        sub.add_parser("supervise", help=SUPERVISE_HELP, description=SUPERVISE_HELP,
+                       allow_abbrev=False)
 
 
 def _add_client_parsers(sub: Any) -> None:
