@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -128,25 +129,44 @@ def export_onnx(policy: Policy, path: Path, metadata: Mapping[str, str] | None =
     path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation, tracer notes
-        torch.onnx.export(module, example, str(path), input_names=inputs, output_names=outputs,
-                          dynamic_axes={name: {0: "batch"} for name in [*inputs, *outputs]},
+        # Placeholder input names: the TorchScript exporter refuses some leaf keys ("0").
+        traced = [f"input_{i}" for i in range(len(inputs))]
+        torch.onnx.export(module, example, str(path), input_names=traced, output_names=outputs,
+                          dynamic_axes={name: {0: "batch"} for name in [*traced, *outputs]},
                           opset_version=OPSET, dynamo=False)
-    _label(path, {"stepbus.inputs": ",".join(inputs), **(metadata or {})})
+    _label(path, dict(zip(traced, inputs, strict=True)),
+           {"stepbus.inputs": ",".join(inputs), **(metadata or {})})
     problem = _trial_problem(path, policy, [x.numpy() for x in example])
     if problem:
         raise SettingError(f"the ONNX model written to {path} does not act: {problem}")
     return Exported(path, inputs, outputs)
 
 
-def _label(path: Path, metadata: Mapping[str, str]) -> None:
-    """The model's metadata_props: what it was made from, for whoever holds the file."""
+def _label(path: Path, names: Mapping[str, str], metadata: Mapping[str, str]) -> None:
+    """The graph's inputs given their real `names` (from the placeholders they were traced
+    with), and its metadata_props: what it was made from, for whoever holds the file."""
     import onnx
 
     model = onnx.load(str(path))
+    graph = model.graph
+    for value in graph.input:
+        value.name = names.get(value.name, value.name)
+    for node in _nodes(graph):
+        node.input[:] = [names.get(name, name) for name in node.input]
     for key, value in metadata.items():
         entry = model.metadata_props.add()
         entry.key, entry.value = key, value
+    onnx.checker.check_model(model)
     onnx.save(model, str(path))
+
+
+def _nodes(graph: Any) -> Iterator[Any]:
+    """Every node of an ONNX graph, those of its subgraphs (If, Loop, Scan) too."""
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            for sub in [attribute.g, *attribute.graphs]:
+                yield from _nodes(sub)
 
 
 def _trial_problem(path: Path, policy: Policy, example: Sequence[np.ndarray]) -> str:

@@ -24,7 +24,7 @@ ort = pytest.importorskip("onnxruntime")
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.distributions import Categorical  # noqa: E402
+from torch.distributions import Categorical, Normal  # noqa: E402
 
 from stepbus import cli, export, spaces  # noqa: E402
 from stepbus.bus import protocol as p  # noqa: E402
@@ -133,14 +133,12 @@ def same_actions(got: np.ndarray, want: np.ndarray) -> None:
 
 
 def greedy(trained: TrainedPolicy, obs: p.Obs) -> np.ndarray:
-    """`predict`'s deterministic actions for a batch laid out as stepbus lays it out."""
-    if isinstance(obs, dict) and spaces.MASK in obs:
-        rest: p.Obs = {k: v for k, v in obs.items() if k != spaces.MASK}
-        if list(rest) == [spaces.ROOT]:  # a Box observation whose env gives masks in info
-            rest = rest[spaces.ROOT]
-        return np.asarray(trained.predict(rest, deterministic=True,
-                                          action_masks=obs[spaces.MASK])[0])
-    return np.asarray(trained.predict(obs, deterministic=True)[0])
+    """`predict`'s deterministic actions for a batch laid out as stepbus lays it out: nested
+    as the env's space, an env's masks from `info` as `action_masks`."""
+    info_mask = any(leaf.kind == "mask" for leaf in trained.spec.obs_leaves)
+    masks = obs[spaces.MASK] if isinstance(obs, dict) and info_mask else None
+    nested = spaces.structured(trained.spec, obs)
+    return np.asarray(trained.predict(nested, deterministic=True, action_masks=masks)[0])
 
 
 class CleanRLAgent(nn.Module):
@@ -164,12 +162,33 @@ class CleanRLAgent(nn.Module):
         return action, probs.log_prob(action), probs.entropy(), self.critic(x)
 
 
+class CleanRLContinuousAgent(CleanRLAgent):
+    """CleanRL ``ppo_continuous_action.py``'s shape without deterministic=: no mean to give."""
+
+    def __init__(self, observation_space: gym.Space, action_space: gym.Space) -> None:
+        nn.Module.__init__(self)
+        width, dim = gym.spaces.flatdim(observation_space), gym.spaces.flatdim(action_space)
+        self.critic = nn.Sequential(nn.Linear(width, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.actor = nn.Sequential(nn.Linear(width, 16), nn.Tanh(), nn.Linear(16, dim))
+        self.logstd = nn.Parameter(torch.zeros(1, dim))
+
+    def get_action_and_value(self, x: torch.Tensor, action: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        mean = self.actor(x)
+        probs = Normal(mean, self.logstd.expand_as(mean).exp())
+        if action is None:
+            action = probs.sample()
+        return (action, probs.log_prob(action).sum(1), probs.entropy().sum(1),
+                self.critic(x))
+
+
 IMAGE = gym.spaces.Box(0, 255, (44, 44, 3), np.uint8)
 BOX4 = gym.spaces.Box(-2.0, 2.0, (4,), np.float32)
 DICT = gym.spaces.Dict({"pos": gym.spaces.Box(-1.0, 1.0, (3,), np.float32),
                         "room": gym.spaces.Discrete(5, start=1),
                         "keys": gym.spaces.MultiDiscrete([2, 3]),
                         "seen": gym.spaces.MultiBinary(4)})
+TUPLE = gym.spaces.Tuple((BOX4, gym.spaces.Dict({"n": gym.spaces.Discrete(3)})))
 CASES = {
     "numpy MLP": Case(BOX4, gym.spaces.Discrete(3)),
     "numpy MLP, normalised": Case(gym.spaces.Box(-np.inf, np.inf, (5,), np.float32),
@@ -183,6 +202,7 @@ CASES = {
                                   gym.spaces.MultiBinary(3), "torch", normalised=True),
     "torch CNN": Case(IMAGE, gym.spaces.Discrete(6), "torch"),
     "torch MLP, Dict": Case(DICT, gym.spaces.Discrete(3), "torch"),
+    "torch MLP, Tuple": Case(TUPLE, gym.spaces.Discrete(3), "torch"),
     "torch MLP, masked": Case(BOX4, gym.spaces.MultiDiscrete([4, 3]), "torch", info_mask=True),
     "CleanRL module": Case(BOX4, gym.spaces.Discrete(3), "test_export:CleanRLAgent"),
     "torch MLP, Box": Case(BOX4, gym.spaces.Box(-0.003, 0.003, (2,), np.float32), "torch"),
@@ -273,6 +293,15 @@ def test_an_unknown_format_or_a_path_that_is_no_run_is_one_line_and_exit_2(
     assert "tflite" in err and "onnx" in err
     err = one_line_exit_2(capsys, ["export", str(tmp_path / "nowhere")])
     assert str(tmp_path / "nowhere") in err
+
+
+def test_a_module_that_cannot_give_its_mode_is_refused_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    case = Case(BOX4, gym.spaces.Box(-1.0, 1.0, (2,), np.float32),
+                "test_export:CleanRLContinuousAgent")
+    run_dir = made_run(case, tmp_path / "run", np.random.default_rng(0))
+    err = one_line_exit_2(capsys, ["export", str(run_dir)])
+    assert "deterministic" in err and not (run_dir / "policy.onnx").exists()
 
 
 def test_missing_libraries_are_named_with_the_pip_command(tmp_path: Path) -> None:
