@@ -48,6 +48,23 @@ MAX_EPISODES = 10_000
 # evaluation's episodes are not the first ones training stepped.
 SEED_INDEX = 1 << 20
 RATE_INTERVAL_S = 2.0
+PRIORITY_IDLE, PRIORITY_LOW, PRIORITY_NORMAL = "idle", "low", "normal"  # --cpu-priority
+
+
+def _priority(text: str) -> str:
+    """--cpu-priority's check: ValueError naming the choices."""
+    if text not in (PRIORITY_IDLE, PRIORITY_LOW, PRIORITY_NORMAL):
+        raise ValueError(f"idle, low or normal, not {text!r}")
+    return text
+
+
+def lower_priority(priority: str) -> None:
+    """This process's CPU priority, as --cpu-priority says: SCHED_IDLE where there is one
+    (else nice 19), or nice 10."""
+    if priority == PRIORITY_IDLE and hasattr(os, "sched_setscheduler"):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    elif priority != PRIORITY_NORMAL:
+        os.nice(19 if priority == PRIORITY_IDLE else 10)
 
 
 @dataclass
@@ -67,9 +84,10 @@ class Config:
                 "version meets the same episodes"})
     policy_name: str = field(default=policies.DEFAULT, metadata={
         "help": "the policy evaluated; weights of other policies are ignored (counted)"})
-    nice: int = field(default=10, metadata={"min": 0, "max": 19,
-        "help": "lower this process's CPU priority by this much (os.nice), so that on a busy "
-                "machine stepping and learning come first"})
+    cpu_priority: str = field(default=PRIORITY_IDLE, metadata={wiring.CHECK: _priority,
+        "help": "idle: run only on CPU time no other process wants (Linux SCHED_IDLE; a "
+                "woken worker, broker or learner takes the core at once), so it never slows "
+                "training, and on a saturated machine evaluates seldom; low: nice 10; normal"})
     evaluation: str = wiring.endpoint("evaluation", "ROUTER endpoint to bind for learners")
     controller: str = wiring.endpoint("controller", "controller endpoint to connect")
     broadcast: str = wiring.endpoint("broadcast", "controller broadcast endpoint to connect")
@@ -332,7 +350,6 @@ def open_evaluator(ctx: zmq.Context, cfg: Config, log: logging.Logger, *,
 
 def run(cfg: Config) -> int:
     log = node.setup_logging("evaluator")
-    if cfg.nice:
-        os.nice(cfg.nice)
+    lower_priority(cfg.cpu_priority)
     return node.run_role(lambda ctx: open_evaluator(ctx, cfg, log), cfg.security,
                          node.StopFlag())

@@ -593,7 +593,7 @@ def _add_supervise_parser(sub: Any) -> None:
     cmd.add_argument("--on-give-up", choices=[g.value for g in supervisor.GiveUp], default=None,
                      help="exit: exit 1, which ends a honcho run; stay: keep reporting the "
                           "last error while the run goes on [default: stay for a worker, one "
-                          "of many; exit for every other role]")
+                          "of many, and the evaluator; exit for every other role]")
 
 
 def _supervise(args: argparse.Namespace) -> int:

@@ -211,7 +211,7 @@ def test_a_serial_run_with_an_evaluator_records_eval_returns_and_stops_on_one(tm
 def test_the_evaluator_shows_in_status_refuses_bad_input_and_dies_without_hurting_training(
         cluster: Cluster):
     cluster.start_all(trainer_args=("--target-return", "0"))
-    ev = cluster.start("evaluator", "--eval-episodes", "2", "--nice", "0")
+    ev = cluster.start("evaluator", "--eval-episodes", "2", "--cpu-priority", "normal")
     wait_for(lambda: any("eval_return" in r for r in cluster.metrics()), 60,
              "an eval_return in the metrics")
 
