@@ -297,13 +297,14 @@ def rejected_figures(rows: dict[str, dict]) -> dict[str, dict]:
             for role, row in rows.items()}
 
 
-BINDERS = ("controller", "broker", "assembler")
+BINDERS = ("controller", "broker", "assembler", "evaluator")
 ONLY_WHEN_RELAYING = {"vector"}  # bound by a broker --external (stepbus.vector) alone
-NOISE_CONNECTIONS = 2000
+NOISE_CONNECTIONS = 4000
 # RSS may grow by this much over a burst. Keeping the bytes would grow each process by the
-# 6-8 MB it received (asserted above 2x this), keeping each connection's 8 KiB input buffer by
-# 5 MiB (667 connections each); measured growth is under 150 KiB: heartbeats, logging and
-# malloc's rounding over a few seconds.
+# 5-15 MB it received (asserted above 2x this: the evaluator, with one port, gets the least),
+# keeping each connection's 8 KiB input buffer by 3 MiB or more (400 connections or more
+# each); measured growth is under 150 KiB: heartbeats, logging and malloc's rounding over a
+# few seconds.
 RSS_GROWTH_KIB = 2048
 
 
@@ -348,7 +349,7 @@ def bound_ports(cluster: Cluster, procs: dict[str, Proc]) -> dict[str, list[int]
         ports[role] = sorted(port for _, port in found)
     all_ports = every_port(ports)
     assert all_ports == sorted(port for _, port in configured), \
-        "every configured endpoint is bound by one of the three"
+        "every configured endpoint is bound by one of the binders"
     return ports
 
 
@@ -388,7 +389,7 @@ def one_undecodable_message_is_counted_by_each_process(cluster: Cluster,
                                                        procs: dict[str, Proc]) -> None:
     """The control: a ZeroMQ peer by hand sending one undecodable message to each process is
     counted at once, so unchanged counts after the noise mean no message got through."""
-    for endpoint in ("controller", "steps", "experience"):
+    for endpoint in ("controller", "steps", "experience", "evaluation"):
         raw = handshake(tcp_port(cluster.endpoints[endpoint]))
         raw.sendall(b"\x00\x01\xc1")
         raw.close()
@@ -398,7 +399,7 @@ def one_undecodable_message_is_counted_by_each_process(cluster: Cluster,
     for role in ("controller", "broker"):
         assert rows[role]["rejected_bad_msgpack"] == 1, rows[role]
     logs = "\n".join(proc.output() for proc in procs.values())
-    assert logs.count("dropped message from") == 3 and "Traceback" not in logs
+    assert logs.count("dropped message from") == len(procs) and "Traceback" not in logs
     assert "dropped message from 127.0.0.1 on tcp://127.0.0.1:" in procs["assembler"].output()
 
 
