@@ -250,6 +250,13 @@ def _once_per_class(fn: F) -> F:
     return typing.cast(F, functools.cache(fn))
 
 
+@_once_per_class
+def _hints(cls: type) -> dict[str, Any]:
+    """A class's annotations, evaluated (each a compile of its text: done once, when a process
+    first needs the class, not for every class at import)."""
+    return typing.get_type_hints(cls)
+
+
 def _checker(hint: Any) -> Callable[[Any], bool]:
     """The check of a header value against its annotation, built once per field: inspecting
     the annotation on every message was a third of the decoder's time.
@@ -299,7 +306,7 @@ def _record_checks(cls: type) -> dict[str, Callable[[Any], bool]]:
     """Each field's check of a record class."""
     if not cls.__dataclass_params__.frozen:  # type: ignore[attr-defined]
         raise TypeError(f"record {cls.__name__} must be a frozen dataclass")
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     checks = {}
     for f in dataclasses.fields(cls):
         if _array_how(hints[f.name]):
@@ -379,7 +386,7 @@ def _convert(hint: Any, on_record: Callable[[type], Callable[[Any], Any]]
 def _converters(cls: type, on_record: Callable[[type], Callable[[Any], Any]]
                 ) -> dict[str, Callable[[Any], Any]]:
     """The fields of a dataclass that hold records, each with its conversion."""
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     found = ((f.name, _convert(hints[f.name], on_record)) for f in dataclasses.fields(cls))
     return {name: convert for name, convert in found if convert is not None}
 
@@ -407,21 +414,6 @@ class Message:
     """Base of every message dataclass; `KIND` ties the class to its wire kind."""
 
     KIND: ClassVar[Kind]
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Every field's annotation is checked as the class is defined."""
-        super().__init_subclass__(**kwargs)
-        try:
-            hints = typing.get_type_hints(cls)
-        except NameError as exc:
-            raise TypeError(f"{cls.__name__}: {exc}") from None
-        for name, hint in hints.items():
-            if typing.get_origin(hint) is ClassVar or _array_how(hint):
-                continue
-            try:
-                _checker(hint)
-            except TypeError as exc:
-                raise TypeError(f"{cls.__name__}.{name}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -979,7 +971,12 @@ class _Schema:
 
 
 def _schema(cls: type[Message]) -> _Schema:
-    hints = typing.get_type_hints(cls)
+    """How a message class travels. Raises TypeError, naming the field, for an annotation the
+    codec cannot carry (tests/test_codec.py builds every class's)."""
+    try:
+        hints = _hints(cls)
+    except NameError as exc:
+        raise TypeError(f"{cls.__name__}: {exc}") from None
     scalars: dict[str, Any] = {}
     arrays: dict[str, str] = {}
     required = set()
@@ -992,12 +989,20 @@ def _schema(cls: type[Message]) -> _Schema:
             scalars[f.name] = hint
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             required.add(f.name)
-    return _Schema(scalars, arrays, frozenset(required),
-                   {name: _checker(hint) for name, hint in scalars.items()},
+    checks = {}
+    for name, hint in scalars.items():
+        try:
+            checks[name] = _checker(hint)
+        except TypeError as exc:
+            raise TypeError(f"{cls.__name__}.{name}: {exc}") from None
+    return _Schema(scalars, arrays, frozenset(required), checks,
                    _converters(cls, _builder_of), _converters(cls, _mapper_of))
 
 
-_SCHEMAS: dict[Kind, _Schema] = {kind: _schema(cls) for kind, cls in MESSAGE_TYPES.items()}
+@functools.cache
+def schema_of(kind: Kind) -> _Schema:
+    """A kind's schema, built the first time this process sends or receives one."""
+    return _schema(MESSAGE_TYPES[kind])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1014,7 +1019,7 @@ def _array_buffer(name: str, value: Any, descs: list[list[Any]], frames: list[An
 
 def encode(msg: Message) -> list[Any]:
     """Message -> frames for `send_multipart(frames, copy=False)`; arrays are not copied."""
-    schema = _SCHEMAS[msg.KIND]
+    schema = schema_of(msg.KIND)
     fields: dict[str, Any] = {}
     descs: list[list[Any]] = []
     frames: list[Any] = []
@@ -1121,7 +1126,7 @@ def decode(frames: Sequence[Any], *, max_header_bytes: int = MAX_HEADER_BYTES) -
         raise ProtocolError("empty message")
     header = _unpack_header(_buffer(frames[0]), max_header_bytes)
     kind, fields, descs = _parts(header, len(frames) - 1)
-    schema = _SCHEMAS[kind]
+    schema = schema_of(kind)
     values = _header_values(kind, schema, fields)
     _add_arrays(kind, schema, descs, frames[1:], values)
     absent = schema.required - set(values)
