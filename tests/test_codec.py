@@ -443,7 +443,7 @@ UNSUPPORTED = ["tuple[int, int]", "set[str]", "dict[int, str]", "complex", "byte
 def test_a_field_the_codec_cannot_carry_fails_when_its_schema_is_built(annotation: str) -> None:
     """Not by refusing every such message at run time: building its schema raises, naming the
     field (built once per process, on the first message of its kind)."""
-    bad = dataclasses.dataclass(frozen=True)(
+    bad: type[p.Message] = dataclasses.dataclass(frozen=True)(
         type("Bad", (p.Message,), {"__module__": __name__,
                                    "__annotations__": {"field": annotation}}))
     with pytest.raises(TypeError, match=r"Bad\.field: "):
