@@ -434,7 +434,7 @@ class Broker(node.Process):
                            policy_versions=versions if len(self.slots) > 1 else None,
                            obs_slot=slot, shm=segment.name if segment is not None else "",
                            shm_nonce=w.shm_nonce if segment is not None else "",
-                           state=state or {})
+                           state=state or {}, split_of=w.split_of, first_env=w.first_env)
         if not self.send(PortName.EXPERIENCE, msg):
             self.counts.experience_dropped += 1
             # Not the worker's fault: counted against the socket it could not go out on.

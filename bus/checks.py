@@ -33,7 +33,17 @@ def hello_rows_problem(msg: p.WorkerHello) -> str:
     named. The broker and the relay both take workers by it."""
     if not 1 <= msg.num_envs <= MAX_ENVS_PER_WORKER:
         return f"num_envs {msg.num_envs}"
-    return agents_problem(msg.agents, msg.num_envs)
+    problem = split_problem(msg.split_of, msg.first_env)
+    return problem or agents_problem(msg.agents, msg.num_envs)
+
+
+def split_problem(split_of: str, first_env: int) -> str:
+    """Why a split's naming is unusable (empty if usable): agent ids are built from it."""
+    if len(split_of) > 128 or not 0 <= first_env < MAX_ENVS_PER_WORKER:
+        return f"split_of of {len(split_of)} characters, first_env {first_env}"
+    if first_env and not split_of:
+        return "first_env belongs to a split (split_of names its worker)"
+    return ""
 
 
 def rows_problem(m: p.StepResult | p.Experience, rows: int) -> str:
@@ -148,6 +158,8 @@ def experience_problem(m: p.Experience) -> str:
         return "final_obs needs one row per ended episode, shaped like obs"
     if not -1 <= m.policy_version < 2**53:
         return f"policy_version {m.policy_version}"
+    if split_problem(m.split_of, m.first_env):
+        return split_problem(m.split_of, m.first_env)
     outputs = (m.action, m.logp, m.value)
     if any(o is None for o in outputs) != all(o is None for o in outputs):
         return "action, logp and value travel together"

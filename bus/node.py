@@ -636,21 +636,47 @@ class Opened:
         return Loop(self.process, self.ports, self.link, stop, poller=poller)
 
 
-def run_role(opener: Callable[[zmq.Context], Opened | None], security: wiring.Security,
-             stop: StopFlag) -> int:
-    """One role in its own OS process: its context, its sockets, its loop, its exit code. An
-    opener that returns None was told to stop while setting up: exit 0."""
+def run_role(opener: Callable[[zmq.Context], Opened | list[Opened] | None],
+             security: wiring.Security, stop: StopFlag) -> int:
+    """One role in its own OS process: its context, its sockets, its loop (or the loops of
+    several processes on its thread: a split worker's), its exit code. An opener that returns
+    None was told to stop while setting up: exit 0."""
     ctx = wiring.context(security)
     try:
         opened = opener(ctx)
         if opened is None:
             return 0
+        group = opened if isinstance(opened, list) else [opened]
         try:
-            return opened.loop(stop).run()
+            if len(group) == 1:
+                return group[0].loop(stop).run()
+            poller = zmq.Poller()
+            return serve([o.loop(stop, poller) for o in group], poller)
         finally:
-            opened.cleanup()
+            for o in group:
+                o.cleanup()
     finally:
         wiring.destroy(ctx, topology.LINGER_MS)
+
+
+def serve(loops: list[Loop], poller: zmq.Poller) -> int:
+    """Turn every loop over one poller until each is done; the worst exit code among them.
+    Loops still running when one raises say goodbye to the controller all the same."""
+    active = list(loops)
+    try:
+        while active:
+            timeouts = [loop.prepare() for loop in active]
+            events = dict(poller.poll(min(timeouts)))
+            for loop, timeout_ms in zip(active, timeouts, strict=True):
+                loop.advance(events, timeout_ms)
+            for done in [loop for loop in active if loop.stage is Stage.DONE]:
+                active.remove(done)
+                for loop in active:
+                    loop.process.on_peer_done(done.process.role)
+    finally:
+        for loop in active:
+            loop.close()
+    return max(loop.process.exit_code for loop in loops)
 
 
 class Stage(enum.Enum):

@@ -472,6 +472,10 @@ class WorkerHello(Message):
     # --shm-frames: its observation segment (bus/shm.py) and the segment's nonce, in hex.
     shm: str = ""
     shm_nonce: str = ""
+    # A split of a double-buffered worker (`stepbus worker --splits N`): the process's name,
+    # which agent ids carry, and the index of its first env there ("" and 0: a whole worker).
+    split_of: str = ""
+    first_env: int = 0
 
 
 @dataclass(frozen=True)
@@ -647,6 +651,8 @@ class Experience(Message):
     # A recurrent model's memory each row's action was chosen with (`Policy.initial_state`'s
     # layout, one row per row of obs); empty for a feed-forward model.
     state: ArrayMap = field(default_factory=dict)
+    split_of: str = ""  # as in the worker's hello: agent ids are `split_of/(first_env + i)`
+    first_env: int = 0
 
 
 @dataclass(frozen=True)

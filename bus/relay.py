@@ -84,6 +84,8 @@ class Relay(node.Process):
     def accepts(self, msg: p.WorkerHello) -> bool:
         """Its rows in range, usable spaces, the same as the run's (the first sets them)."""
         problem = checks.hello_rows_problem(msg)
+        if not problem and msg.split_of:  # a vector env's env ids are whole workers' envs
+            problem = "a vector env takes whole workers: start this one with --splits 1"
         if not problem and self.spec is None:
             problem = checks.spec_problem(msg.spec)
             if not problem:

@@ -44,6 +44,8 @@ class Worker:
     row_policy: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))  # per row
     segment: shm.Reader | None = None  # its --shm-frames segment, if we could map it
     shm_nonce: str = ""
+    split_of: str = ""  # a double-buffered worker's split: the process's name (agent ids)
+    first_env: int = 0  # ... and the index there of its first env
     # When a send to it first failed (None: it is reachable). Its connection may be being
     # replaced (a reconnect after a freeze, ROUTER_HANDOVER), so it is not lost yet.
     unreachable_since: float | None = None
@@ -98,7 +100,8 @@ class WorkerTable:
             ident, msg.worker, msg.incarnation, rows, now, msg.agents, seq=first_seq,
             ready_since=now, agent_policies=agent_policies if self.rules else [],
             row_policy=np.tile([self.policy_names.index(name) for name in agent_policies],
-                               msg.num_envs))
+                               msg.num_envs),
+            split_of=msg.split_of, first_env=msg.first_env)
         return w, old
 
     def agent_policies(self, agents: list[str]) -> list[str]:

@@ -102,12 +102,14 @@ def state_row(state: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
     return {key: value[i].copy() for key, value in state.items()}
 
 
-def agent_ids(worker: str, agents: list[str], rows: int) -> list[str]:
+def agent_ids(worker: str, agents: list[str], rows: int, first_env: int = 0) -> list[str]:
     """Global agent ids, one per row: `worker/env` for single-agent envs and
-    `worker/env/agent` for multi-agent ones (rows are env-major)."""
+    `worker/env/agent` for multi-agent ones (rows are env-major). A split of a worker names
+    its agents as the whole worker does (`worker` its process, `first_env` its offset)."""
     if not agents or rows % len(agents):
-        return [f"{worker}/{i}" for i in range(rows)]
-    return [f"{worker}/{i // len(agents)}/{agents[i % len(agents)]}" for i in range(rows)]
+        return [f"{worker}/{first_env + i}" for i in range(rows)]
+    return [f"{worker}/{first_env + i // len(agents)}/{agents[i % len(agents)]}"
+            for i in range(rows)]
 
 
 @dataclass
@@ -135,8 +137,9 @@ class WorkerTrack:
     def start(cls, m: p.Experience, horizon: int) -> WorkerTrack:
         """A track from m's observations: its rewards belong to actions we never saw."""
         names = m.agent_policies or [policies.DEFAULT]
+        ids = agent_ids(m.split_of or m.worker, m.agents, rows.count(m.obs), m.first_env)
         agents = [AgentBuffer(agent, horizon, names[i % len(names)])
-                  for i, agent in enumerate(agent_ids(m.worker, m.agents, rows.count(m.obs)))]
+                  for i, agent in enumerate(ids)]
         for agent in agents:
             agent.stats_valid = m.first
         return cls(m.incarnation, m.epoch, agents, m.obs)

@@ -26,7 +26,6 @@ import zmq
 from stepbus import runconfig
 from stepbus.bus import broker, controller, node, wiring
 from stepbus.bus.exits import SettingError
-from stepbus.bus.node import Stage
 from stepbus.processor import assembler, evaluator
 from stepbus.trainer import learner, resume
 from stepbus.workers import worker
@@ -89,12 +88,13 @@ def run(roles: Roles) -> int:
     opened: list[node.Opened] = []
     try:
         for open_role in _openers(roles, endpoints):
-            opened.append(open_role(ctx))
+            role = open_role(ctx)
+            opened.extend(role if isinstance(role, list) else [role])
         log.info("serial run: controller, broker, %d worker(s), assembler%s and learner in "
                  "this process", roles.run.workers, ", evaluator" if roles.run.evaluator else "")
         poller = zmq.Poller()
         with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
-            return serve([o.loop(stop, poller) for o in opened], poller)
+            return node.serve([o.loop(stop, poller) for o in opened], poller)
     finally:
         for o in opened:
             o.cleanup()
@@ -130,28 +130,15 @@ def _openers(roles: Roles, endpoints: dict[str, str]) -> list[Any]:
     return openers
 
 
-def _open_worker(ctx: zmq.Context, cfg: worker.Config) -> node.Opened:
+def _open_worker(ctx: zmq.Context, cfg: worker.Config) -> list[node.Opened]:
+    """A worker, or its splits (`--splits`), each a process on the shared thread."""
     log = logging.getLogger(f"stepbus.worker.{cfg.name}")
     try:
-        envs = worker.make_envs(cfg, log)
+        envsets = worker.make_split_envs(cfg, log)
     except worker.CannotCreateEnv as exc:
         raise SettingError(str(exc)) from None
-    envs.raise_errors = True
-    opened = worker.open_worker(ctx, cfg, log, envs, node.StopFlag(()))
+    for envs in envsets:
+        envs.raise_errors = True
+    opened = worker.open_workers(ctx, cfg, log, envsets, node.StopFlag(()))
     assert opened is not None, "a serial worker is given its broker's endpoint"
     return opened
-
-
-def serve(loops: list[node.Loop], poller: zmq.Poller) -> int:
-    """Turn every loop until each is done; the worst exit code among them."""
-    active = list(loops)
-    while active:
-        timeouts = [loop.prepare() for loop in active]
-        events = dict(poller.poll(min(timeouts)))
-        for loop, timeout_ms in zip(active, timeouts, strict=True):
-            loop.advance(events, timeout_ms)
-        for done in [loop for loop in active if loop.stage is Stage.DONE]:
-            active.remove(done)
-            for loop in active:
-                loop.process.on_peer_done(done.process.role)
-    return max(loop.process.exit_code for loop in loops)

@@ -92,6 +92,9 @@ class EnvSet:
     def __init__(self, cfg: EnvSettings, report: Callable[[p.RemoteError], None],
                  log: logging.Logger, tick: Callable[[], None] = lambda: None) -> None:
         self.cfg, self.report, self.log, self.tick = cfg, report, log, tick
+        # A split of a double-buffered worker hosts envs first_env.. of it: seeds and error
+        # reports name an env by its index in the whole worker, so a split changes neither.
+        self.first_env = 0
         self.in_env = False
         self.raise_errors = False  # an env's exception ends the run instead (`_recreate`)
         self.restarts: collections.deque[float] = collections.deque()  # recent recreations
@@ -238,7 +241,8 @@ class EnvSet:
     def _new_episode(self, i: int) -> int:
         """Env i starts its next episode: the seed to reset it (and its spaces) with."""
         self.episode[i] += 1
-        seed = episode_seed(self.cfg.seed, self.cfg.worker_index, i, int(self.episode[i]))
+        seed = episode_seed(self.cfg.seed, self.cfg.worker_index, self.first_env + i,
+                            int(self.episode[i]))
         self.episode_seed[i] = seed
         seed_spaces(self.envs[i], seed)
         return seed
@@ -383,7 +387,8 @@ class EnvSet:
             self.report(p.RemoteError(
                 origin=self.cfg.name, error_type=type(exc).__name__,
                 message=str(exc)[:p.MAX_ERROR_TEXT], traceback=tb[-p.MAX_ERROR_TEXT:],  # tail
-                context={"env": self.cfg.env, "env_index": i, "episode": episode,
+                context={"env": self.cfg.env, "env_index": self.first_env + i,
+                         "episode": episode,
                          "seed": seed}))
         finally:
             self.in_env = was

@@ -53,6 +53,10 @@ HELLO_INTERVAL_S = node.HEARTBEAT_INTERVAL_S
 # interval is the usual one.
 FIRST_HELLO_INTERVAL_S = node.DISCOVER_INTERVAL_S
 FIRST_HELLOS_FOR_S = node.DISCOVER_QUICK_FOR_S
+# Double buffering (--splits): a handful of groups hides the inference round trip (Sample
+# Factory uses 2); one digit keeps the splits' names sorting in env order (deterministic mode
+# batches workers by name).
+MAX_SPLITS = 9
 
 
 def _default_name() -> str:
@@ -92,6 +96,11 @@ class Config:
                 "(and the assembler) run on this host and can map it; ZeroMQ then carries only "
                 "a slot number. Otherwise, and whenever the assembler lags 16 batches behind "
                 "for 20 ms, they go on the socket as without this flag"})
+    splits: int = field(default=1, metadata={"min": 1, "max": MAX_SPLITS,
+        "help": "groups the envs are divided into (double buffering, as Sample Factory's "
+                "worker_num_splits): each group is a worker of its own to the broker (named "
+                "NAME:0, NAME:1, ...; agent ids and env seeds stay the whole worker's), and one "
+                "group steps while the others wait for their actions"})
     security: wiring.Security = field(default_factory=wiring.Security)
 
 
@@ -115,6 +124,37 @@ def make_envs(cfg: Config, log: logging.Logger) -> EnvSet:
     except Exception as exc:
         raise CannotCreateEnv(f"cannot create environment {cfg.env!r}: "
                               f"{type(exc).__name__}: {exc}") from exc
+
+
+def split_sizes(envs: int, splits: int) -> list[int]:
+    """Envs per split, as even as can be, the larger first."""
+    return [envs // splits + (i < envs % splits) for i in range(splits)]
+
+
+def split_name(name: str, index: int) -> str:
+    return f"{name}:{index}"
+
+
+def make_split_envs(cfg: Config, log: logging.Logger) -> list[EnvSet]:
+    """One env set per split (`--splits`), env i of the worker in the split that holds its
+    index, so it gets the seeds it gets unsplit. Raises CannotCreateEnv."""
+    if cfg.splits == 1:
+        return [make_envs(cfg, log)]
+    if not 1 <= cfg.splits <= min(MAX_SPLITS, cfg.envs_per_worker):
+        raise CannotCreateEnv(f"--splits must be 1 to {MAX_SPLITS} and at most "
+                              f"--envs-per-worker ({cfg.envs_per_worker}), not {cfg.splits}")
+    made: list[EnvSet] = []
+    first = 0
+    try:
+        for i, k in enumerate(split_sizes(cfg.envs_per_worker, cfg.splits)):
+            made.append(make_envs(dataclasses.replace(
+                cfg, envs_per_worker=k, name=split_name(cfg.name, i), splits=1), log))
+            made[-1].first_env, first = first, first + k
+    except BaseException:
+        for group in made:
+            group.close()
+        raise
+    return made
 
 
 class BusyBeats:
@@ -169,9 +209,10 @@ class Worker(node.Process):
     def __init__(self, cfg: Config, ports: node.Ports, log: logging.Logger, *,
                  clock: Callable[[], float] = time.monotonic,
                  controller_beat: Callable[[float], object] | None = None,
-                 envs: EnvSet | None = None) -> None:
-        """`envs`: made already (by `make_envs`), else made here. Raises CannotCreateEnv when
-        the environments cannot be made."""
+                 envs: EnvSet | None = None, split_of: str = "") -> None:
+        """`envs`: made already (by `make_envs`), else made here. `split_of`: this is a split
+        of that worker (`cfg` is the split's, `envs.first_env` where its envs begin). Raises
+        CannotCreateEnv when the environments cannot be made."""
         super().__init__(ports, log, name=cfg.name, clock=clock)
         self.cfg, self.controller_beat = cfg, controller_beat
         self.incarnation = uuid.uuid4().hex[:8]
@@ -193,7 +234,8 @@ class Worker(node.Process):
             worker=cfg.name, incarnation=self.incarnation, env_id=cfg.env,
             num_envs=cfg.envs_per_worker, seed=cfg.seed, spec=self.envs.spec,
             seq=0, agents=self.envs.agents, shm=self.segment.name if self.segment else "",
-            shm_nonce=self.segment.nonce.hex() if self.segment else "")
+            shm_nonce=self.segment.nonce.hex() if self.segment else "",
+            split_of=split_of, first_env=self.envs.first_env)
         self.every("hello", HELLO_INTERVAL_S, self.say_hello, first_due=self.now)
 
     def open_segment(self) -> shm.Writer | None:
@@ -314,9 +356,10 @@ class Worker(node.Process):
             self.send(PortName.STEPS, p.Heartbeat(role="worker", name=self.cfg.name, host=self.host,
                                            pid=self.pid, leaving=False, figures={}))
 
-    def take_alarm(self) -> None:
-        """Own SIGALRM: from now on every batch is stepped with the busy-beat alarm armed."""
-        signal.signal(signal.SIGALRM, self.on_alarm)
+    def take_alarm(self, handler: Callable[[int, Any], None] | None = None) -> None:
+        """Own SIGALRM: from now on every batch is stepped with the busy-beat alarm armed
+        (`handler`: a split worker's, for all its splits)."""
+        signal.signal(signal.SIGALRM, handler or self.on_alarm)
         # Blocking C calls inside an env (a simulator's read, usleep) restart instead of
         # failing with EINTR; Python-level sleeps still run the handler (PEP 475).
         signal.siginterrupt(signal.SIGALRM, False)
@@ -352,34 +395,90 @@ class Worker(node.Process):
         self.envs.close()
 
 
+class Splits:
+    """The splits of one double-buffered worker, on one thread: while one split's env code
+    runs, every split's heartbeats go out (the others wait for actions meanwhile, and must not
+    look dead to the broker or the controller)."""
+
+    def __init__(self, workers: list[Worker]) -> None:
+        self.workers = workers
+        for w in workers:
+            w.envs.tick = self.beat_all
+
+    def beat_all(self) -> None:
+        for w in self.workers:
+            w.beat_while_busy()
+
+    def on_alarm(self, signum: int, frame: Any) -> None:
+        """As `Worker.on_alarm`, for whichever split's env code runs."""
+        running = [w for w in self.workers if w.envs.in_env]
+        if not running:
+            return
+        for w in running:
+            w.envs.in_env = False
+        try:
+            self.beat_all()
+        finally:
+            for w in running:
+                w.envs.in_env = True
+
+
 def run(cfg: Config) -> int:
     log = node.setup_logging("worker")
     stop = node.StopFlag()
     try:
-        envs = make_envs(cfg, log)
+        envsets = make_split_envs(cfg, log)
     except CannotCreateEnv as exc:  # a typo in --env deserves one clear line, not a traceback
         log.error("%s", exc)
         return Exit.SETTING
     try:
-        return node.run_role(functools.partial(_open_alarmed, cfg, log, envs, stop),
+        return node.run_role(functools.partial(_open_alarmed, cfg, log, envsets, stop),
                              cfg.security, stop)
     except EnvFailure as exc:
         log.error("%s; worker exiting", exc)
         return Exit.FAILED
 
 
-def _open_alarmed(cfg: Config, log: logging.Logger, envs: EnvSet, stop: node.StopFlag,
-                  ctx: zmq.Context) -> node.Opened | None:
+def _open_alarmed(cfg: Config, log: logging.Logger, envsets: list[EnvSet], stop: node.StopFlag,
+                  ctx: zmq.Context) -> list[node.Opened] | None:
     """A worker alone in its process owns SIGALRM, for heartbeats during slow env steps."""
-    opened = open_worker(ctx, cfg, log, envs, stop)
-    if opened is not None:
-        assert isinstance(opened.process, Worker)
-        opened.process.take_alarm()
+    opened = open_workers(ctx, cfg, log, envsets, stop)
+    workers = [o.process for o in opened or [] if isinstance(o.process, Worker)]
+    if len(workers) == 1:
+        workers[0].take_alarm()
+    elif workers:
+        splits = Splits(workers)
+        for w in workers:
+            w.take_alarm(splits.on_alarm)
+    return opened
+
+
+def open_workers(ctx: zmq.Context, cfg: Config, log: logging.Logger, envsets: list[EnvSet],
+                 stop: node.StopFlag) -> list[node.Opened] | None:
+    """A worker (`envsets` from `make_split_envs`), or each of its splits, each a worker of
+    its own to the broker and the controller; None: told to stop first (envs closed)."""
+    if len(envsets) == 1:
+        one = open_worker(ctx, cfg, log, envsets[0], stop)
+        return None if one is None else [one]
+    opened: list[node.Opened] = []
+    for i, group in enumerate(envsets):
+        split = dataclasses.replace(cfg, name=split_name(cfg.name, i),
+                                    envs_per_worker=len(group.envs))
+        one = open_worker(ctx, split, log, group, stop, split_of=cfg.name)
+        if one is None:
+            for o in opened:
+                o.cleanup()
+                if o.link is not None:
+                    o.link.close()
+            for rest in envsets[i + 1:]:
+                rest.close()
+            return None
+        opened.append(one)
     return opened
 
 
 def open_worker(ctx: zmq.Context, cfg: Config, log: logging.Logger, envs: EnvSet,
-                stop: node.StopFlag) -> node.Opened | None:
+                stop: node.StopFlag, split_of: str = "") -> node.Opened | None:
     """None: told to stop while waiting to learn where the broker is (envs closed)."""
     link = node.ControllerLink(ctx, role="worker", name=cfg.name, controller=cfg.controller,
                                broadcast=cfg.broadcast, log=log)
@@ -396,7 +495,7 @@ def open_worker(ctx: zmq.Context, cfg: Config, log: logging.Logger, envs: EnvSet
         raise
     worker = Worker(cfg, node.SocketPorts({PortName.STEPS: dealer,
                                            PortName.CONTROLLER: link.dealer}),
-                    log, controller_beat=link.beat, envs=envs)
+                    log, controller_beat=link.beat, envs=envs, split_of=split_of)
     log.info("%s: %d x %s%s, connecting to %s", cfg.name, cfg.envs_per_worker, cfg.env,
              f" ({len(worker.envs.agents)} agents each)" if worker.envs.agents else "", steps)
     return node.Opened(worker, {PortName.STEPS: node.Port(dealer, (p.Reset, p.Step, p.EnvCall))},
