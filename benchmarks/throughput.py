@@ -68,9 +68,11 @@ class Setup:
     envs_per_worker: int
     hidden: str = ""  # the policy MLP's widths (`--hidden`); "" for the default 64,64
     shm_frames: bool = False  # workers with --shm-frames
+    splits: int = 1  # workers with --splits (each split is a worker to the broker)
 
     def label(self) -> str:
         return f"{self.workers}w x {self.envs_per_worker}" + (
+            f"/{self.splits}" if self.splits > 1 else "") + (
             f", mlp {self.hidden}" if self.hidden else "") + (", shm" if self.shm_frames else "")
 
 
@@ -101,18 +103,19 @@ def parse_flags(text: str) -> tuple[str, list[str]]:
 
 
 def parse_grid(text: str) -> list[Setup]:
-    """`1x8,2x128:1,1x64:1+shm` -> setups (workers x envs per worker[:hidden widths], `+shm`:
-    workers with --shm-frames)."""
+    """`1x8,2x128:1,1x64:1+shm,1x8/2` -> setups (workers x envs per worker[:hidden widths],
+    `+shm`: workers with --shm-frames, `/N`: workers with --splits N)."""
     setups = []
     for item in text.split(","):
         item, plus, shm_flag = item.strip().partition("+")
         if plus and shm_flag != "shm":
             raise argparse.ArgumentTypeError(f"expected WxK[:hidden][+shm], got {item!r}")
         size, _, hidden = item.partition(":")
+        size, _, splits = size.partition("/")
         workers, x, envs = size.partition("x")
-        if not (x and workers.isdigit() and envs.isdigit()):
-            raise argparse.ArgumentTypeError(f"expected WxK[:hidden], got {item!r}")
-        setups.append(Setup(int(workers), int(envs), hidden, bool(plus)))
+        if not (x and workers.isdigit() and envs.isdigit() and (splits or "1").isdigit()):
+            raise argparse.ArgumentTypeError(f"expected WxK[/N][:hidden], got {item!r}")
+        setups.append(Setup(int(workers), int(envs), hidden, bool(plus), int(splits or 1)))
     return setups
 
 
@@ -250,7 +253,9 @@ class Pipeline:
             self.endpoints = {n: f"ipc://{self.dir}/{n}" for n in names}
         env_vars = launch.environment(self.endpoints, self.dir / "runs",
                                       {"STEPBUS_LOG_LEVEL": "WARNING"})
-        self.group, self.env_vars, self.workers = group, env_vars, setup.workers
+        # What the broker and the controller count as workers: every split of each.
+        self.group, self.env_vars = group, env_vars
+        self.workers = setup.workers * setup.splits
         self.flags = flags or {}
         self.start("controller")
         self.start("broker")
@@ -258,7 +263,8 @@ class Pipeline:
         for i in range(setup.workers):
             self.start("worker", "--name", f"w{i}", "--worker-index", str(i), "--env", env,
                        "--envs-per-worker", str(setup.envs_per_worker),
-                       *(("--shm-frames",) if setup.shm_frames else ()))
+                       *(("--shm-frames",) if setup.shm_frames else ()),
+                       *(("--splits", str(setup.splits)) if setup.splits > 1 else ()))
         self.start("trainer", "--algo", CONSUME, "--target-return", "0", "--batch-steps",
                    str(batch_steps), "--checkpoint-interval-s", "1",
                    *(("--hidden", setup.hidden) if setup.hidden else ()))
