@@ -62,7 +62,7 @@ def split_workers(splits: int, envs: int) -> tuple[list[Worker], list[node.Outbo
 
 
 def test_each_split_says_hello_as_its_own_worker_naming_the_whole_one_and_its_first_env():
-    workers, outs = split_workers(2, 5)
+    workers, _ = split_workers(2, 5)
     try:
         hellos = [w.hello for w in workers]
         assert [(h.worker, h.split_of, h.first_env, h.num_envs) for h in hellos] == [
