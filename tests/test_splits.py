@@ -82,7 +82,7 @@ def test_a_split_steps_while_the_other_waits_and_each_keeps_its_own_seq():
         for w, out in zip(workers, outs, strict=True):
             w.deliver(b"", p.Reset(epoch=1, seq=10, options={}))
             (first,) = out.take(p.StepResult, port="steps")
-            assert first.first and first.obs.shape == (2, 4)
+            assert first.first and isinstance(first.obs, np.ndarray) and first.obs.shape == (2, 4)
         # Split 0 steps three times while split 1 has not been answered: nothing waits on it.
         for seq in (11, 12, 13):
             workers[0].deliver(b"", p.Step(epoch=1, seq=seq, policy_version=0,
