@@ -81,6 +81,8 @@ def result_problem(r: p.StepResult, num_envs: int, spec: p.SpaceSpec | None) -> 
     ended = int((r.terminated | r.truncated).sum())
     if spaces.obs_problem(r.final_obs, spec, (ended,)):
         return f"final_obs: {spaces.obs_problem(r.final_obs, spec, (ended,))}, one row per ended"
+    if len(r.infos) not in (0, k) or len(r.final_infos) not in (0, ended):
+        return "infos need one per row (final_infos one per ended row), or none"
     return rows_problem(r, k)
 
 

@@ -73,9 +73,9 @@ import numpy as np
 from stepbus.bus import rows
 from stepbus.bus.rows import Obs
 
-PROTOCOL_VERSION = 8  # 2: RUN_STATE's horizon; 3: SpaceSpec's goal; 4: every Gymnasium space;
+PROTOCOL_VERSION = 9  # 2: RUN_STATE's horizon; 3: SpaceSpec's goal; 4: every Gymnasium space;
 # 5: vector envs (RESET's seeds, rows and modes, the relay's kinds); 6: WEIGHTS' checkpointed_steps;
-# 7: SpaceSpec's goal_note; 8: EVAL_RESULT
+# 7: SpaceSpec's goal_note; 8: EVAL_RESULT; 9: env infos (RESET's infos, STEP_RESULT's)
 
 # Decoding cost grows with the header's bytes and its lists and maps (each one allocated,
 # checked, freed), so both are bounded: any header, valid or not, decodes in at most 3 to 4
@@ -497,6 +497,7 @@ class Reset(Message):
     seeding: str = "episode"
     autoreset: str = "same_step"
     worker: str = ""  # from a vector client: the worker meant (the relay sends it on as "")
+    infos: bool = False  # a vector client wants the envs' infos with every STEP_RESULT
 
 
 @dataclass(frozen=True)
@@ -544,6 +545,11 @@ class StepResult(Message):
     # (its shape after the first dimension and its dtype say how to read them).
     obs_slot: int = -1
     worker: str = ""  # relayed to a vector client: the worker that sent it
+    # Only after a RESET with `infos`: each row's env info (None: none, a row not reset) and
+    # each ended row's final info (in `final_obs` order), encoded as stepbus.workers.infos says.
+    infos: list[Json] = field(default_factory=list)
+    final_infos: list[Json] = field(default_factory=list)
+    info_arrays: ArrayMap = field(default_factory=dict)
 
 
 # RESET's `seeding` and `autoreset` values.

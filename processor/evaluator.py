@@ -106,6 +106,7 @@ class EnvSettings:
     name: str
     worker_index: int = SEED_INDEX
     max_env_restarts_per_minute: int = 10
+    episode_statistics: bool = False
 
 
 class Phase(enum.Enum):

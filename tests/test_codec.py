@@ -502,7 +502,7 @@ I8 = np.dtype(np.int64).str
 ACTIONS = np.arange(2, dtype=np.int64).tobytes()
 STEP_FIELDS = {"epoch": 1, "seq": 2, "policy_version": 3, "worker": ""}
 RESET_VECTOR_FIELDS = {"rows": [], "seeds": [], "seeding": "episode", "autoreset": "same_step",
-                       "worker": ""}
+                       "worker": "", "infos": False}
 WEIGHT_FIELDS = {"trainer": "t", "incarnation": "i", "policy": "p", "version": 1,
                  "consumed_steps": 0, "batch_steps": 1, "starving": False,
                  "checkpointed_steps": 0}

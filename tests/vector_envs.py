@@ -72,3 +72,40 @@ class Count(gym.Env):
 
 def count() -> gym.Env:
     return Count()
+
+
+class Chatty(Count):
+    """Count with infos of every kind that travels: Python and numpy scalars (their dtypes
+    kept), strings, None, lists, small arrays, nested dicts; resets say their seed. With
+    `unsendable`, a value no wire carries (an object) besides."""
+
+    def __init__(self, unsendable: bool = False) -> None:
+        super().__init__()
+        self.unsendable = unsendable
+
+    def reset(self, *, seed: int | None = None,
+              options: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+        obs, _ = super().reset(seed=seed, options=options)
+        return obs, {"seeded": seed is not None, "start": np.int64(self.count)}
+
+    def step(self, action: Any) -> tuple[int, float, bool, bool, dict[str, Any]]:
+        obs, reward, terminated, truncated, _ = super().step(action)
+        info: dict[str, Any] = {
+            "count": self.count, "half": self.count / 2, "odd": bool(self.count % 2),
+            "f32": np.float32(self.count + 0.5), "flag": np.bool_(terminated),
+            "name": f"step {self.count}", "nothing": None, "pair": [self.count, "x"],
+            "grid": np.full((2, 3), self.count, np.int16),
+            "nested": {"a": np.uint8(self.count), "deeper": {"b": float(action)}}}
+        if self.count % 2:  # a key some envs have on some steps: its mask says which
+            info["sometimes"] = np.arange(self.count, dtype=np.float32)[:1]
+        if self.unsendable:
+            info["handle"] = object()
+        return obs, reward, terminated, truncated, info
+
+
+def chatty() -> gym.Env:
+    return Chatty()
+
+
+def chatty_unsendable() -> gym.Env:
+    return Chatty(unsendable=True)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+import gymnasium as gym
 import numpy as np
 
 from stepbus import spaces
@@ -32,6 +33,7 @@ from stepbus.workers.envs import (
     seed_spaces,
     space_spec,
 )
+from stepbus.workers.infos import InfoEncoder, StepInfos
 
 T = TypeVar("T")
 
@@ -56,6 +58,8 @@ class EnvSettings(Protocol):
     def name(self) -> str: ...
     @property
     def max_env_restarts_per_minute(self) -> int: ...
+    @property
+    def episode_statistics(self) -> bool: ...
 
 
 class EnvFailure(RuntimeError):
@@ -99,10 +103,8 @@ class EnvSet:
         self.raise_errors = False  # an env's exception ends the run instead (`_recreate`)
         self.restarts: collections.deque[float] = collections.deque()  # recent recreations
         self.kwargs = env_kwargs(cfg.env_kwargs)  # ValueError: the worker refuses to start
-        self.envs = [self._env_call(make_env, cfg.env, self.kwargs)
-                     for _ in range(cfg.envs_per_worker)]
-        self.spec = space_spec(self.envs[0],
-                               probe=lambda: self._env_call(make_env, cfg.env, self.kwargs))
+        self.envs = [self._env_call(self._make) for _ in range(cfg.envs_per_worker)]
+        self.spec = space_spec(self.envs[0], probe=lambda: self._env_call(self._make))
         self.agents = agents_of(self.envs[0])  # names ([] for Gymnasium envs)
         # The env's own agent keys (PettingZoo allows any hashable) -> row within an env.
         self.agent_keys = list(self.envs[0].possible_agents) if self.agents else []
@@ -123,6 +125,24 @@ class EnvSet:
         # owe the reset of NEXT_STEP autoreset (done on their next step).
         self.seeding, self.autoreset = p.SEEDING_EPISODE, p.AUTORESET_SAME_STEP
         self.owed = np.zeros(len(self.envs), bool)
+        # A vector client that asked for infos (RESET's `infos`) gets the last batch's here.
+        self.with_infos = False
+        self.step_infos: StepInfos | None = None
+        self.info_encoder = InfoEncoder(log)
+
+    def _make(self) -> Any:
+        """One env; inside Gymnasium's RecordEpisodeStatistics with --episode-statistics, so
+        its infos carry `episode` ({r, l, t}) at each episode's end."""
+        env = make_env(self.cfg.env, self.kwargs)
+        if self.cfg.episode_statistics and not agents_of(env):
+            env = gym.wrappers.RecordEpisodeStatistics(env)
+        return env
+
+    def info_fields(self) -> dict[str, Any]:
+        """The last batch's infos as STEP_RESULT fields ({} unless a client asked)."""
+        if self.step_infos is None:
+            return {}
+        return self.info_encoder.fields(self.step_infos)
 
     def reset(self, options: dict, rows: list[int] | None = None,
               seeds: list[int | None] | None = None) -> Obs:
@@ -133,6 +153,7 @@ class EnvSet:
         indices = rows if rows else range(len(self.envs))
         obs = obs_rows.copy(self.last_obs) if rows else obs_rows.empty_like(self.last_obs)
         self.without_options.clear()
+        keep = self.step_infos = StepInfos([None] * len(self.envs)) if self.with_infos else None
         for j, i in enumerate(indices):
             env = self.envs[i]
             self.owed[i] = False
@@ -144,6 +165,8 @@ class EnvSet:
                 first = self._recreate(i, exc, {}, counted=not options)
                 self.without_options.add(i)  # its later autoresets too, until the next barrier
             self.write(obs, i, *first)
+            if keep is not None:
+                keep.rows[i] = first[1]
             self.tick()
         self.last_obs = obs
         return obs
@@ -168,6 +191,7 @@ class EnvSet:
         # whole batch and the busy-beat alarm (armed around every batch) keeps the heartbeats
         # going; a wrapper call and a tick per env cost 10% of a CartPole worker's time.
         same_step, owed = self.autoreset == p.AUTORESET_SAME_STEP, self.owed.any()
+        keep = self.step_infos = StepInfos([None] * k) if self.with_infos else None
         self.in_env = True
         try:
             for i, env in enumerate(self.envs):
@@ -176,32 +200,50 @@ class EnvSet:
                     continue
                 try:
                     if write is None:
-                        box[i], reward[i], terminated[i], truncated[i], _ = env.step(actions[i])
+                        box[i], reward[i], terminated[i], truncated[i], info = env.step(actions[i])
                     else:
                         o, reward[i], terminated[i], truncated[i], info = env.step(actions[i])
                         write(obs, i, o, info)
                 except Exception as exc:  # the env's fault, not ours: cut the episode, go on
                     truncated[i] = True
                     finals.append(obs_rows.copy(obs_rows.take(self.last_obs, i)))
-                    self.write(obs, i, *self._recreate(i, exc, self._options_for(i, options)))
+                    first = self._recreate(i, exc, self._options_for(i, options))
+                    self.write(obs, i, *first)
+                    self._ended_info(i, {}, first[1])
                     continue
+                if keep is not None:
+                    keep.rows[i] = info
                 if terminated[i] or truncated[i]:
                     finals.append(obs_rows.copy(obs_rows.take(obs, i)))
                     if not same_step:  # NEXT_STEP: reset on its next step; DISABLED: never
                         self.owed[i] = self.autoreset == p.AUTORESET_NEXT_STEP
                         continue
-                    try:
-                        first = env.reset(seed=self._autoreset_seed(i),
-                                          options=self._options_for(i, options))
-                    except Exception as exc:
-                        first = self._recreate(i, exc, {})
-                    self.write(obs, i, *first)
+                    self._reset_now(i, obs, options)
         finally:
             self.in_env = False
         self.last_obs = obs
         return p.StepResult(incarnation="", epoch=0, seq=0, first=False, obs=obs, reward=reward,
                             terminated=terminated, truncated=truncated,
-                            final_obs=self._finals(finals), **self.episodes())
+                            final_obs=self._finals(finals), **self.episodes(),
+                            **self.info_fields())
+
+    def _reset_now(self, i: int, obs: Obs, options: dict) -> None:
+        """SAME_STEP autoreset: env i ended on this step and starts its next episode now."""
+        try:
+            first = self.envs[i].reset(seed=self._autoreset_seed(i),
+                                       options=self._options_for(i, options))
+        except Exception as exc:
+            first = self._recreate(i, exc, {})
+        self.write(obs, i, *first)
+        if self.step_infos is not None:
+            self._ended_info(i, self.step_infos.rows[i] or {}, first[1])
+
+    def _ended_info(self, i: int, final: dict, reset: dict) -> None:
+        """Env i's episode ended within this step: `final` its last info (in `final_obs`'s
+        order), `reset` the info of the episode it starts."""
+        if self.step_infos is not None:
+            self.step_infos.finals.append(final)
+            self.step_infos.rows[i] = reset
 
     def _finals(self, finals: list[Obs]) -> Obs:
         return obs_rows.stack(finals) if finals else obs_rows.take(self.last_obs, slice(0, 0))
@@ -223,6 +265,8 @@ class EnvSet:
         except Exception as exc:
             first = self._recreate(i, exc, {})
         self.write(obs, i, *first)
+        if self.step_infos is not None:
+            self.step_infos.rows[i] = first[1]
 
     def _autoreset_seed(self, i: int) -> int | None:
         """The seed an env's next episode starts with when it ends by itself: derived from its
@@ -402,7 +446,7 @@ class EnvSet:
             self._env_call(self.envs[i].close)
         seed = self._new_episode(i)
         try:
-            self.envs[i] = self._env_call(make_env, self.cfg.env, self.kwargs)
+            self.envs[i] = self._env_call(self._make)
             seed_spaces(self.envs[i], seed)
             return self._env_call(self.envs[i].reset, seed=seed, options=options or None)
         except Exception as again:

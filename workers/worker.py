@@ -91,6 +91,9 @@ class Config:
     max_env_restarts_per_minute: int = field(default=10, metadata={"min": 0,
         "help": "env recreations (after an env raised) allowed within 60 s; one more makes the "
                 "worker exit 1, since an env that keeps raising needs fixing, not retrying"})
+    episode_statistics: bool = field(default=False, metadata={
+        "help": "wrap each env in Gymnasium's RecordEpisodeStatistics, so a vector env's "
+                "infos carry `episode` (r, l, t) at each episode's end"})
     shm_frames: bool = field(default=False, metadata={
         "help": "observations through a shared-memory segment in /dev/shm when the broker "
                 "(and the assembler) run on this host and can map it; ZeroMQ then carries only "
@@ -276,6 +279,7 @@ class Worker(node.Process):
         self.epoch, self.options, self.seq = msg.epoch, msg.options, msg.seq
         self.step_options = {} if msg.seeding == p.SEEDING_GYMNASIUM else msg.options
         self.envs.seeding, self.envs.autoreset = msg.seeding, msg.autoreset
+        self.envs.with_infos = msg.infos
         self.phase = Phase.STEPPING
         self.use_shm = self.segment is not None and self.segment.take_broker_mark()
         seeds = [None if s < 0 else s for s in msg.seeds] if msg.seeds else None
@@ -287,7 +291,7 @@ class Worker(node.Process):
             reward=np.zeros(k, np.float32), terminated=np.zeros(k, bool),
             truncated=np.zeros(k, bool), final_obs=rows.take(obs, slice(0, 0)),
             alive=self.envs.alive_rows(),
-            **self.envs.episodes()))
+            **self.envs.episodes(), **self.envs.info_fields()))
 
     def reset_problem(self, msg: p.Reset) -> str:
         """Why a RESET cannot be done ("": it can): its modes, rows and seeds."""
@@ -299,9 +303,9 @@ class Worker(node.Process):
         if msg.seeds and (len(msg.seeds) != (len(msg.rows) or n)
                           or not all(-1 <= s < 2**63 for s in msg.seeds)):
             return "seeds: one per env reset, each -1 (none) or 0 to 2**63 - 1"
-        vector = bool(msg.rows or msg.seeds) or msg.autoreset != p.AUTORESET_SAME_STEP
+        vector = bool(msg.rows or msg.seeds or msg.infos) or msg.autoreset != p.AUTORESET_SAME_STEP
         if vector and self.envs.agents:
-            return "rows, seeds and autoreset modes are for Gymnasium envs, not agents"
+            return "rows, seeds, autoreset modes and infos are for Gymnasium envs, not agents"
         return ""
 
     def on_step(self, peer: bytes, msg: p.Step) -> None:
@@ -379,7 +383,9 @@ class Worker(node.Process):
     # -- hooks the loop calls
     def figures(self) -> dict[str, Any]:
         figures = {**dataclasses.asdict(self.counts), "env_errors": self.envs.errors,
-                   "agents_vanished": self.envs.agents_vanished, **self.rejects.figures()}
+                   "agents_vanished": self.envs.agents_vanished,
+                   "info_values_dropped": self.envs.info_encoder.dropped,
+                   **self.rejects.figures()}
         if self.segment is not None:
             figures |= {**dataclasses.asdict(self.shm_counts),
                         "shm_reclaimed": self.segment.reclaimed}

@@ -4,8 +4,8 @@
 AsyncVectorEnv starts its processes) and `connect(controller, num_envs)` attaches to a running
 `stepbus broker --external` whose workers were started anywhere. Both return a
 `gymnasium.vector.VectorEnv` (`BusVectorEnv`) with Gymnasium's seeding and autoreset modes,
-and EnvPool's `send`/`recv` besides. `stepbus.vector.sb3.VecEnv` wraps one for
-Stable-Baselines3. See docs/vector.md.
+and EnvPool's `send`/`recv` besides. `make_sb3` makes Stable-Baselines3's VecEnv
+(`stepbus.vector.sb3.VecEnv`) in one call. See docs/vector.md.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from stepbus.vector.link import BrokerLost, BusError, Link, WorkerLost, discover
 from stepbus.workers.envs import make_env
 
 __all__ = ["AutoresetMode", "BrokerLost", "BusError", "BusVectorEnv", "RemoteFailure",
-           "WorkerLost", "connect", "make"]
+           "WorkerLost", "connect", "make", "make_sb3"]
 
 RemoteFailure = p.RemoteFailure  # an env raised in `call`: its type and message kept
 
@@ -31,13 +31,15 @@ RemoteFailure = p.RemoteFailure  # an env raised in `call`: its type and message
 def make(env: str, num_envs: int, workers: int = 1, *,
          autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
          batch_size: int | None = None, attach_timeout_s: float = ATTACH_TIMEOUT_S,
-         **worker_options: Any) -> BusVectorEnv:
+         infos: bool = True, **worker_options: Any) -> BusVectorEnv:
     """A vector env of `num_envs` copies of `env` (a Gymnasium id or `module:callable`, as
     `stepbus worker --env` takes) in `workers` worker processes, with its own controller and
     relaying broker; `close()` stops them all.
 
     Args:
-        worker_options: more `stepbus worker` flags, e.g. `max_env_restarts_per_minute=3`.
+        infos: the envs' infos travel (False: none, and the workers pay nothing for them).
+        worker_options: more `stepbus worker` flags, e.g. `max_env_restarts_per_minute=3`,
+            or `episode_statistics=True` for each env's `infos["episode"]`.
 
     Raises:
         BusError: the processes did not come up within `attach_timeout_s` (their output is
@@ -55,7 +57,8 @@ def make(env: str, num_envs: int, workers: int = 1, *,
         link = Link(launched.endpoints["vector"])
         envs = BusVectorEnv(link, num_envs, autoreset_mode=autoreset_mode,
                             batch_size=batch_size, single_spaces=single,
-                            on_close=launched.stop, attach_timeout_s=attach_timeout_s)
+                            on_close=launched.stop, attach_timeout_s=attach_timeout_s,
+                            infos=infos)
         envs.launched = launched
         return envs
     except BusError as exc:
@@ -71,7 +74,7 @@ def connect(controller: str, num_envs: int, *,
             autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
             batch_size: int | None = None, attach_timeout_s: float = ATTACH_TIMEOUT_S,
             single_spaces: tuple[gym.Space, gym.Space] | None = None,
-            security: wiring.Security | None = None) -> BusVectorEnv:
+            security: wiring.Security | None = None, infos: bool = True) -> BusVectorEnv:
     """A vector env over a running bus: the controller at `controller` names the relaying
     broker (`stepbus broker --external`), whose workers' envs must add up to `num_envs`.
     `close()` leaves those processes running.
@@ -83,10 +86,27 @@ def connect(controller: str, num_envs: int, *,
     try:
         return BusVectorEnv(link, num_envs, autoreset_mode=autoreset_mode,
                             batch_size=batch_size, single_spaces=single_spaces,
-                            attach_timeout_s=attach_timeout_s)
+                            attach_timeout_s=attach_timeout_s, infos=infos)
     except BaseException:
         link.close()
         raise
+
+
+def make_sb3(env: str, num_envs: int, workers: int = 1, **options: Any) -> Any:
+    """Stable-Baselines3's VecEnv (`stepbus.vector.sb3.VecEnv`) over `make(env, num_envs,
+    workers, autoreset_mode="SameStep", **options)`, as SB3's `make_vec_env` makes one;
+    needs stable-baselines3 (`pip install -e ".[sb3]"`).
+
+    Raises:
+        ValueError: another autoreset mode in `options` (SB3 resets within the step).
+    """
+    from stepbus.vector import sb3  # imports stable_baselines3: only here, when asked
+
+    mode = AutoresetMode(options.pop("autoreset_mode", AutoresetMode.SAME_STEP))
+    if mode is not AutoresetMode.SAME_STEP:
+        raise ValueError(f"SB3 resets within the step: autoreset_mode must be SameStep, "
+                         f"not {mode.value}")
+    return sb3.VecEnv(make(env, num_envs, workers, autoreset_mode=mode, **options))
 
 
 def _close_all(link: Link | None, launched: Launched) -> None:

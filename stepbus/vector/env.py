@@ -27,6 +27,7 @@ from stepbus import spaces
 from stepbus.bus import protocol as p
 from stepbus.bus import rows
 from stepbus.vector import calls
+from stepbus.vector import infos as infos_of
 from stepbus.vector.launch import Launched
 from stepbus.vector.link import BusError, Link, WorkerLost
 
@@ -64,6 +65,8 @@ class BusVectorEnv(VectorEnv):
         single_spaces: (observation, action) spaces to report; default: built from the
             workers' declared spaces (Box bounds then the dtype's range).
         on_close: run by `close()` after the link is closed (stops what `make` started).
+        infos: the envs' infos travel with every step (False: `{}`, but SAME_STEP's final
+            observations, and the workers send none).
     """
 
     def __init__(self, link: Link, num_envs: int, *,
@@ -71,8 +74,10 @@ class BusVectorEnv(VectorEnv):
                  batch_size: int | None = None,
                  single_spaces: tuple[gym.Space, gym.Space] | None = None,
                  on_close: Callable[[], None] | None = None,
-                 attach_timeout_s: float = ATTACH_TIMEOUT_S) -> None:
+                 attach_timeout_s: float = ATTACH_TIMEOUT_S, infos: bool = True) -> None:
         self.link, self.on_close = link, on_close
+        self.with_infos, self.infos = infos, infos_of.InfoDecoder()
+        self.last_infos = infos_of.EnvInfos()  # per env, of the last batch handed over
         self.launched: Launched | None = None  # what `make` started (None: `connect`)
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self.num_envs = num_envs
@@ -153,12 +158,18 @@ class BusVectorEnv(VectorEnv):
                 seeds=[-1 if s is None else s for s in wire_seeds],
                 rows=[] if len(picked) == slot.member.rows else [int(r) for r in picked],
                 seeding=p.SEEDING_GYMNASIUM, autoreset=MODES[self.autoreset_mode],
-                worker=slot.member.name))
+                worker=slot.member.name, infos=self.with_infos))
         self.collect([s for s in self.slots if s.asked])
+        env_infos = infos_of.EnvInfos()
         for slot in self.slots:
             if slot.result is not None:
+                env_infos.rows += self.infos.env_infos([slot.result]).rows
                 slot.obs, slot.result = slot.result.obs, None
-        return self.user_obs(rows.concat([s.obs for s in self.slots if s.obs is not None])), {}
+            else:
+                env_infos.rows += [None] * slot.member.rows
+        self.last_infos = env_infos
+        obs = self.user_obs(rows.concat([s.obs for s in self.slots if s.obs is not None]))
+        return obs, infos_of.layout(env_infos, None)
 
     def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray,
                                           dict[str, Any]]:
@@ -290,24 +301,26 @@ class BusVectorEnv(VectorEnv):
         reward = np.concatenate([r.reward for r in results]).astype(np.float64)
         terminated = np.concatenate([r.terminated for r in results])
         truncated = np.concatenate([r.truncated for r in results])
-        info: dict[str, Any] = {}
-        if self.autoreset_mode is AutoresetMode.SAME_STEP:
-            info = self.final_info(results, terminated | truncated)
+        ended = terminated | truncated
+        same_step = self.autoreset_mode is AutoresetMode.SAME_STEP
+        if self.with_infos:
+            self.last_infos = self.infos.env_infos(results)
+        else:  # SAME_STEP's final observations travel all the same, with empty final infos
+            self.last_infos = infos_of.EnvInfos([None] * len(ended),
+                                                [{} if e and same_step else None for e in ended])
+        final_obs = self.final_obs(results, ended) if same_step and ended.any() else None
+        info = infos_of.layout(self.last_infos, final_obs)
         if with_ids:
             info["env_id"] = np.concatenate([s.ids for s in slots]).astype(np.int32)
         return obs, reward, terminated, truncated, info
 
-    def final_info(self, results: Sequence[p.StepResult], ended: np.ndarray) -> dict[str, Any]:
-        """Gymnasium 1.x's layout: `final_obs` (an object array, None where no episode
-        ended), `final_info` ({} per ended env: infos do not travel) and their masks."""
-        if not ended.any():
-            return {}
+    def final_obs(self, results: Sequence[p.StepResult], ended: np.ndarray) -> list[Any]:
+        """Each env's final observation as Gymnasium gives it (None where nothing ended)."""
         finals = rows.concat([r.final_obs for r in results])
-        final_obs = np.full(len(ended), None, dtype=object)
+        out: list[Any] = [None] * len(ended)
         for j, i in enumerate(np.flatnonzero(ended)):
-            final_obs[i] = self.user_obs(rows.copy(rows.take(finals, j)))
-        return {"final_obs": final_obs, "_final_obs": ended.copy(), "final_info": {},
-                "_final_info": ended.copy()}
+            out[i] = self.user_obs(rows.copy(rows.take(finals, j)))
+        return out
 
     def user_obs(self, obs: p.Obs) -> Any:
         """Observations as Gymnasium batches them: a Box as one array, other spaces nested as
