@@ -3,6 +3,7 @@ it tells the vector client and passes to workers, without sockets or sleeping.""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import gymnasium as gym
@@ -95,3 +96,12 @@ def test_a_silent_worker_is_reported_lost_and_the_client_hears_the_relay_beat() 
     assert [m.worker for m in out.take(p.WorkerLost)] == ["w0"]
     assert [m.name for m in out.take(p.VectorSpec)[-1].workers] == ["w1"]
     assert out.take(p.Heartbeat), "the relay's beat to the client"
+
+
+def test_a_split_workers_hello_is_refused_and_the_client_never_sees_it() -> None:
+    r, out, _ = bench()
+    out.take()
+    split = dataclasses.replace(hello("w2:0"), split_of="w2")
+    r.deliver(b"w2:0", split)
+    assert out.take(p.VectorSpec) == [] and out.take(p.Reset) == []
+    assert r.rejects.total == 1
