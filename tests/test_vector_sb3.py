@@ -85,13 +85,14 @@ def test_make_sb3_gives_subproc_vec_env_infos_with_monitor_episodes(
     try:
         for venv in (ours, theirs):
             venv.seed(1)
-        assert np.array_equal(ours.reset(), theirs.reset())
+        assert np.array_equal(ours.reset(), np.asarray(theirs.reset()))
         assert ours.reset_infos == list(theirs.reset_infos)
         episodes = 0
         for t in range(8):
             actions = np.array([t % 5, 1, 2])
             got, expected = ours.step(actions), theirs.step(actions)
-            assert all(np.array_equal(a, b) for a, b in zip(got[:3], expected[:3], strict=True))
+            assert all(np.array_equal(a, np.asarray(b))
+                       for a, b in zip(got[:3], expected[:3], strict=True))
             for a, b in zip(got[3], expected[3], strict=True):
                 assert a.keys() == b.keys()
                 assert vector_envs_same(a, b)
