@@ -143,7 +143,9 @@ def test_broker_that_cannot_map_the_segment_gets_rows_on_the_socket(cluster: Clu
         # figures travel with heartbeats (every 0.5 s): wait for the worker's to show steps
         worker = wait_for(lambda: (lambda row: row if row.get("env_steps", 0) > 0 else None)(
             figures(cluster, "worker")), 10, "the worker's figures to show its steps")
-        broker = figures(cluster, "broker")
+        # ... and the broker's refusal, counted at the worker's hello, on its next heartbeat
+        broker = wait_for(lambda: (lambda row: row if row.get("shm_refused") else None)(
+            figures(cluster, "broker")), 10, "the broker's figures to show its refusal")
         assert broker["shm_refused"] == 1 and broker["shm_slots_forwarded"] == 0, broker
         assert worker["shm_batches"] == 0 and worker["env_steps"] > 0, worker
         assert figures(cluster, "assembler")["shm_read"] == 0
