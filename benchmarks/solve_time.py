@@ -118,6 +118,7 @@ def before_run() -> dict[str, float]:
 # ----------------------------------------------------------------------------- stepbus
 
 EVALUATOR_LINE = "evaluator: exec stepbus supervise evaluator"  # docs/operations.md's
+STEADY_AFTER_S = 1.5  # of the learner's time: start-up is over (steady_rate)
 
 
 def in_work_dir(work: Path, seed: int, flags: dict[str, str],
@@ -165,8 +166,7 @@ def one_run(seed: int, workers: int, timeout_s: float, deterministic: bool = Fal
             result.update({"trainer_wall_s": last["wall_s"], "env_steps": last["env_steps"],
                            "mean_return": last["mean_return"],
                            "policy_version": last["policy_version"],
-                           # stepping throughput: env steps learned over the learner's time
-                           "steps_per_s": round(last["env_steps"] / max(last["wall_s"], 1e-9)),
+                           "steps_per_s": steady_rate([json.loads(line) for line in lines]),
                            "eval_records": sum('"eval_return"' in line for line in lines)})
         result["solved"] = rc == 0 and (result.get("mean_return") or 0) >= TARGET_RETURN
         if rc != 0:
@@ -174,6 +174,17 @@ def one_run(seed: int, workers: int, timeout_s: float, deterministic: bool = Fal
         return result
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def steady_rate(records: list[dict]) -> int | None:
+    """Stepping throughput once under way: env steps learned per second of the learner's time
+    from its first record past STEADY_AFTER_S to its last, so the start-up of more or fewer
+    processes does not count (None for a run too short to have one)."""
+    under_way = [r for r in records if r["wall_s"] >= STEADY_AFTER_S]
+    if len(under_way) < 2 or under_way[-1]["wall_s"] <= under_way[0]["wall_s"]:
+        return None
+    first, last = under_way[0], under_way[-1]
+    return round((last["env_steps"] - first["env_steps"]) / (last["wall_s"] - first["wall_s"]))
 
 
 # ----------------------------------------------------------------------------- SB3
@@ -273,7 +284,8 @@ def print_evaluator_ab(results: dict[str, list[dict]]) -> None:
           + f"; all exit 0: {all(r['rc'] == 0 for r in results['stepbus+evaluator'])}")
     for system in ("stepbus", "stepbus+evaluator"):
         rates = [r["steps_per_s"] for r in results[system] if r.get("steps_per_s")]
-        print(f"{system}: env steps/s (learned / learner wall time) median "
+        print(f"{system}: env steps/s once under way (learned per second of the learner's "
+              f"time after {STEADY_AFTER_S} s) median "
               f"{statistics.median(rates) if rates else 0:.0f} ({', '.join(map(str, rates))})"
               + ("; eval records per run " + ", ".join(
                   str(r.get("eval_records", 0)) for r in results[system])

@@ -575,8 +575,8 @@ class Process:
         process judging peers by their silence must not blame them for its own."""
 
     def tick(self, now: float) -> float:
-        """Timekeeping after every poll (purge, dispatch); when to look again (inf: at the next
-        message or timer)."""
+        """Timekeeping after every poll (purge, dispatch); when to look again, a time on this
+        process's clock (0.0: at once; inf: at the next message or timer)."""
         return math.inf
 
     def figures(self) -> dict[str, Any]:

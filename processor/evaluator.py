@@ -43,6 +43,7 @@ from stepbus.workers import envs as env_making
 from stepbus.workers.envset import EnvSet
 
 TURN_BUDGET_S = 0.02  # playing takes the loop for at most this long before it looks around
+DEFAULT_CPU_SHARE = 0.05  # --eval-cpu-share
 MAX_EPISODES = 10_000
 # The `worker_index` of the evaluator's episode seeds: none of a run's workers has it, so an
 # evaluation's episodes are not the first ones training stepped.
@@ -84,10 +85,15 @@ class Config:
                 "version meets the same episodes"})
     policy_name: str = field(default=policies.DEFAULT, metadata={
         "help": "the policy evaluated; weights of other policies are ignored (counted)"})
+    eval_cpu_share: float = field(default=DEFAULT_CPU_SHARE, metadata={"above": 0, "max": 1,
+        "help": "the most of one core playing may take: after each 20 ms slice of play "
+                "the evaluator rests so that playing is at most this share of its time (a "
+                "flat-out evaluator slowed a 2-core CartPole run's stepping by a fifth even at "
+                "idle priority; docs/performance.md); 1: no rest"})
     cpu_priority: str = field(default=PRIORITY_IDLE, metadata={wiring.CHECK: _priority,
-        "help": "idle: run only on CPU time no other process wants (Linux SCHED_IDLE; a "
-                "woken worker, broker or learner takes the core at once), so it never slows "
-                "training, and on a saturated machine evaluates seldom; low: nice 10; normal"})
+        "help": "idle: Linux SCHED_IDLE (a woken worker, broker or learner takes the core "
+                "at once; else nice 19); low: nice 10; normal. With --eval-cpu-share, what "
+                "keeps the evaluator from slowing training"})
     evaluation: str = wiring.endpoint("evaluation", "ROUTER endpoint to bind for learners")
     controller: str = wiring.endpoint("controller", "controller endpoint to connect")
     broadcast: str = wiring.endpoint("broadcast", "controller broadcast endpoint to connect")
@@ -177,6 +183,7 @@ class Evaluator(node.Process):
         self.state: State | None = None
         self.began = self.now
         self.last_result: p.EvalResult | None = None
+        self.resting_until = -math.inf  # playing waits until then (--eval-cpu-share)
         self.counts = EvalCounts()
         self.rows_stepped, self.rate_rows, self.rate_since, self.rows_per_s = 0, 0, self.now, 0.0
         self.every("rate", RATE_INTERVAL_S, self.measure_rate)
@@ -208,10 +215,16 @@ class Evaluator(node.Process):
     def tick(self, now: float) -> float:
         if self.phase is Phase.IDLE and self.due is not None:
             self.start()
-        deadline = self.clock() + TURN_BUDGET_S
-        while self.phase is Phase.PLAYING and self.clock() < deadline:
+        began = self.clock()
+        if began < self.resting_until:  # woken by a message mid-rest: the rest goes on
+            return self.resting_until
+        while self.phase is Phase.PLAYING and self.clock() < began + TURN_BUDGET_S:
             self.step()
-        return 0.0 if self.phase is Phase.PLAYING else math.inf
+        if self.phase is not Phase.PLAYING:
+            return math.inf
+        share, ended = self.cfg.eval_cpu_share, self.clock()
+        self.resting_until = ended + (ended - began) * (1 - share) / share
+        return self.resting_until
 
     def start(self) -> None:
         """The due version's episodes begin: every env reset with its evaluation seed."""

@@ -237,3 +237,38 @@ def test_the_evaluator_shows_in_status_refuses_bad_input_and_dies_without_hurtin
     wait_for(lambda: max(r["env_steps"] for r in cluster.metrics()) > before + 2000, 60,
              "training going on without the evaluator")
     assert all(proc.popen.poll() is None for proc in cluster.procs if proc is not ev)
+
+
+class SteppingClock(ManualClock):
+    """Each reading a millisecond later than the last: playing takes time."""
+
+    def __call__(self) -> float:
+        self.t += 0.001
+        return self.t
+
+
+@pytest.mark.parametrize("share", [0.1, 0.5, 1.0])
+def test_playing_rests_between_slices_to_keep_to_its_cpu_share(share: float) -> None:
+    """After each slice of play (TURN_BUDGET_S), the next is due only after a rest that makes
+    playing `--eval-cpu-share` of the evaluator's time; 1 plays on at once."""
+    cfg = evaluator.Config(env="CartPole-v1", env_kwargs="", eval_episodes=4, eval_envs=2,
+                           eval_cpu_share=share)
+    log = logging.getLogger("test.evaluator")
+    clock = SteppingClock(100.0)
+    envs = evaluator.make_envs(cfg, "e0", log)
+    played = evaluator.Evaluator(cfg, envs, node.Outbox(), log, name="e0", clock=clock)
+    try:
+        played.deliver(LEARNER, p.decode(p.encode(weights(1))))
+        began = clock.t
+        look_again = played.tick(clock.t)  # a time on its clock
+        spent, rest = clock.t - began, look_again - clock.t
+        assert played.phase is evaluator.Phase.PLAYING
+        assert spent >= evaluator.TURN_BUDGET_S
+        # the rest is to the slice as (1 - share) to share (the clock's own readings aside)
+        assert rest * share == pytest.approx(spent * (1 - share), abs=0.003)
+        if share < 1:  # a tick before the rest is over (a message woke the loop) plays nothing
+            at = clock.t
+            assert played.tick(clock.t) == look_again
+            assert clock.t - at < 0.005
+    finally:
+        envs.close()

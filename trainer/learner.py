@@ -708,8 +708,8 @@ class Learner(node.Process):
         if problem:
             self.refuse("bad eval result", problem, claims=msg.evaluator)
             return
-        if not self.evaluation.take_in(msg) or self.phase is Phase.DRAINING:
-            return
+        if self.phase is not Phase.LEARNING or not self.evaluation.take_in(msg):
+            return  # once the run has ended (goal met, or shutting down), its record is made
         if self.clock() >= self.cadence.due:
             self.record_due(self.now)
         elif "record" not in self.timers:
