@@ -10,7 +10,9 @@ measures both.
 
 stepbus: each run uses the repository's Procfile in a fresh temp dir, endpoints on free TCP
 ports, and seed i for workers, broker and trainer; the figure is `honcho start` to its exit
-(start-up of all five processes, training, shutdown).
+(start-up of all five processes, training, shutdown). Next to it, start to first policy update:
+`honcho start` to the learner's first metrics record (made at its first update, with the
+record's `time`), so start-up is measured apart from learning and shutdown.
 
 Stable-Baselines3 (when importable; never required): PPO with rl-zoo3's CartPole-v1
 hyperparameters (hyperparams/ppo.yml: 8 envs in a DummyVecEnv, MlpPolicy, n_steps 32, batch 256,
@@ -155,6 +157,7 @@ def one_run(seed: int, workers: int, timeout_s: float, deterministic: bool = Fal
         env = in_work_dir(work, seed, {"broker": "--deterministic"} if deterministic else {},
                           evaluator)
         honcho = shutil.which("honcho", path=env["PATH"]) or "honcho"
+        started = time.time()  # the metrics records' clock
         rc, wall, _, err = run_tagged([honcho, "start", "-c", f"worker={workers}"], env, work,
                                       timeout_s)
         result: dict[str, Any] = {"system": "stepbus+evaluator" if evaluator else "stepbus",
@@ -162,7 +165,8 @@ def one_run(seed: int, workers: int, timeout_s: float, deterministic: bool = Fal
         metrics_files = list(work.glob("runs/*/metrics.jsonl"))
         lines = metrics_files[0].read_text().splitlines() if metrics_files else []
         if lines:
-            last = json.loads(lines[-1])
+            first, last = json.loads(lines[0]), json.loads(lines[-1])
+            result["first_update_s"] = round(first["time"] - started, 2)
             result.update({"trainer_wall_s": last["wall_s"], "env_steps": last["env_steps"],
                            "mean_return": last["mean_return"],
                            "policy_version": last["policy_version"],
@@ -296,9 +300,12 @@ def median_line(name: str, results: list[dict]) -> str:
     walls = [r["wall_s"] for r in results]
     steps = [r["env_steps"] for r in results if r.get("env_steps")]
     solved = sum(bool(r.get("solved")) for r in results)
+    firsts = [r["first_update_s"] for r in results if r.get("first_update_s") is not None]
     return (f"{name}: median wall time {statistics.median(walls):.2f} s over {len(walls)} runs "
             f"({', '.join(f'{w:.2f}' for w in walls)}); median env steps "
-            f"{statistics.median(steps) if steps else 0:.0f}; solved {solved}/{len(results)}")
+            f"{statistics.median(steps) if steps else 0:.0f}; solved {solved}/{len(results)}"
+            + (f"; start to first policy update median {statistics.median(firsts):.2f} s "
+               f"({', '.join(f'{f:.2f}' for f in firsts)})" if firsts else ""))
 
 
 def parse_args() -> argparse.Namespace:
