@@ -93,7 +93,9 @@ def test_what_the_assembler_sends_again_to_a_learner_that_has_it_is_not_taken_tw
                 learner_figures = wait_for(
                     lambda: (r := row(cluster, "trainer")).get("duplicates") and r, 5,
                     "the learner to refuse what it has already")
-            assembler = row(cluster, "assembler")
+            # the assembler's count of what it sent again, on its next heartbeat
+            assembler = wait_for(lambda: (r := row(cluster, "assembler")).get("resent") and r,
+                                 5, "the assembler's figures to show what it sent again")
         finally:
             other.close()
         if learner_figures:
