@@ -97,6 +97,7 @@ ALLOWED_DTYPES = frozenset(
         "float16", "float32", "float64",
     )
 )
+_DTYPES = {name: np.dtype(name) for name in ALLOWED_DTYPES}  # built once, not per array
 
 
 class ProtocolError(ValueError):
@@ -175,6 +176,7 @@ R = TypeVar("R")
 # message at run time.
 
 _ARRAY, _OPT_ARRAY, _ARRAY_MAP, _OBS = "array", "optional array", "array map", "observations"
+_PLAIN_ARRAYS = (_ARRAY, _OPT_ARRAY, _OBS)  # kinds of field an array fills by its own name
 
 
 def _is_optional(hint: Any) -> bool:
@@ -1070,29 +1072,30 @@ def _buffer(frame: Any) -> memoryview:
 
 
 def _decode_array(desc: Any, frame: Any) -> tuple[str, np.ndarray]:
-    if not (isinstance(desc, list) and len(desc) == 3):
+    if not (type(desc) is list and len(desc) == 3):
         raise ProtocolError("bad array descriptor", _brief(desc))
     name, dtype, shape = desc
-    if not isinstance(name, str) or not isinstance(dtype, str) or not isinstance(shape, list):
+    if type(name) is not str or type(dtype) is not str or type(shape) is not list:
         raise ProtocolError("bad array descriptor", _brief(desc))
-    if dtype not in ALLOWED_DTYPES:
+    dt = _DTYPES.get(dtype)
+    if dt is None:
         raise ProtocolError("bad dtype", f"{name}: {dtype!r}")
+    # msgpack gives int or bool: `type is int` refuses bools, as the codec always has.
     if len(shape) > MAX_NDIM or not all(
-        isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_ARRAY_BYTES for d in shape
+        type(d) is int and 0 <= d <= MAX_ARRAY_BYTES for d in shape
     ):
         raise ProtocolError("bad shape", f"{name}: {_brief(shape)}"[:120])
-    dt = np.dtype(dtype)
     count = bound = 1
     for d in shape:
         count *= d
-        bound *= max(d, 1)  # a 0 dim must not hide huge others: numpy refuses those shapes
+        bound *= d or 1  # a 0 dim must not hide huge others: numpy refuses those shapes
     if bound * dt.itemsize > MAX_ARRAY_BYTES:
         raise ProtocolError("bad shape", f"{name}: {shape} x {dt} is too large"[:120])
     buf = _buffer(frame)
-    if count * dt.itemsize != buf.nbytes or buf.nbytes > MAX_ARRAY_BYTES:
+    if count * dt.itemsize != buf.nbytes:  # bound checked above: nbytes is within it too
         raise ProtocolError("shape mismatch", f"{name}: {shape} x {dt} != {buf.nbytes} bytes")
     arr = np.frombuffer(buf, dtype=dt) if count else np.empty(0, dtype=dt)
-    return name, arr.reshape(shape)
+    return name, arr if len(shape) == 1 else arr.reshape(shape)
 
 
 class _ContainerBudget:
@@ -1116,8 +1119,11 @@ def _unpack_header(head: memoryview, max_bytes: int) -> Any:
     """Frame 0 -> Python values, within the byte and container bounds; no ext types."""
     if head.nbytes > max_bytes:
         raise ProtocolError("header too large", f"{head.nbytes} bytes, at most {max_bytes}")
-    budget = _ContainerBudget()
     try:
+        if head.nbytes <= MAX_HEADER_CONTAINERS:  # a container takes a byte at least: no bomb
+            return msgpack.unpackb(head, raw=False, strict_map_key=True, ext_hook=_refuse_ext,
+                                   use_list=True)
+        budget = _ContainerBudget()
         return msgpack.unpackb(head, raw=False, strict_map_key=True, ext_hook=_refuse_ext,
                                use_list=True, list_hook=budget.take, object_hook=budget.take)
     except ProtocolError:
@@ -1197,6 +1203,9 @@ def _add_arrays(kind: Kind, schema: _Schema, descs: list[Any], frames: Sequence[
     absent optional ones as None or an empty map."""
     for desc, frame in zip(descs, frames, strict=False):
         name, arr = _decode_array(desc, frame)
+        if schema.arrays.get(name) in _PLAIN_ARRAYS and name not in values:
+            values[name] = arr  # the common case, an array field by its own name
+            continue
         top, dot, key = name.partition(".")
         how = schema.arrays.get(top)
         if how in (_ARRAY_MAP, _OBS) and dot and key:
@@ -1205,7 +1214,7 @@ def _add_arrays(kind: Kind, schema: _Schema, descs: list[Any], frames: Sequence[
                 raise ProtocolError("bad array name", f"{kind.name}: {name} twice, or as an "
                                     "array and a map")
             leaves[key] = arr
-        elif how in (_ARRAY, _OPT_ARRAY, _OBS) and not dot and top not in values:
+        elif how in _PLAIN_ARRAYS and not dot and top not in values:
             values[top] = arr
         else:
             raise ProtocolError("bad array name", f"{kind.name}: {name!r}"[:120])

@@ -159,18 +159,21 @@ class WorkerTrack:
     def complete(self, m: p.Experience, horizon: int) -> Completed:
         """Pair m's rewards with the actions chosen last time; cut what ends or is full."""
         done = m.terminated | m.truncated
-        final_rows = np.cumsum(done) - 1
+        final_rows = (np.cumsum(done) - 1).tolist()
+        # Python lists: indexing a numpy array row by row costs more than converting it once.
+        ended, terminated, rewards = done.tolist(), m.terminated.tolist(), m.reward.tolist()
+        alive = None if m.alive is None else m.alive.tolist()
         out = Completed()
         for i, agent in enumerate(self.agents):
             if not agent.pending:
                 continue
-            agent.complete(m.reward[i])
+            agent.complete(rewards[i])
             out.steps += 1
-            if done[i]:
-                term = bool(m.terminated[i])
+            if ended[i]:
+                term = bool(terminated[i])
                 traj = agent.take(m.epoch, rows.take(m.final_obs, final_rows[i]), terminated=term,
                                   truncated=not term, episode_end=True)
-            elif m.alive is not None and not m.alive[i]:
+            elif alive is not None and not alive[i]:
                 # Vanished: neither done nor acting next. Closed, not dropped, and
                 # bootstrapped from the last observation we have of it.
                 out.vanished += 1
@@ -198,9 +201,11 @@ class WorkerTrack:
         seeds = m.episode_seed.tolist() if m.episode_seed is not None else [-1] * k
         versions = (m.policy_versions.tolist() if m.policy_versions is not None
                     else [m.policy_version] * k)
+        alive = None if m.alive is None else m.alive.tolist()
+        logps, values = m.logp.tolist(), m.value.tolist()
         for i, agent in enumerate(self.agents):
-            if m.alive is None or m.alive[i]:  # an agent that appears starts here
-                agent.choose(rows.take(m.obs, i), m.action[i], m.logp[i], m.value[i],
+            if alive is None or alive[i]:  # an agent that appears starts here
+                agent.choose(rows.take(m.obs, i), m.action[i], logps[i], values[i],
                              versions[i], episodes[i], seeds[i],
                              functools.partial(state_row, m.state, i) if m.state else None)
             else:
