@@ -11,6 +11,7 @@ import math
 import os
 import signal
 import socket as pysocket
+import struct
 import sys
 import time
 from collections import Counter
@@ -19,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, overload
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from stepbus import early_signals
 from stepbus.bus import protocol as p
@@ -37,6 +37,10 @@ LIVENESS_S = HEARTBEAT_INTERVAL_S * LIVENESS_INTERVALS
 DISCOVER_INTERVAL_S = 0.05
 DISCOVER_QUICK_FOR_S = 3.0
 MAX_POLL_MS = 200  # upper bound on any poll, so a stop signal is seen within it
+# libzmq's socket monitor event: a 16-bit event id and a 32-bit value, then the endpoint. Read
+# here rather than with pyzmq's zmq.utils.monitor, whose import of asyncio and ssl costs every
+# process 30 ms at start.
+MONITOR_EVENT = struct.Struct("=Hi")
 STALLED_S = 1.0  # a loop pass this late (past the poll's timeout) means the process stalled
 # On a thread shared with other loops (the serial runner) every other role's turn is a stall:
 # a long one (a PPO update) must not make a peer look silent, so stalls count from this, and
@@ -180,7 +184,7 @@ def recv_from(sock: zmq.Socket, rejects: RejectLog, *, routed: bool = False
               ) -> tuple[bytes | None, p.Message | None, Sender]:
     """`recv`, and who sent the message as the transport names it."""
     try:
-        frames = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+        frames = recv_frames(sock)
     except zmq.Again:
         return None, None, Sender()
     peer: bytes | None = None
@@ -193,6 +197,16 @@ def recv_from(sock: zmq.Socket, rejects: RejectLog, *, routed: bool = False
     except p.ProtocolError as exc:
         rejects.refuse(str(sender), exc)
         return peer, None, sender
+
+
+def recv_frames(sock: zmq.Socket) -> list[zmq.Frame]:
+    """One multipart message without blocking (zmq.Again: none), as recv_multipart gives it
+    but asking each frame whether more follow rather than the socket (an option lookup through
+    pyzmq's enums for every frame)."""
+    frames = [sock.recv(_NOBLOCK, copy=False)]
+    while frames[-1].more:  # the rest of a message comes with its first part: never Again
+        frames.append(sock.recv(_NOBLOCK, copy=False))
+    return frames
 
 
 class Sender:
@@ -952,10 +966,10 @@ class Loop:
 
     def take_event(self, name: str, port: Port) -> None:
         try:
-            event = recv_monitor_message(port.socket, zmq.NOBLOCK)
+            frames = port.socket.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             return
-        self.process.on_socket_event(name, int(event["event"]))
+        self.process.on_socket_event(name, MONITOR_EVENT.unpack_from(frames[0])[0])
 
     def take_one(self, port: Port) -> None:
         peer, msg, sender = recv_from(port.socket, self.process.rejects, routed=port.routed)

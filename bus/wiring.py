@@ -21,13 +21,22 @@ import socket as pysocket
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import zmq
-import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
 
 from stepbus.bus.exits import SettingError
+
+if TYPE_CHECKING:  # imported where keys are used: its asyncio and ssl cost every process 30 ms
+    from zmq.auth.thread import ThreadAuthenticator
+
+
+def _auth() -> ModuleType:
+    """pyzmq's CURVE certificate helpers, loaded by the processes that use keys."""
+    import zmq.auth
+
+    return zmq.auth
 
 
 @dataclass(frozen=True)
@@ -131,7 +140,7 @@ def load_keys(directory: str) -> CurveKeys:
             raise SettingError(f"--keys {directory}: no {path.name} there (make keys with "
                                f"`stepbus keys --dir {directory}`)")
         try:
-            return zmq.auth.load_certificate(path)
+            return _auth().load_certificate(path)
         except (ValueError, OSError) as exc:
             raise SettingError(f"--keys {directory}: cannot read {path.name}: {exc}") from None
 
@@ -160,15 +169,15 @@ def make_keys(directory: str, client_of: str = "") -> list[str]:
             raise SettingError(f"--client-of {client_of}: no {SERVER}.key_secret there (run "
                                f"`stepbus keys --dir {client_of}` first)")
         shutil.copy(source / f"{SERVER}.key", root / f"{SERVER}.key")
-        public, _ = zmq.auth.create_certificates(root, CLIENT)
+        public, _ = _auth().create_certificates(root, CLIENT)
         label = root.resolve().name or "client"
         (source / AUTHORIZED).mkdir(exist_ok=True)
         shutil.copy(public, source / AUTHORIZED / f"{label}.key")
         made += [str(root / f"{SERVER}.key"), public, f"{root / CLIENT}.key_secret",
                  str(source / AUTHORIZED / f"{label}.key")]
     else:
-        made += zmq.auth.create_certificates(root, SERVER)
-        public, secret = zmq.auth.create_certificates(root, CLIENT)
+        made += _auth().create_certificates(root, SERVER)
+        public, secret = _auth().create_certificates(root, CLIENT)
         (root / AUTHORIZED).mkdir(exist_ok=True)
         shutil.copy(public, root / AUTHORIZED / f"{CLIENT}.key")
         made += [public, secret, str(root / AUTHORIZED / f"{CLIENT}.key")]
@@ -195,7 +204,7 @@ class AllowList:
             mtime = None
         if mtime != self.mtime:
             self.mtime = mtime
-            self.keys = set(zmq.auth.load_certificates(self.directory)) if mtime else set()
+            self.keys = set(_auth().load_certificates(self.directory)) if mtime else set()
         if key in self.keys:
             return True
         if key not in self.denied and len(self.denied) < 1000:
@@ -260,6 +269,8 @@ def secure(ctx: zmq.Context, sock: zmq.Socket, bind: str | None) -> None:
                                f"{SERVER}.key_secret (it is a client-only one, for hosts that "
                                f"only connect)")
         if ctx.authenticator is None:
+            from zmq.auth.thread import ThreadAuthenticator
+
             log = logging.getLogger("stepbus.auth")
             authenticator = ThreadAuthenticator(ctx, log=log)
             authenticator.start()
