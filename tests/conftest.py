@@ -136,6 +136,15 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
         shutil.rmtree(c.dir, ignore_errors=True)
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """`-m solo` runs three tests alone: a test module that marks none solo is not imported
+    (collecting them all imports torch, hypothesis and the rest, 6 s of the solo run)."""
+    if (config.getoption("markexpr") == "solo" and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_")):
+        return "mark.solo" not in collection_path.read_text() or None
+    return None
+
+
 @pytest.hookimpl(tryfirst=True, hookwrapper=True)
 def pytest_runtest_makereport(
         item: pytest.Item, call: pytest.CallInfo[None],
