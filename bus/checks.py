@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from stepbus import policy, spaces
+from stepbus import policy
 from stepbus.bus import policies, rows
 from stepbus.bus import protocol as p
 from stepbus.policy import ActionSpace
@@ -26,6 +26,8 @@ MAX_CATEGORIES = 1 << 20  # of all categorical action dimensions together
 # billion numbers would have made them allocate without bound.
 MAX_OBS_NUMBERS = 1 << 22
 MAX_GOAL_NOTE = 300  # characters of SpaceSpec.goal_note
+# stepbus.spaces (and with it gymnasium, 70 ms at every start) is imported by the checks that
+# compare with the declared spaces, which the assembler never runs.
 
 
 def hello_rows_problem(msg: p.WorkerHello) -> str:
@@ -68,6 +70,8 @@ def agents_problem(agents: list[str], num_envs: int) -> str:
 def result_problem(r: p.StepResult, num_envs: int, spec: p.SpaceSpec | None) -> str:
     """Why a worker's result cannot be used (empty if it can): shapes must match its hello.
     `num_envs` counts rows: envs x agents for multi-agent envs."""
+    from stepbus import spaces
+
     k = num_envs
     if spec is None:
         return "no spaces declared"
@@ -100,6 +104,8 @@ def weights_problem(params: dict[str, np.ndarray], spec: p.SpaceSpec | None,
 
 def spec_problem(spec: p.SpaceSpec) -> str:
     """Why a worker's declared spaces are unusable (empty if usable)."""
+    from stepbus import spaces
+
     try:
         action = policy.action_space(spec)
     except ValueError as exc:
@@ -242,6 +248,8 @@ def _steps_problem(t: p.Trajectory | p.Trajectories, n: int, bootstraps: tuple[i
                    spec: p.SpaceSpec, action: ActionSpace) -> str:
     """The step arrays: `n` rows each, fitting the spaces; `bootstraps` leads the bootstrap
     observations' shape (one trajectory: none)."""
+    from stepbus import spaces
+
     if any(a.shape != (n,) for a in (t.logp, t.values, t.policy_versions)):
         return "logp, values and policy_versions need one entry per step"
     if t.policy_versions.dtype.kind not in "iu":

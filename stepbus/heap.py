@@ -12,7 +12,6 @@ for these processes is their steady working set.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 M_TRIM_THRESHOLD = -1  # glibc's malloc.h
@@ -27,7 +26,7 @@ def keep_freed_memory() -> bool:
     if {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"} & os.environ.keys():
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        libc = ctypes.CDLL(None)  # the process's own symbols, libc's among them: no ldconfig
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False

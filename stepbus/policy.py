@@ -122,12 +122,15 @@ def require_torch(name: str) -> None:
 def check_model(cfg: ModelConfig) -> bool:
     """Make the configured model ready to use in this process, before anything else starts:
     whether it is a torch model (then torch is imported, its device checked and its threads
-    set).
+    set). The numpy MLP's module is imported now, while every process starts, rather than on
+    the first worker's spaces, when the pipeline waits for it.
 
     Raises:
         ModelUnavailable: its one-line reason.
     """
     if not is_torch_model(cfg.model):
+        if cfg.model == DEFAULT:
+            resolve(DEFAULT)
         return False
     require_torch(cfg.model)
     from stepbus.models import torch_policy
