@@ -625,9 +625,9 @@ class Broker(node.Process):
                            "acting with the weights before them" if any(
                                s.loaded for s in self.slots) else "waiting for new weights")
             return
-        start = 0
-        for i, (w, r) in enumerate(zip(ready, results, strict=True)):
-            end = start + w.num_envs
+        ends = np.cumsum([w.num_envs for w in ready]).tolist()
+        # Every worker gets its actions before any experience is encoded: each steps sooner.
+        for w, r, start, end in zip(ready, results, [0, *ends], ends, strict=False):
             if before is not None and after is not None and self.memory is not None:
                 self.memory.after_step(w.name, {k: v[start:end] for k, v in after.items()})
             self.count_steps(w, r)
@@ -636,9 +636,10 @@ class Broker(node.Process):
             self.send_worker(w, p.Step(epoch=self.barrier.epoch, seq=w.seq,
                                        policy_version=int(versions[start]),
                                        actions=actions[start:end]))
+        for i, (w, r, start, end) in enumerate(zip(ready, results, [0, *ends], ends,
+                                                   strict=False)):
             self.forward(w, r, (actions[start:end], logp[start:end], value[start:end],
                                 versions[start:end]), None if before is None else before[i])
-            start = end
 
     def act(self, obs: p.Obs, ready: list[Worker], state: State | None = None
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, State | None]:
