@@ -77,13 +77,14 @@ def test_the_run_survives_the_broker_being_killed_and_restarted(cluster: Cluster
         stalled = dict(zip(("w0", "w1"), worker_steps, strict=True))
         trainer_version = status.known("trainer", "policy_version")
         # Every env step a worker took either completed a transition in the assembler or was
-        # lost with the broker: per worker, its last reply (8 envs) if the broker got it, or
-        # none if the kill took the broker's Step to it while still queued in the broker's
-        # I/O thread. A worker never has more than one reply outstanding.
+        # lost with the broker, a batch (8 envs) at a time: per worker, at most the reply the
+        # broker had answered but not yet forwarded (it sends every ready worker its actions
+        # before it forwards their experience) and the reply that went to the dead broker;
+        # none if the kill took both the broker's Step and its experience with its I/O thread.
         lost = sum(worker_steps) - assembler_steps
         print(f"\nenv steps lost with the dead broker: {lost} (workers' env_steps minus the "
               f"assembler's steps)")
-        assert lost in (0, 8, 16)
+        assert lost % 8 == 0 and 0 <= lost <= 2 * 2 * 8, lost
         records_at_restart = len(cluster.metrics())
 
         t_start = time.monotonic()
