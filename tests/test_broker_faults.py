@@ -76,11 +76,9 @@ def test_the_run_survives_the_broker_being_killed_and_restarted(cluster: Cluster
         *worker_steps, assembler_steps = figures_once_settled(status)
         stalled = dict(zip(("w0", "w1"), worker_steps, strict=True))
         trainer_version = status.known("trainer", "policy_version")
-        # Every env step a worker took either completed a transition in the assembler or was
-        # lost with the broker, a batch (8 envs) at a time: per worker, at most the reply the
-        # broker had answered but not yet forwarded (it sends every ready worker its actions
-        # before it forwards their experience) and the reply that went to the dead broker;
-        # none if the kill took both the broker's Step and its experience with its I/O thread.
+        # Every env step a worker took completed a transition in the assembler or was lost with
+        # the broker, 8 envs at a time: per worker at most the reply it answered but had not
+        # forwarded (actions go out first) and the one that went to the dead broker.
         lost = sum(worker_steps) - assembler_steps
         print(f"\nenv steps lost with the dead broker: {lost} (workers' env_steps minus the "
               f"assembler's steps)")
