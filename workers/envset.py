@@ -227,16 +227,22 @@ class EnvSet:
                             final_obs=self._finals(finals), **self.episodes(),
                             **self.info_fields())
 
-    def _reset_now(self, i: int, obs: Obs, options: dict) -> None:
-        """SAME_STEP autoreset: env i ended on this step and starts its next episode now."""
+    def _autoreset(self, i: int, obs: Obs, options: dict) -> dict:
+        """Env i's next episode, begun as it ends by itself (recreated if reset raises), its
+        first observation written into row i of `obs`; the reset's info."""
         try:
             first = self.envs[i].reset(seed=self._autoreset_seed(i),
                                        options=self._options_for(i, options))
         except Exception as exc:
             first = self._recreate(i, exc, {})
         self.write(obs, i, *first)
+        return first[1]
+
+    def _reset_now(self, i: int, obs: Obs, options: dict) -> None:
+        """SAME_STEP autoreset: env i ended on this step and starts its next episode now."""
+        info = self._autoreset(i, obs, options)
         if self.step_infos is not None:
-            self._ended_info(i, self.step_infos.rows[i] or {}, first[1])
+            self._ended_info(i, self.step_infos.rows[i] or {}, info)
 
     def _ended_info(self, i: int, final: dict, reset: dict) -> None:
         """Env i's episode ended within this step: `final` its last info (in `final_obs`'s
@@ -259,14 +265,9 @@ class EnvSet:
         """NEXT_STEP autoreset: env i ended on its last step and is reset now, not stepped
         (reward 0, neither flag), as Gymnasium's NEXT_STEP mode does."""
         self.owed[i] = False
-        try:
-            first = self.envs[i].reset(seed=self._autoreset_seed(i),
-                                       options=self._options_for(i, options))
-        except Exception as exc:
-            first = self._recreate(i, exc, {})
-        self.write(obs, i, *first)
+        info = self._autoreset(i, obs, options)
         if self.step_infos is not None:
-            self.step_infos.rows[i] = first[1]
+            self.step_infos.rows[i] = info
 
     def _autoreset_seed(self, i: int) -> int | None:
         """The seed an env's next episode starts with when it ends by itself: derived from its

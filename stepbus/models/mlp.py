@@ -318,31 +318,22 @@ def act(
     return actions, logp, v
 
 
-def _sample_categorical(logp_all: np.ndarray, action: ActionSpace, rng: np.random.Generator
-                        ) -> tuple[np.ndarray, np.ndarray]:
-    """(actions (B, dims) int64, their summed log-prob (B,)) by inverse CDF per dimension."""
+def _pick_categorical(logp_all: np.ndarray, action: ActionSpace,
+                      rng: np.random.Generator | None) -> tuple[np.ndarray, np.ndarray]:
+    """(actions (B, dims) int64, their summed log-prob (B,)): sampled by inverse CDF per
+    dimension, or without `rng` each dimension's most likely category (greedy acting)."""
     b = logp_all.shape[0]
     taken = np.empty((b, len(action.categories)), np.int64)
     logp = np.zeros(b)
     for j, (start, n) in enumerate(zip(_offsets(action), action.categories, strict=True)):
         part = logp_all[:, start:start + n]
-        cdf = np.cumsum(np.exp(part), axis=1)
-        u = rng.random((b, 1)) * cdf[:, -1:]  # scaled by the total: rounding can't overflow n
-        # A masked action's CDF step is zero wide: `<=` passes over it, never lands on it.
-        taken[:, j] = (cdf[:, :-1] <= u).sum(axis=1)
-        logp += np.take_along_axis(part, taken[:, j:j + 1], axis=1)[:, 0]
-    return taken, logp
-
-
-def _greedy_categorical(logp_all: np.ndarray, action: ActionSpace
-                        ) -> tuple[np.ndarray, np.ndarray]:
-    """(each dimension's most likely category (B, dims) int64, their summed log-prob (B,))."""
-    b = logp_all.shape[0]
-    taken = np.empty((b, len(action.categories)), np.int64)
-    logp = np.zeros(b)
-    for j, (start, n) in enumerate(zip(_offsets(action), action.categories, strict=True)):
-        part = logp_all[:, start:start + n]
-        taken[:, j] = part.argmax(axis=1)
+        if rng is None:
+            taken[:, j] = part.argmax(axis=1)
+        else:
+            cdf = np.cumsum(np.exp(part), axis=1)
+            u = rng.random((b, 1)) * cdf[:, -1:]  # scaled by the total: rounding can't overflow n
+            # A masked action's CDF step is zero wide: `<=` passes over it, never lands on it.
+            taken[:, j] = (cdf[:, :-1] <= u).sum(axis=1)
         logp += np.take_along_axis(part, taken[:, j:j + 1], axis=1)[:, 0]
     return taken, logp
 
@@ -360,8 +351,7 @@ def _act_block(
     b = out.shape[0]
     if action.categorical:
         logp_all = categorical_log_probs(out, action, mask)
-        taken, logp = (_greedy_categorical(logp_all, action) if deterministic
-                       else _sample_categorical(logp_all, action, rng))
+        taken, logp = _pick_categorical(logp_all, action, None if deterministic else rng)
         actions: np.ndarray = taken.reshape(b, *action.batch_shape).astype(action.dtype)
     else:
         noise = 0.0 if deterministic else np.exp(params["log_std"]) * rng.standard_normal(
