@@ -101,6 +101,8 @@ def test_a_torch_cnn_loads_and_acts_as_the_model_it_trained(tmp_path: Path) -> N
     assert (sampled == model.act(frames, np.random.default_rng(7))[0]).all()
     one, _ = policy.predict(frames[0], deterministic=True)
     assert np.shape(one) == () and one == want[0]
+    returns = play(policy, FindTheBlock(), 3)  # its pixel env, in a plain Gymnasium loop
+    assert len(returns) == 3 and all(0 <= r <= 8 for r in returns), returns
 
 
 def test_an_lstm_loads_with_its_statistics_and_the_caller_carries_its_state(
@@ -121,6 +123,20 @@ def test_an_lstm_loads_with_its_statistics_and_the_caller_carries_its_state(
                                                  np.random.default_rng(0), deterministic=True)
         assert state is not None and (ours == want).all()
         assert all(np.allclose(state[k], memory[k], atol=1e-6) for k in memory)
+    assert play_carrying_state(policy, gym.make("CartPole-v1")) >= 1
+
+
+def play_carrying_state(policy: stepbus.TrainedPolicy, env: gym.Env) -> int:
+    """One greedy episode of a recurrent policy in a plain Gymnasium loop, the caller carrying
+    its state from step to step (reset by episode_start on the first): the episode's length."""
+    obs, _ = env.reset(seed=0)
+    state, start, steps, done = None, True, 0, False
+    while not done:
+        action, state = policy.predict(obs, state, np.array([start]), deterministic=True)
+        assert state is not None
+        obs, _, terminated, truncated, _ = env.step(action)
+        start, steps, done = False, steps + 1, terminated or truncated
+    return steps
 
 
 @pytest.mark.parametrize("env", ["masked_info", "masked_obs"])
