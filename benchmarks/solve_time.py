@@ -277,10 +277,6 @@ def sb3_importable(python: str) -> bool:
     return subprocess.run([python, "-c", probe], capture_output=True).returncode == 0
 
 
-def torch_importable() -> bool:
-    """Whether stepbus's learner (this interpreter) will import torch via tensorboardX."""
-    return importlib.util.find_spec("torch") is not None
-
 
 def print_evaluator_ab(results: dict[str, list[dict]]) -> None:
     """--evaluator-ab: the runs with the evaluator, and stepping throughput with and without."""
@@ -320,9 +316,7 @@ def parse_args() -> argparse.Namespace:
                         help="instead of SB3, each seed's stepbus run again with an evaluator "
                              "line in the Procfile (A/B/A/B), and both step rates")
     parser.add_argument("--sb3-python", default="", metavar="PYTHON",
-                        help="interpreter for SB3 (default: this one), e.g. a venv of its own: "
-                             "with torch importable, tensorboardX imports it in stepbus's learner "
-                             "too (~1 s of start-up, ~190 MiB)")
+                        help="interpreter for SB3 (default: this one), e.g. a venv of its own")
     parser.add_argument("--sb3-torch-threads", type=int, default=0,
                         help="torch.set_num_threads for SB3 (0: torch's default, as rl-zoo3)")
     add_wait_load(parser, "run")
@@ -345,8 +339,8 @@ def main() -> int:
     print(f"date: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}; {os.cpu_count()} cores; load average "
           "(1, 5, 15 min) before {:.2f} {:.2f} {:.2f}, after {:.2f} {:.2f} {:.2f}"
           .format(*load_before, *load_after))
-    print(f"stepbus python: {sys.executable} (torch importable, so its learner imports it via "
-          f"tensorboardX: {torch_importable()}); SB3 python: {sb3_python}")
+    print(f"stepbus python: {sys.executable} (its learner keeps tensorboardX from importing "
+          f"torch: trainer/metrics.py); SB3 python: {sb3_python}")
     print_medians(args, sb3, sb3_python, results)
     return 0
 
