@@ -983,6 +983,8 @@ class _Schema:
     from_header: dict[str, Callable[[Any], Any]]  # fields holding records: map -> record
     to_header: dict[str, Callable[[Any], Any]]  # ... and record -> map
     fields: frozenset[str]  # every field's name
+    # filled in without __init__ once checked: not a class with a __post_init__ to run
+    direct: bool = True
 
 
 def _schema(cls: type[Message]) -> _Schema:
@@ -1012,7 +1014,7 @@ def _schema(cls: type[Message]) -> _Schema:
             raise TypeError(f"{cls.__name__}.{name}: {exc}") from None
     return _Schema(scalars, arrays, frozenset(required), checks,
                    _converters(cls, _builder_of), _converters(cls, _mapper_of),
-                   frozenset([*scalars, *arrays]))
+                   frozenset([*scalars, *arrays]), not hasattr(cls, "__post_init__"))
 
 
 @functools.cache
@@ -1149,7 +1151,7 @@ def decode(frames: Sequence[Any], *, max_header_bytes: int = MAX_HEADER_BYTES) -
     schema = schema_of(kind)
     values = _header_values(kind, schema, fields)
     _add_arrays(kind, schema, descs, frames[1:], values)
-    if values.keys() != schema.fields:
+    if values.keys() != schema.fields or not schema.direct:
         absent = schema.required - set(values)
         if absent:
             raise ProtocolError("bad fields", f"{kind.name}: missing {sorted(absent)}")

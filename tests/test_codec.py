@@ -1297,3 +1297,18 @@ def test_a_remote_error_reaches_the_cli_as_remote_failure_and_is_printed_whole(
     err = capsys.readouterr().err
     assert "stepbus reset: ZeroDivisionError in worker w-1: division by zero {'env': 3}" in err
     assert f"remote traceback (worker w-1):\n{ENV_ERROR.traceback.rstrip()}" in err
+
+
+def test_a_message_class_with_post_init_is_built_through_init_on_decode() -> None:
+    """Decoding fills a checked message in without its __init__ (the hot path), which would
+    skip a __post_init__: a class with one is built through __init__ instead."""
+    @dataclasses.dataclass(frozen=True)
+    class Checked(p.Message):
+        KIND: ClassVar[p.Kind] = p.Kind.WORKER_HELLO
+        n: int
+
+        def __post_init__(self) -> None:
+            if self.n < 0:
+                raise ValueError(self.n)
+
+    assert not p._schema(Checked).direct
