@@ -4,10 +4,12 @@ those of the whole worker."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +52,10 @@ def test_more_splits_than_envs_is_refused_in_one_line_with_exit_2():
     assert len(lines) == 1 and "--splits must be 1 to" in lines[0], lines
 
 
-def split_workers(splits: int, envs: int) -> tuple[list[Worker], list[node.Outbox]]:
+@contextlib.contextmanager
+def split_workers(splits: int, envs: int
+                  ) -> Iterator[tuple[list[Worker], list[node.Outbox]]]:
+    """Worker "w"'s splits in-process, each on an outbox of its own; closed afterwards."""
     cfg = Config(envs_per_worker=envs, name="w", splits=splits)
     workers, outs = [], []
     for i, envset in enumerate(worker.make_split_envs(cfg, LOG)):
@@ -58,12 +63,15 @@ def split_workers(splits: int, envs: int) -> tuple[list[Worker], list[node.Outbo
         split = Config(envs_per_worker=len(envset.envs), name=worker.split_name("w", i))
         workers.append(Worker(split, out, LOG, envs=envset, split_of="w"))
         outs.append(out)
-    return workers, outs
+    try:
+        yield workers, outs
+    finally:
+        for w in workers:
+            w.close()
 
 
 def test_each_split_says_hello_as_its_own_worker_naming_the_whole_one_and_its_first_env():
-    workers, _ = split_workers(2, 5)
-    try:
+    with split_workers(2, 5) as (workers, _):
         hellos = [w.hello for w in workers]
         assert [(h.worker, h.split_of, h.first_env, h.num_envs) for h in hellos] == [
             ("w:0", "w", 0, 3), ("w:1", "w", 3, 2)]
@@ -71,14 +79,10 @@ def test_each_split_says_hello_as_its_own_worker_naming_the_whole_one_and_its_fi
         # The assembler names their agents as the whole worker's.
         ids = [a for h in hellos for a in agent_ids(h.split_of, [], h.num_envs, h.first_env)]
         assert ids == agent_ids("w", [], 5)
-    finally:
-        for w in workers:
-            w.close()
 
 
 def test_a_split_steps_while_the_other_waits_and_each_keeps_its_own_seq():
-    workers, outs = split_workers(2, 4)
-    try:
+    with split_workers(2, 4) as (workers, outs):
         for w, out in zip(workers, outs, strict=True):
             w.deliver(b"", p.Reset(epoch=1, seq=10, options={}))
             (first,) = out.take(p.StepResult, port="steps")
@@ -92,14 +96,10 @@ def test_a_split_steps_while_the_other_waits_and_each_keeps_its_own_seq():
         workers[1].deliver(b"", p.Step(epoch=1, seq=11, policy_version=0,
                                        actions=np.zeros(2, np.int64)))
         assert [r.seq for r in outs[1].take(p.StepResult, port="steps")] == [11]
-    finally:
-        for w in workers:
-            w.close()
 
 
 def test_while_one_splits_env_code_runs_every_split_heartbeats():
-    workers, outs = split_workers(2, 2)
-    try:
+    with split_workers(2, 2) as (workers, outs):
         splits = Splits(workers)
         for w, out in zip(workers, outs, strict=True):
             w.busy_beat_at = -1e9  # a beat is due
@@ -113,9 +113,6 @@ def test_while_one_splits_env_code_runs_every_split_heartbeats():
             w.busy_beat_at = -1e9
         splits.on_alarm(signal.SIGALRM, None)  # no env code runs: the loop beats, not the alarm
         assert all(out.take(p.Heartbeat, port="steps") == [] for out in outs)
-    finally:
-        for w in workers:
-            w.close()
 
 
 def test_deterministic_runs_with_and_without_splits_learn_the_same_trajectories(tmp_path: Path):
