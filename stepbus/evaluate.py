@@ -21,11 +21,14 @@ import json
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from stepbus.bus.exits import SettingError
+
+if TYPE_CHECKING:
+    from stepbus.trained import TrainedPolicy
 
 HELP = ("play the trained policy of a run on its env (env id and kwargs from the run's "
         "config.toml) and print the mean and spread of the episodes' returns and lengths; "
@@ -105,16 +108,16 @@ def main(args: argparse.Namespace) -> int:
                      env_kwargs=args.env_kwargs, seed=args.seed,
                      deterministic=not args.stochastic, envs=args.envs,
                      record_video=args.record_video, render=args.render, device=args.device)
-    env_id, kwargs, version = _check(cfg)
-    episodes = play_all(cfg) if cfg.envs > 1 else play(cfg)
-    result = summary(episodes, env_id, version, cfg.deterministic)
+    policy, env_id, kwargs = _check(cfg)
+    episodes = play_all(cfg) if cfg.envs > 1 else play(cfg, policy)
+    result = summary(episodes, env_id, policy.policy_version, cfg.deterministic)
     print(json.dumps(result) if args.json else describe(result, kwargs))
     return 0
 
 
-def _check(cfg: EvalConfig) -> tuple[str, dict[str, Any], int]:
-    """What can be told before any episode: the run loads and names an env. Raises
-    SettingError."""
+def _check(cfg: EvalConfig) -> tuple[TrainedPolicy, str, dict[str, Any]]:
+    """What can be told before any episode: the run loads (its policy) and names an env.
+    Raises SettingError."""
     from stepbus.trained import load_policy
 
     if cfg.envs > 1 and (cfg.record_video or cfg.render):
@@ -126,7 +129,7 @@ def _check(cfg: EvalConfig) -> tuple[str, dict[str, Any], int]:
     if cfg.deterministic and policy.greedy_problem:
         raise SettingError(f"{policy.greedy_problem} (--stochastic)")
     env_id, kwargs = env_of(cfg, policy.config)
-    return env_id, kwargs, policy.policy_version
+    return policy, env_id, kwargs
 
 
 def env_of(cfg: EvalConfig, config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -150,12 +153,12 @@ def env_of(cfg: EvalConfig, config: dict[str, Any]) -> tuple[str, dict[str, Any]
 # Playing
 
 
-def play(cfg: EvalConfig) -> list[Episode]:
-    """Episodes first .. first + episodes - 1 of `cfg`, in this process."""
+def play(cfg: EvalConfig, policy: TrainedPolicy | None = None) -> list[Episode]:
+    """Episodes first .. first + episodes - 1 of `cfg`, in this process (with `policy` loaded
+    already, or loading it)."""
     from stepbus.trained import load_policy
 
-    policy = load_policy(cfg.run, cfg.device)
-    policy.set_random_seed(cfg.seed + cfg.first)
+    policy = policy or load_policy(cfg.run, cfg.device)
     env_id, kwargs = env_of(cfg, policy.config)
     env = make(env_id, kwargs, cfg)
     try:
@@ -195,6 +198,8 @@ def _episode(policy: Any, env: Any, seed: int, deterministic: bool) -> Episode:
     """One episode of a single-agent env, or of every agent of a parallel env."""
     from stepbus.workers import envs
 
+    # episode i's draws depend on seed i alone, not on which process played the ones before
+    policy.set_random_seed(seed)
     if envs.agents_of(env):
         return _parallel_episode(policy, env, seed, deterministic)
     obs, info = env.reset(seed=seed)

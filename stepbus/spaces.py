@@ -406,7 +406,7 @@ class RowWriter:
             return
         for key, from_info, path in self.leaves:
             if from_info:
-                batch[key][i] = True if not info or MASK not in info else _flat_mask(info[MASK])
+                batch[key][i] = True if not info or MASK not in info else flat_mask(info[MASK])
                 continue
             value = obs
             for step in path:
@@ -421,11 +421,11 @@ class RowWriter:
         return {k: v[0] for k, v in one.items()} if isinstance(one, dict) else one[0]
 
 
-def _flat_mask(value: Any) -> np.ndarray:
+def flat_mask(value: Any) -> np.ndarray:
     """A mask as Gymnasium gives it (an array; for MultiDiscrete a tuple of each dimension's
     arrays, nested as the space's nvec for more than one axis) as one flat array."""
     if isinstance(value, tuple | list):
-        return np.concatenate([_flat_mask(v) for v in value])
+        return np.concatenate([flat_mask(v) for v in value])
     return np.ravel(value)
 
 

@@ -36,7 +36,6 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 CONFIG_FILE = "config.toml"
-LATEST = "latest"
 POLICY_DIR_PREFIX = "policy-"  # a run's policy other than the default keeps its own checkpoint
 
 
@@ -68,7 +67,11 @@ class TrainedPolicy:
         self.policy_version = acting.version
         self.obs_stats = acting.stats
         self.rng = np.random.default_rng()
-        self.writer = spaces.RowWriter(self.spec)
+        # what every call needs of the spaces, worked out once
+        self.layout = spaces.row_layout(self.spec)
+        self.leaves = [leaf for leaf in self.spec.obs_leaves if leaf.kind != "mask"]
+        self.state_shapes = ({k: v.shape[1:] for k, v in acting.initial_state(1).items()}
+                             if acting.recurrent else {})
 
     @property
     def recurrent(self) -> bool:
@@ -78,7 +81,7 @@ class TrainedPolicy:
     @property
     def greedy_problem(self) -> str:
         """Why the model cannot act deterministically ("" if it can)."""
-        return str(getattr(self.policy.inner, "greedy_problem", ""))
+        return self.policy.inner.greedy_problem
 
     def initial_state(self, n: int) -> State:
         """The memory `n` episodes start with (arrays by name, one row per episode); {} for a
@@ -123,28 +126,29 @@ class TrainedPolicy:
 
     def memory(self, state: State | None, episode_start: Any, n: int) -> State:
         """The memory to act from: `state` (or a fresh one), reset where episodes start."""
-        fresh = self.policy.initial_state(n)
         if state is None:
-            return fresh
-        if set(state) != set(fresh) or any(np.shape(state[k]) != fresh[k].shape for k in fresh):
-            raise ValueError(f"state of {_shapes(state)}, the model's for {n} rows is "
-                             f"{_shapes(fresh)}")
-        if episode_start is None:
+            return self.policy.initial_state(n)
+        want = {k: (n, *shape) for k, shape in self.state_shapes.items()}
+        if set(state) != set(want) or any(np.shape(state[k]) != want[k] for k in want):
+            raise ValueError(f"state of {_shapes(state)}, the model's for {n} rows is {want}")
+        starts = (np.zeros(n, bool) if episode_start is None
+                  else np.asarray(episode_start, bool).reshape(n))
+        if not starts.any():
             return state
-        starts = np.asarray(episode_start, bool).reshape(n)
+        fresh = self.policy.initial_state(n)
         return {k: np.where(starts.reshape(n, *[1] * (v.ndim - 1)), fresh[k], v)
                 for k, v in state.items()}
 
     def batch(self, observation: Any, action_masks: Any) -> tuple[p.Obs, int, bool]:
         """The observation(s) as a batch stepbus acts on, its rows, and whether it was one."""
-        layout = spaces.row_layout(self.spec)
+        layout = self.layout
         if layout is None:
             if action_masks is not None:
                 raise ValueError("this run's env gave no action masks: action_masks cannot be "
                                  "applied")
             return _rows(np.asarray(observation), tuple(self.spec.obs_shape),
                          np.dtype(self.spec.obs_dtype), "observation")
-        leaves = [leaf for leaf in self.spec.obs_leaves if leaf.kind != "mask"]
+        leaves = self.leaves
         first = _at(observation, leaves[0])
         _, n, single = _rows(np.asarray(first), tuple(leaves[0].shape),
                              np.dtype(leaves[0].dtype), leaves[0].key)
@@ -166,9 +170,7 @@ class TrainedPolicy:
             raise ValueError("this run's env gave no action masks: action_masks cannot be "
                              "applied")
         width = math.prod(obs[spaces.MASK].shape[1:])
-        # Gymnasium gives a MultiDiscrete's mask as a tuple of each dimension's arrays
-        flat = (np.concatenate([np.ravel(part) for part in action_masks])
-                if isinstance(action_masks, tuple) else np.asarray(action_masks))
+        flat = spaces.flat_mask(action_masks)  # as a worker reads one from `info`
         if flat.size != n * width:
             raise ValueError(f"action_masks of shape {flat.shape}: {n} row(s) of {width} "
                              "(one per category of each action dimension) are needed")

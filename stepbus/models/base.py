@@ -184,6 +184,11 @@ class Policy(abc.ABC):
         """
 
     @property
+    def greedy_problem(self) -> str:
+        """Why `act(..., deterministic=True)` cannot be had from this model ("" if it can)."""
+        return ""
+
+    @property
     def recurrent(self) -> bool:
         """Whether the model carries a memory from step to step (`act_recurrent`, and the
         broker keeps each agent's state); a feed-forward model does not."""
