@@ -36,7 +36,7 @@ def to_data(value: Any, arrays: dict[str, np.ndarray], depth: int = 0) -> Any:
         return value.item()
     if isinstance(value, np.ndarray) and value.dtype.str in p.ALLOWED_DTYPES:
         key = f"a{len(arrays)}"
-        arrays[key] = np.ascontiguousarray(value)
+        arrays[key] = np.asarray(value, order="C")  # a 0-d array stays 0-d
         return {ARRAY_KEY: key}
     if depth >= MAX_DEPTH:
         raise NotData(f"values nest at most {MAX_DEPTH} containers deep on the bus")

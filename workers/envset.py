@@ -209,7 +209,10 @@ class EnvSet:
                     finals.append(obs_rows.copy(obs_rows.take(self.last_obs, i)))
                     first = self._recreate(i, exc, self._options_for(i, options))
                     self.write(obs, i, *first)
-                    self._ended_info(i, {}, first[1])
+                    if same_step:  # final infos are SAME_STEP's, one per final observation
+                        self._ended_info(i, {}, first[1])
+                    elif keep is not None:
+                        keep.rows[i] = first[1]
                     continue
                 if keep is not None:
                     keep.rows[i] = info

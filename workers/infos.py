@@ -97,11 +97,7 @@ def _value(value: Any, budget: Budget) -> Any:
         return {SCALAR_KEY: [value.dtype.str, value.item()]}
     if isinstance(value, np.ndarray) and len(budget.arrays) >= MAX_ARRAYS:
         raise NotData(f"over {MAX_ARRAYS} arrays in one step's infos")
-    if isinstance(value, np.ndarray):
-        key = f"i{len(budget.arrays)}"
-        budget.arrays[key] = np.ascontiguousarray(value)
-        return {ARRAY_KEY: key}
-    return to_data(value, budget.arrays, depth=1)
+    return to_data(value, budget.arrays, depth=1)  # arrays of a dtype the bus carries only
 
 
 def decode(value: Any, arrays: dict[str, np.ndarray]) -> Any:
