@@ -164,14 +164,18 @@ def one_run(seed: int, workers: int, timeout_s: float, deterministic: bool = Fal
                                   "seed": seed, "rc": rc, "wall_s": round(wall, 2)}
         metrics_files = list(work.glob("runs/*/metrics.jsonl"))
         lines = metrics_files[0].read_text().splitlines() if metrics_files else []
-        if lines:
-            first, last = json.loads(lines[0]), json.loads(lines[-1])
-            result["first_update_s"] = round(first["time"] - started, 2)
+        records = [json.loads(line) for line in lines]
+        if records:
+            # the first record made at an update (an evaluator's result may come before one)
+            first = next((r for r in records if r.get("updates")), None)
+            last = records[-1]
+            if first is not None:
+                result["first_update_s"] = round(first["time"] - started, 2)
             result.update({"trainer_wall_s": last["wall_s"], "env_steps": last["env_steps"],
                            "mean_return": last["mean_return"],
                            "policy_version": last["policy_version"],
-                           "steps_per_s": steady_rate([json.loads(line) for line in lines]),
-                           "eval_records": sum('"eval_return"' in line for line in lines)})
+                           "steps_per_s": steady_rate(records),
+                           "eval_records": sum("eval_return" in r for r in records)})
         result["solved"] = rc == 0 and (result.get("mean_return") or 0) >= TARGET_RETURN
         if rc != 0:
             result["error"] = (err.strip().splitlines() or ["no output"])[-1][-300:]
@@ -275,7 +279,6 @@ def sb3_importable(python: str) -> bool:
     probe = ("import importlib.util, sys; "
              "sys.exit(not importlib.util.find_spec('stable_baselines3'))")
     return subprocess.run([python, "-c", probe], capture_output=True).returncode == 0
-
 
 
 def print_evaluator_ab(results: dict[str, list[dict]]) -> None:

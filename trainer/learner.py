@@ -60,7 +60,7 @@ from stepbus.trainer.metrics import (
     RecordCadence,
 )
 from stepbus.trainer.model import Model
-from stepbus.trainer.progress import Progress, progress_of
+from stepbus.trainer.progress import TARGET_MET, Progress, progress_of
 from stepbus.trainer.receipts import Receipts
 from stepbus.trainer.slot_beat import SLOT_BEAT_FD_ENV as SLOT_BEAT_FD_ENV
 from stepbus.trainer.slot_beat import SlotBeat
@@ -505,12 +505,12 @@ class Learner(node.Process):
         if cfg.target_on == TARGET_ON_EVAL:
             if (self.target_return is not None and evaluated is not None
                     and evaluated.mean_return >= self.target_return):
-                return (f"trainer reached eval return {evaluated.mean_return:.1f}",
+                return (f"{TARGET_MET} eval return {evaluated.mean_return:.1f}",
                         f"solved: mean return {evaluated.mean_return:.1f} over "
                         f"{evaluated.episodes} greedy episodes of version {evaluated.version}")
         elif (self.target_return is not None and len(self.returns) >= cfg.target_episodes
                 and mean is not None and mean >= self.target_return):
-            return (f"trainer reached mean return {mean:.1f}",
+            return (f"{TARGET_MET} mean return {mean:.1f}",
                     f"solved: mean return {mean:.1f} over the last {len(self.returns)} episodes")
         if cfg.max_updates and progress.updates >= cfg.max_updates:
             return (f"trainer made --max-updates {cfg.max_updates} policy updates",
@@ -711,10 +711,10 @@ class Learner(node.Process):
         if self.phase is not Phase.LEARNING or not self.evaluation.take_in(msg):
             return  # once the run has ended (goal met, or shutting down), its record is made
         if self.clock() >= self.cadence.due:
-            self.record_due(self.now)
+            self.record_due(self.now)  # written at once: an eval result waits for no checkpoint
         elif "record" not in self.timers:
             self.at("record", self.cadence.due, self.record_due)
-        if self.cfg.target_on == TARGET_ON_EVAL and self.phase is Phase.LEARNING:
+        if self.cfg.target_on == TARGET_ON_EVAL:
             self.check_goal()
 
     # -- shutting down

@@ -10,6 +10,8 @@ from typing import Any
 
 from stepbus.trainer.algorithm import CannotStart
 
+TARGET_MET = "trainer reached"  # how `Progress.solved` starts when the target return ended it
+
 
 @dataclass
 class Progress:

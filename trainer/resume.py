@@ -27,14 +27,12 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from stepbus import runconfig
 from stepbus.bus import policies
 from stepbus.bus.exits import SettingError
 from stepbus.trainer import checkpoint
 from stepbus.trainer.algorithm import CannotStart
-from stepbus.trainer.progress import Progress, progress_of
+from stepbus.trainer.progress import TARGET_MET, Progress, progress_of
 
 RESUME_ENV = "STEPBUS_RESUME"
 RUNS_DIR_ENV = "STEPBUS_RUNS_DIR"
@@ -152,9 +150,9 @@ def go_on(cfg: Any, progress: Progress, target: float | None, log: logging.Logge
     if not progress.solved or not given:
         return cfg
     changes: dict[str, Any] = {}
-    returns = progress.recent_returns
+    # the target return ended the run (on training or eval return, as --target-on said)
     if (target is not None and not any(g.startswith("--target-return") for g in given)
-            and returns and float(np.mean(returns)) >= target):
+            and progress.solved.startswith(TARGET_MET)):
         changes["target_return"] = 0.0  # met: no longer a goal
     if cfg.max_env_steps and cfg.max_env_steps <= progress.env_steps:
         changes["max_env_steps"] = 0
