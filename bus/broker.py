@@ -626,8 +626,9 @@ class Broker(node.Process):
                                s.loaded for s in self.slots) else "waiting for new weights")
             return
         ends = np.cumsum([w.num_envs for w in ready]).tolist()
+        spans = list(zip([0, *ends], ends, strict=False))  # each worker's rows of the batch
         # Every worker gets its actions before any experience is encoded: each steps sooner.
-        for w, r, start, end in zip(ready, results, [0, *ends], ends, strict=False):
+        for w, r, (start, end) in zip(ready, results, spans, strict=True):
             if before is not None and after is not None and self.memory is not None:
                 self.memory.after_step(w.name, {k: v[start:end] for k, v in after.items()})
             self.count_steps(w, r)
@@ -636,8 +637,7 @@ class Broker(node.Process):
             self.send_worker(w, p.Step(epoch=self.barrier.epoch, seq=w.seq,
                                        policy_version=int(versions[start]),
                                        actions=actions[start:end]))
-        for i, (w, r, start, end) in enumerate(zip(ready, results, [0, *ends], ends,
-                                                   strict=False)):
+        for i, (w, r, (start, end)) in enumerate(zip(ready, results, spans, strict=True)):
             self.forward(w, r, (actions[start:end], logp[start:end], value[start:end],
                                 versions[start:end]), None if before is None else before[i])
 

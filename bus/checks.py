@@ -166,8 +166,9 @@ def experience_problem(m: p.Experience) -> str:
         return "final_obs needs one row per ended episode, shaped like obs"
     if not -1 <= m.policy_version < 2**53:
         return f"policy_version {m.policy_version}"
-    if split_problem(m.split_of, m.first_env):
-        return split_problem(m.split_of, m.first_env)
+    problem = split_problem(m.split_of, m.first_env)
+    if problem:
+        return problem
     outputs = (m.action, m.logp, m.value)
     if any(o is None for o in outputs) != all(o is None for o in outputs):
         return "action, logp and value travel together"

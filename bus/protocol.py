@@ -1224,9 +1224,7 @@ def _add_arrays(kind: Kind, schema: _Schema, descs: list[Any], frames: Sequence[
                 raise ProtocolError("bad array name", f"{kind.name}: {name} twice, or as an "
                                     "array and a map")
             leaves[key] = arr
-        elif how in _PLAIN_ARRAYS and not dot and top not in values:
-            values[top] = arr
-        else:
+        else:  # a plain array's name was taken above, unless it came twice
             raise ProtocolError("bad array name", f"{kind.name}: {name!r}"[:120])
     for name, how in schema.arrays.items():
         if name not in values:

@@ -410,12 +410,13 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-def config_keys() -> set[str]:
+@functools.cache
+def config_keys() -> frozenset[str]:
     """Every key a run configuration may set: each process's flags by their names (and the
-    names they also answer to), `stepbus run`'s too."""
-    keys: set[str] = set()
+    names they also answer to), `stepbus run`'s too. Worked out once per process."""
     from stepbus import serial
 
+    keys: set[str] = set()
     classes = [command.config_class() for command in PROCESSES.values()] + [serial.Config]
     while classes:
         cls = classes.pop()
@@ -425,7 +426,7 @@ def config_keys() -> set[str]:
                 classes.append(hints[f.name])
             else:
                 keys |= {f.name, *(n.replace("-", "_") for n in _names(f))}
-    return keys
+    return frozenset(keys)
 
 
 class _AllKeys:
