@@ -48,6 +48,7 @@ class Case:
     model: str = "mlp"
     info_mask: bool = False
     normalised: bool = False
+    activation: str = "tanh"
 
     @property
     def spec(self) -> p.SpaceSpec:
@@ -58,7 +59,8 @@ def learner_model(case: Case, seed: int = 3) -> Model:
     """The model a learner starts a run with: its initial weights."""
     env = p.EnvSpec(env_id="Made-v0", spec=case.spec, policy_version=0)
     if case.model == "mlp":
-        return Model(algorithm.load("stepbus.trainer.ppo:PPO"), env, ppo.PPOConfig(), seed)
+        return Model(algorithm.load("stepbus.trainer.ppo:PPO"), env,
+                     ppo.PPOConfig(activation=case.activation), seed)
     return TorchModel(ModelConfig(model=case.model), "stepbus.trainer.torch_ppo:TorchPPO", env,
                       ppo.PPOConfig(), seed)
 
@@ -197,6 +199,8 @@ CASES = {
     "numpy MLP, masked": Case(BOX4, gym.spaces.Discrete(5), info_mask=True),
     "numpy MLP, Box": Case(BOX4, gym.spaces.Box(-0.003, 0.003, (2,), np.float32)),
     "numpy MLP, image": Case(IMAGE, gym.spaces.Discrete(6)),
+    "numpy MLP, ReLU": Case(BOX4, gym.spaces.Box(-0.003, 0.003, (2,), np.float32),
+                            activation="relu"),
     "torch MLP": Case(BOX4, gym.spaces.Discrete(3), "torch"),
     "torch MLP, normalised": Case(gym.spaces.Box(-np.inf, np.inf, (5,), np.float32),
                                   gym.spaces.MultiBinary(3), "torch", normalised=True),

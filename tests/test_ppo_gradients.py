@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from stepbus.models.mlp import (
+    RELU,
     Adam,
+    Net,
     act,
     clip_grad_norm,
     forward,
@@ -35,6 +37,8 @@ def finite_differences(params: dict[str, np.ndarray], args: tuple) -> dict[str, 
     """The PPO loss's gradient by central differences (step 1e-6), parameter by parameter."""
     eps, out = 1e-6, {}
     for key, p in params.items():
+        if key == RELU:  # a marker, not a weight
+            continue
         fd = np.empty_like(p)
         for idx in np.ndindex(p.shape):
             orig = p[idx]
@@ -48,11 +52,12 @@ def finite_differences(params: dict[str, np.ndarray], args: tuple) -> dict[str, 
     return out
 
 
+@pytest.mark.parametrize("activation", ["tanh", "relu"])
 @pytest.mark.parametrize("kind", ["discrete", "box"])
-def test_ppo_grads_match_finite_differences(kind: str) -> None:
+def test_ppo_grads_match_finite_differences(kind: str, activation: str) -> None:
     space = SPACES[kind]
     rng = np.random.default_rng(1)
-    params = init_params(4, space, (6, 5), rng)
+    params = init_params(4, space, (6, 5), rng, Net(activation))
     # random, non-degenerate params: the real init's 0.01 head gain would make pi grads tiny
     params = {k: rng.normal(0.0, 0.6, v.shape) for k, v in params.items()}
     b = 24
@@ -70,7 +75,8 @@ def test_ppo_grads_match_finite_differences(kind: str) -> None:
     # clipped-and-inactive samples exist in both directions, so the min() branch is exercised
     assert ((ratio > 1.2) & (advantages > 0)).any() and ((ratio < 0.8) & (advantages < 0)).any()
     assert 0.0 < stats["clip_fraction"] < 1.0
-    assert set(grads) == set(params)
+    assert set(grads) == set(params) - {RELU}
+    assert (RELU in params) == (activation == "relu")
 
     for key, fd in finite_differences(params, args).items():
         p = params[key]
@@ -111,6 +117,24 @@ def test_init_layout_and_orthogonality() -> None:
     np.testing.assert_allclose(w.T @ w, 2.0 * np.eye(32), atol=1e-10)
     np.testing.assert_allclose(np.linalg.norm(params["pi.2.w"], axis=0), 0.01, rtol=1e-10)
     assert not any(params[k].any() for k in params if k.endswith(".b") or k == "log_std")
+
+
+def test_a_relu_net_with_torch_init_and_its_own_log_std() -> None:
+    """SB3's policy_kwargs for rl-zoo's MuJoCo settings: ReLU, ortho_init=False, log_std_init;
+    the activation rides in the weights, so `forward` needs nothing else."""
+    rng = np.random.default_rng(3)
+    net = Net("relu", log_std_init=-2.0, ortho_init=False)
+    params = init_params(5, SPACES["box"], (64, 32), rng, net)
+    assert {k: v.shape for k, v in params.items()} == layout(5, SPACES["box"], (64, 32), True)
+    np.testing.assert_array_equal(params["log_std"], [-2.0, -2.0])
+    bound = 1 / np.sqrt(64)  # torch.nn.Linear's for fan_in 64
+    assert np.abs(params["pi.1.w"]).max() <= bound and params["pi.1.b"].any()
+    obs = rng.normal(size=(7, 5))
+    h = np.maximum(obs @ params["pi.0.w"] + params["pi.0.b"], 0)
+    h = np.maximum(h @ params["pi.1.w"] + params["pi.1.b"], 0)
+    np.testing.assert_allclose(forward(params, obs)[0], h @ params["pi.2.w"] + params["pi.2.b"])
+    with pytest.raises(ValueError, match="'gelu'"):
+        Net("gelu")
 
 
 def test_forward_flattens_obs_and_accepts_float32() -> None:

@@ -12,12 +12,21 @@ from typing import Protocol
 import numpy as np
 
 from stepbus import imports
+from stepbus.bus import wiring
 from stepbus.bus.rows import Obs
 
 
 class CannotStart(Exception):
     """The learner cannot run with these settings: it exits with code 2 (and a trainer slot
     reverts a swap to them)."""
+
+
+ACTIVATIONS = ("tanh", "relu")  # the built-in MLP's (models/mlp.py), named here for the flag
+
+
+def _activation(name: str) -> None:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"--activation {name!r}: one of {', '.join(ACTIVATIONS)}")
 
 
 @dataclass
@@ -50,6 +59,13 @@ class PPOConfig:
     """Global L2 grad-norm clip."""
     hidden: tuple[int, ...] = field(default=(64, 64), metadata={"min": 1})
     """Hidden widths of both the policy and value MLPs."""
+    activation: str = field(default="tanh", metadata={wiring.CHECK: _activation})
+    """The MLP's hidden layers: tanh or relu (SB3's activation_fn)."""
+    log_std_init: float = 0.0
+    """The MLP's Gaussian log-std at the start (SB3's log_std_init)."""
+    ortho_init: bool = True
+    """The MLP's orthogonal init with SB3's gains; --no-ortho-init: PyTorch's default for a
+    Linear layer (SB3's ortho_init)."""
     anneal_lr: bool = False
     """Learning rate falling linearly to 0 over --max-env-steps (CleanRL's anneal_lr); the
     learner sets it before each update (`set_learning_rate`), from the env steps learned."""

@@ -17,6 +17,7 @@ import numpy as np
 from stepbus.models.mlp import init_params
 from stepbus.policy import ActionSpace, Params
 from stepbus.trainer.algorithm import PPOConfig, Trajectory
+from stepbus.trainer.ppo import net_of
 
 
 class ConsumeOnly:
@@ -24,7 +25,7 @@ class ConsumeOnly:
 
     def __init__(self, obs_dim: int, action: ActionSpace, config: PPOConfig,
                  rng: np.random.Generator) -> None:
-        self.params: Params = init_params(obs_dim, action, config.hidden, rng)
+        self.params: Params = init_params(obs_dim, action, config.hidden, rng, net_of(config))
 
     def update(self, batch: Sequence[Trajectory],
                tick: Callable[[], object] | None = None) -> dict[str, float]:

@@ -16,6 +16,7 @@ import numpy as np
 
 from stepbus.models.mlp import (
     Adam,
+    Net,
     clip_grad_norm,
     infer_action_space,
     init_params,
@@ -26,7 +27,13 @@ from stepbus.policy import ActionSpace, Params
 from stepbus.trainer import epochs
 from stepbus.trainer.algorithm import PPOConfig, Trajectory
 
-__all__ = ["PPO", "PPOConfig", "Trajectory", "compute_gae", "gae", "masks_of", "ppo_update"]
+__all__ = ["PPO", "PPOConfig", "Trajectory", "compute_gae", "gae", "masks_of", "net_of",
+           "ppo_update"]
+
+
+def net_of(config: PPOConfig) -> Net:
+    """The MLP's make beyond its widths, from the run's settings."""
+    return Net(config.activation, config.log_std_init, config.ortho_init)
 
 
 def compute_gae(
@@ -199,7 +206,7 @@ class PPO:
     def __init__(self, obs_dim: int, action: ActionSpace, config: PPOConfig,
                  rng: np.random.Generator) -> None:
         self.config, self.action, self.rng = config, action, rng
-        self.params: Params = init_params(obs_dim, action, config.hidden, rng)
+        self.params: Params = init_params(obs_dim, action, config.hidden, rng, net_of(config))
         self.adam = Adam(lr=config.lr)
         self.lr = config.lr
 

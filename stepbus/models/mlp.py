@@ -1,13 +1,15 @@
 """A small numpy MLP actor-critic with a hand-written PPO backward pass.
 
 Pure numpy so the broker can run inference and the trainer can learn without torch. The
-network mirrors SB3's ``MlpPolicy``: separate policy and value MLPs with tanh hidden layers and
-orthogonal init, so rl-zoo hyperparameters carry over unchanged.
+network mirrors SB3's ``MlpPolicy``: separate policy and value MLPs with tanh (or ReLU) hidden
+layers and orthogonal (or PyTorch's default) init, so rl-zoo hyperparameters carry over
+unchanged.
 
 Parameters live in a flat ``dict[str, np.ndarray]`` (float64) that can be shipped over the wire
 as-is: ``pi.{i}.w`` / ``pi.{i}.b`` and ``vf.{i}.w`` / ``vf.{i}.b`` for layer ``i`` (the last
-index is the output head), plus ``log_std`` for box actions. Weights are stored ``(in, out)``
-so a layer is ``x @ w + b``. The layer structure is recovered from the keys alone.
+index is the output head), plus ``log_std`` for box actions, plus ``RELU`` (one zero) when the
+hidden layers are ReLU. Weights are stored ``(in, out)`` so a layer is ``x @ w + b``. The
+network is recovered from the keys alone, so the broker needs no setting of the learner's.
 
 `MLPPolicy` is this network as a `stepbus.policy.Policy` (the broker's default model); the
 learner's PPO uses the functions directly (`init_params`, `ppo_loss_and_grads`, `Adam`).
@@ -26,6 +28,11 @@ from stepbus.bus import protocol as p
 from stepbus.models.base import ActionSpace, NoWeights, Params, Policy
 
 _LOG_2PI = math.log(2.0 * math.pi)
+ACTIVATIONS = ("tanh", "relu")
+"""The hidden layers' activations this network offers (`--activation`)."""
+RELU = "activation/relu"
+"""Present (one zero, never trained) in the weights of a network with ReLU hidden layers: the
+activation travels with the weights, as the widths do in the shapes."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -44,35 +51,63 @@ def _orthogonal(rng: np.random.Generator, n_in: int, n_out: int, gain: float) ->
     return np.ascontiguousarray(gain * q.T)
 
 
+@dataclass(frozen=True)
+class Net:
+    """How a network is made, beyond its widths (SB3's policy_kwargs of the same names)."""
+
+    activation: str = "tanh"
+    """Of the hidden layers: one of ACTIVATIONS."""
+    log_std_init: float = 0.0
+    """A Gaussian head's log-std at the start."""
+    ortho_init: bool = True
+    """Orthogonal init with SB3's gains; else PyTorch's default for a Linear layer."""
+
+    def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r}: one of {', '.join(ACTIVATIONS)}")
+
+
 def init_params(
     obs_dim: int,
     action: ActionSpace,
     hidden: tuple[int, ...] = (64, 64),
     rng: np.random.Generator | None = None,
+    net: Net | None = None,
 ) -> Params:
-    """SB3-style init: gain sqrt(2) hidden, 0.01 policy head, 1.0 value head, zero biases.
+    """SB3-style init: gain sqrt(2) hidden, 0.01 policy head, 1.0 value head, zero biases (or,
+    without ``net.ortho_init``, PyTorch's default for a Linear layer, as SB3's
+    ``ortho_init=False``); ``log_std`` at ``net.log_std_init``.
 
     The tiny policy-head gain starts the policy near uniform / zero-mean, which is a large part
     of why SB3's PPO is sample-efficient on CartPole.
     """
     rng = np.random.default_rng() if rng is None else rng
+    net = Net() if net is None else net
     params: Params = {}
     for prefix, out_dim, out_gain in (("pi", action.dim, 0.01), ("vf", 1, 1.0)):
         sizes = (obs_dim, *hidden, out_dim)
         for i in range(len(sizes) - 1):
-            gain = out_gain if i == len(sizes) - 2 else math.sqrt(2.0)
-            params[f"{prefix}.{i}.w"] = _orthogonal(rng, sizes[i], sizes[i + 1], gain)
-            params[f"{prefix}.{i}.b"] = np.zeros(sizes[i + 1])
+            w, b = f"{prefix}.{i}.w", f"{prefix}.{i}.b"
+            if net.ortho_init:
+                gain = out_gain if i == len(sizes) - 2 else math.sqrt(2.0)
+                params[w] = _orthogonal(rng, sizes[i], sizes[i + 1], gain)
+                params[b] = np.zeros(sizes[i + 1])
+            else:  # torch.nn.Linear's: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for both
+                bound = 1.0 / math.sqrt(sizes[i])
+                params[w] = rng.uniform(-bound, bound, (sizes[i], sizes[i + 1]))
+                params[b] = rng.uniform(-bound, bound, sizes[i + 1])
     if action.kind == "box":
-        params["log_std"] = np.zeros(action.dim)
+        params["log_std"] = np.full(action.dim, float(net.log_std_init))
+    if net.activation == "relu":
+        params[RELU] = np.zeros(1)
     return params
 
 
 def layout(
-    obs_dim: int, action: ActionSpace, hidden: tuple[int, ...]
+    obs_dim: int, action: ActionSpace, hidden: tuple[int, ...], relu: bool = False
 ) -> dict[str, tuple[int, ...]]:
-    """Every parameter's name and shape for these spaces and hidden widths, as `init_params`
-    makes them."""
+    """Every parameter's name and shape for these spaces, hidden widths and activation, as
+    `init_params` makes them."""
     shapes: dict[str, tuple[int, ...]] = {}
     for prefix, out_dim in (("pi", action.dim), ("vf", 1)):
         sizes = (obs_dim, *hidden, out_dim)
@@ -81,6 +116,8 @@ def layout(
             shapes[f"{prefix}.{i}.b"] = (sizes[i + 1],)
     if action.kind == "box":
         shapes["log_std"] = (action.dim,)
+    if relu:
+        shapes[RELU] = (1,)
     return shapes
 
 
@@ -153,8 +190,10 @@ def _mlp(
     x: np.ndarray,
     inputs: list[np.ndarray] | None = None,
 ) -> np.ndarray:
-    """tanh MLP with a linear last layer; appends each layer's input to ``inputs`` if given."""
+    """tanh (or ReLU) MLP with a linear last layer; appends each layer's input to ``inputs``
+    if given."""
     n = _n_layers(params, prefix)
+    relu = RELU in params
     h = x
     for i in range(n):
         if inputs is not None:
@@ -163,7 +202,7 @@ def _mlp(
         if z.dtype != np.float64:  # a float32 first layer (for_inference): float64 from here on
             z = z.astype(np.float64)
         z += params[f"{prefix}.{i}.b"]
-        h = np.tanh(z, out=z) if i < n - 1 else z
+        h = (np.maximum(z, 0.0, out=z) if relu else np.tanh(z, out=z)) if i < n - 1 else z
     return h
 
 
@@ -176,12 +215,14 @@ def _mlp_backward(
 ) -> None:
     """Backprop ``g_out`` (dLoss/d output) through the MLP whose layer inputs were recorded."""
     g = g_out
+    relu = RELU in params
     for i in reversed(range(len(inputs))):
         h_in = inputs[i]
         grads[f"{prefix}.{i}.w"] = h_in.T @ g
         grads[f"{prefix}.{i}.b"] = g.sum(axis=0)
-        if i > 0:  # h_in is the tanh output of layer i-1, so tanh' = 1 - h_in^2
-            g = (g @ params[f"{prefix}.{i}.w"].T) * (1.0 - h_in * h_in)
+        if i > 0:  # h_in is layer i-1's output: tanh' = 1 - h_in^2, relu' = [h_in > 0]
+            g = g @ params[f"{prefix}.{i}.w"].T
+            g *= (h_in > 0.0) if relu else (1.0 - h_in * h_in)
 
 
 def forward(params: Mapping[str, np.ndarray], obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -435,7 +476,7 @@ def ppo_loss_and_grads(
     with r = exp(logp - old_logp). ``advantages`` are used as given (normalise before calling).
     With ``clip_range_vf`` the value term is mean(max((R - V)^2, (R - V_clip)^2)), V_clip the
     ``old_values`` moved at most that far towards V (SB3's clip_range_vf, CleanRL's clip_vloss).
-    Returns (stats, grads) with grads keyed exactly like ``params``.
+    Returns (stats, grads) with grads keyed exactly like ``params`` (RELU aside: untrained).
     """
     x = _flat_obs(obs)
     b = x.shape[0]
@@ -511,6 +552,7 @@ class Adam:
         self.t = 0
         self.m: Params = {}
         self.v: Params = {}
+        self._work: Params = {}
 
     def step(
         self, params: Params, grads: Mapping[str, np.ndarray], lr: float | None = None
@@ -527,11 +569,22 @@ class Adam:
                 m = self.m[key] = np.zeros_like(params[key])
                 self.v[key] = np.zeros_like(params[key])
             v = self.v[key]
+            work = self._work.get(key)
+            if work is None or work.shape != (2, *m.shape):
+                work = self._work[key] = np.empty((2, *m.shape))
+            # In place through scratch arrays, the same operations in the same order as
+            # `step_size * m / (sqrt(v) / sqrt_bc2 + eps)`: a temporary of a 256x256 layer is
+            # mmap'd and page-faulted afresh on every step, which made this half an update.
+            a, b = work[0], work[1]
             m *= b1
-            m += (1.0 - b1) * g
+            m += np.multiply(1.0 - b1, g, out=a)
             v *= b2
-            v += (1.0 - b2) * (g * g)
-            params[key] -= step_size * m / (np.sqrt(v) / sqrt_bc2 + self.eps)
+            v += np.multiply(1.0 - b2, np.multiply(g, g, out=a), out=a)
+            np.sqrt(v, out=a)
+            a /= sqrt_bc2
+            a += self.eps
+            np.divide(np.multiply(step_size, m, out=b), a, out=a)
+            params[key] -= a
 
 
 # --------------------------------------------------------------------------------------------
@@ -576,7 +629,8 @@ class MLPPolicy(Policy):
             return "parameters must be float arrays"
         if "pi.0.w" not in params or "vf.0.w" not in params:
             return "not MLP parameters: no pi.0.w or vf.0.w"
-        want = layout(spaces.flat_dim(self.spec), self.action, hidden_sizes(params))
+        want = layout(spaces.flat_dim(self.spec), self.action, hidden_sizes(params),
+                      RELU in params)
         missing = [name for name in want if name not in params]
         unexpected = [name for name in params if name not in want]
         if missing or unexpected:

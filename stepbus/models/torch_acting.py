@@ -111,8 +111,8 @@ class Choose(nn.Module):
 
 class MLPActing(nn.Module):
     """The numpy MLP's greedy act on its own weights: observations flattened as
-    `spaces.flatten` does (categorical leaves one-hot), tanh layers, the (masked) log-softmax's
-    argmax per dimension or the Gaussian's mean."""
+    `spaces.flatten` does (categorical leaves one-hot), tanh (or ReLU) layers, the (masked)
+    log-softmax's argmax per dimension or the Gaussian's mean."""
 
     def __init__(self, spec: p.SpaceSpec, params: Mapping[str, np.ndarray],
                  stats: Stats | None) -> None:
@@ -120,6 +120,7 @@ class MLPActing(nn.Module):
         self.spec, self.action = spec, action_space(spec)
         self.normalise, self.choose = Normalise(stats), Choose(self.action)
         self.layers = mlp._n_layers(params, "pi")
+        self.relu = mlp.RELU in params
         for i in range(self.layers):
             for part in ("w", "b"):
                 self.register_buffer(f"{part}{i}", torch.from_numpy(
@@ -130,7 +131,7 @@ class MLPActing(nn.Module):
         h = flatten(self.spec, obs, buffer(self, "w0").dtype)
         for i in range(self.layers):
             z = (h @ buffer(self, f"w{i}")).double() + buffer(self, f"b{i}")
-            h = torch.tanh(z) if i < self.layers - 1 else z
+            h = (torch.relu(z) if self.relu else torch.tanh(z)) if i < self.layers - 1 else z
         if not self.action.categorical:
             return self.choose.box(h)
         mask = mask_of(self.spec, obs)
