@@ -31,9 +31,12 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from stepbus.bus import wiring
+
+if TYPE_CHECKING:
+    from stepbus.bus.forkserver import Forked, ForkServer
 
 PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 5.0  # from SIGTERM to SIGKILL, for a whole group
@@ -128,11 +131,16 @@ def _carries(entry: Path, needle: bytes | None) -> bool:
     return False
 
 
-class Child:
-    """One started process: its name, its Popen, the file its output goes to (if any)."""
+Process = TypeVar("Process", "subprocess.Popen[Any]", "Forked")
 
-    def __init__(self, name: str, popen: subprocess.Popen, log_path: Path | None) -> None:
-        self.name, self.popen, self.log_path = name, popen, log_path
+
+class Child(Generic[Process]):
+    """One started process: its name, its Popen (or a fork server's `Forked`), the file its
+    output goes to (if any)."""
+
+    def __init__(self, name: str, popen: Process, log_path: Path | None) -> None:
+        self.name, self.log_path = name, log_path
+        self.popen: Process = popen
 
     @property
     def pid(self) -> int:
@@ -168,18 +176,30 @@ class Group:
     `strays` finds what they started elsewhere; `tag_var`: an environment variable every
     process gets with this group's own value, found the same way."""
 
-    def __init__(self, dir: Path | None = None, tag_var: str = "") -> None:
+    def __init__(self, dir: Path | None = None, tag_var: str = "",
+                 forkserver: ForkServer | None = None) -> None:
+        """`forkserver`: where `start_role` forks its roles from (bus/forkserver.py) instead
+        of starting an interpreter for each."""
+        if tag_var and forkserver is not None:
+            raise ValueError("a forked process's /proc/PID/environ is its server's: a group "
+                             "with a fork server finds strays by its directory, not a tag")
         self.dir = dir
         self.tag = (tag_var, uuid.uuid4().hex) if tag_var else None
-        self.procs: list[Child] = []
+        self.procs: list[Child[Any]] = []
+        self.forkserver = forkserver
 
-    def start(self, argv: Sequence[str], *, name: str = "", log: Path | None = None,
-              env: Mapping[str, str] | None = None, **popen: Any) -> Child:
-        """`argv` started in the group (see `spawn`), in the group's directory unless `cwd` is
-        given, its stdout and stderr written to `log` if given."""
+    def _env(self, env: Mapping[str, str] | None) -> dict[str, str]:
         child_env = dict(os.environ if env is None else env)
         if self.tag is not None:
             child_env[self.tag[0]] = self.tag[1]
+        return child_env
+
+    def start(self, argv: Sequence[str], *, name: str = "", log: Path | None = None,
+              env: Mapping[str, str] | None = None, **popen: Any
+              ) -> Child[subprocess.Popen[Any]]:
+        """`argv` started in the group (see `spawn`), in the group's directory unless `cwd` is
+        given, its stdout and stderr written to `log` if given."""
+        child_env = self._env(env)
         popen.setdefault("cwd", self.dir)
         if log is None:
             process = spawn(argv, env=child_env, **popen)
@@ -193,9 +213,15 @@ class Group:
 
     def start_role(self, role: str, *args: str, name: str = "", log: Path | None = None,
                    env: Mapping[str, str] | None = None, prefix: Sequence[str] = (),
-                   **popen: Any) -> Child:
+                   **popen: Any) -> Child[Any]:
         """A stepbus role; `prefix`: a command that runs it, e.g. ("ip", "netns", "exec", NS).
         Its stdin is /dev/null unless told: no role reads it, and it may be a terminal."""
+        if self.forkserver is not None and not prefix and not popen:
+            process = self.forkserver.start([role, *args], env=self._env(env),
+                                            cwd=self.dir or Path.cwd(), log=log)
+            child = Child(name or role, process, log)
+            self.procs.append(child)
+            return child
         popen.setdefault("stdin", subprocess.DEVNULL)
         return self.start([*prefix, *role_command(role, *args)], name=name or role, log=log,
                           env=env, **popen)

@@ -1,0 +1,88 @@
+"""The fork server the suite starts its roles from (bus/forkserver.py): a forked role is a
+process of its own as `python -m stepbus ROLE` is (session, working directory, environment,
+PYTHONPATH, log, exit code or signal), and none outlives the server. (Its /proc/PID/environ
+is the server's: a forked process never execs, so the kernel's copy is not its own.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import wait_for
+
+from stepbus.bus import launch
+from stepbus.bus.forkserver import ForkServer
+
+
+@pytest.fixture
+def server() -> Iterator[ForkServer]:
+    forks = ForkServer()
+    try:
+        yield forks
+    finally:
+        forks.close()
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """ipc:// paths must stay short: not pytest's tmp_path."""
+    with tempfile.TemporaryDirectory(prefix="sb-") as name:
+        yield Path(name)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_setting_error_is_its_exit_2_and_its_line_in_the_log(server: ForkServer,
+                                                                short_dir: Path) -> None:
+    group = launch.Group(short_dir, forkserver=server)
+    bad = group.start_role("worker", "--controller", "notanendpoint", log=short_dir / "w.log",
+                           env=launch.environment({}))
+    assert bad.wait(30) == 2
+    assert "notanendpoint" in bad.output() and "Traceback" not in bad.output()
+
+
+def test_a_forked_role_has_its_own_session_directory_environment_and_path(
+        server: ForkServer, short_dir: Path) -> None:
+    address = f"ipc://{short_dir}/controller"
+    # an env module only the child's PYTHONPATH holds, which says when the worker made it
+    (short_dir / "marked_env.py").write_text(
+        "import os, pathlib, gymnasium\n"
+        "def make(**kwargs):\n"
+        "    pathlib.Path('made').write_text(os.environ['MARK'] + ' ' + os.getcwd())\n"
+        "    return gymnasium.make('CartPole-v1')\n")
+    env = launch.environment({"controller": address},
+                             extra={"PYTHONPATH": str(short_dir), "MARK": "forked"})
+    group = launch.Group(short_dir, forkserver=server)
+    controller = group.start_role("controller", log=short_dir / "c.log", env=env)
+    wait_for(lambda: (short_dir / "controller").exists(), 30, "the controller's socket")
+    assert os.getsid(controller.pid) == controller.pid != os.getsid(0)
+    assert Path(f"/proc/{controller.pid}/cwd").resolve() == short_dir.resolve()
+    worker = group.start_role("worker", "--env", "marked_env:make", "--envs-per-worker", "1",
+                              log=short_dir / "w.log", env=env)
+    wait_for(lambda: (short_dir / "made").exists() or worker.poll() is not None, 30,
+             "the worker to make its env")
+    assert worker.poll() is None, worker.output()
+    assert (short_dir / "made").read_text() == f"forked {short_dir}"
+    controller.signal(signal.SIGKILL)
+    assert controller.wait(10) == -signal.SIGKILL
+    group.stop()
+    assert worker.poll() is not None
+
+
+def test_no_child_outlives_the_server(short_dir: Path) -> None:
+    forks = ForkServer()
+    group = launch.Group(short_dir, forkserver=forks)
+    env = launch.environment({"controller": f"ipc://{short_dir}/controller"})
+    controller = group.start_role("controller", log=short_dir / "c.log", env=env)
+    wait_for(lambda: (short_dir / "controller").exists(), 30, "the controller's socket")
+    forks.close()
+    wait_for(lambda: not alive(controller.pid), 10, "the controller to end with its server")
