@@ -5,10 +5,12 @@ one's final policy, and the curves of training return against wall time and env 
     python benchmarks/learning.py --env HalfCheetah-v5 --preset halfcheetah --minutes 15
     python benchmarks/learning.py --env Hopper-v5 --preset hopper --minutes 15
     python benchmarks/learning.py --env Pendulum-v1 --preset pendulum --minutes 3
+    python benchmarks/learning.py --env Acrobot-v1 --preset acrobot --minutes 3
 
 stepbus: the repository's Procfile (honcho start, five processes, one worker of one env unless
-the preset says more) with `STEPBUS_PRESET`, stopped at the budget (the learner checkpoints
-every 0.1 s); its checkpoint is played greedily (the Gaussian's mean, clipped to the bounds)
+the preset says more) with `STEPBUS_PRESET` and no goal (`STEPBUS_TARGET_RETURN=0`: the env's
+reward_threshold would end the run early), stopped at the budget or at the preset's
+max_env_steps (the learner checkpoints every 0.1 s); its checkpoint is played greedily (the Gaussian's mean, clipped to the bounds)
 with the observation statistics of its last version.
 
 SB3: PPO in a child interpreter with rl-zoo's hyperparameters for the env (hyperparams/ppo.yml,
@@ -49,6 +51,8 @@ RL_ZOO: dict[str, dict[str, Any]] = {
                   "learning_rate": 9.80828e-05, "ent_coef": 0.00229519, "clip_range": 0.2,
                   "n_epochs": 5, "gae_lambda": 0.99, "max_grad_norm": 0.7,
                   "vf_coef": 0.835671},
+    "Acrobot-v1": {"normalize": True, "n_envs": 16, "n_steps": 256, "gae_lambda": 0.94,
+                   "gamma": 0.99, "n_epochs": 4, "ent_coef": 0.0},
     "Pendulum-v1": {"normalize": False, "n_envs": 4, "n_steps": 1024, "gae_lambda": 0.95,
                     "gamma": 0.9, "n_epochs": 10, "ent_coef": 0.0, "learning_rate": 1e-3,
                     "clip_range": 0.2, "batch_size": 64},  # rl-zoo's gSDE left out, as ours
@@ -63,7 +67,9 @@ def stepbus_run(env_id: str, preset: str, seconds: float, seed: int) -> dict[str
     work = Path(tempfile.mkdtemp(prefix="sb-learn-"))
     try:
         env = in_work_dir(work, seed, {})
-        env.update({"STEPBUS_PRESET": preset, "STEPBUS_ENV": env_id})
+        # the budget ends it, as SB3's: not the env's reward_threshold (the default goal)
+        env.update({"STEPBUS_PRESET": preset, "STEPBUS_ENV": env_id,
+                    "STEPBUS_TARGET_RETURN": "0"})
         honcho = shutil.which("honcho", path=env["PATH"]) or "honcho"
         rc, wall, _, err = run_tagged([honcho, "start"], env, work, seconds)
         runs = [d for d in (work / "runs").glob("*") if d.is_dir() and not d.is_symlink()]
