@@ -10,8 +10,8 @@ one's final policy, and the curves of training return against wall time and env 
 stepbus: the repository's Procfile (honcho start, five processes, one worker of one env unless
 the preset says more) with `STEPBUS_PRESET` and no goal (`STEPBUS_TARGET_RETURN=0`: the env's
 reward_threshold would end the run early), stopped at the budget or at the preset's
-max_env_steps (the learner checkpoints every 0.1 s); its checkpoint is played greedily (the Gaussian's mean, clipped to the bounds)
-with the observation statistics of its last version.
+max_env_steps (the learner checkpoints every 0.1 s); its checkpoint is played greedily (the
+Gaussian's mean, clipped to the bounds) with the observation statistics of its last version.
 
 SB3: PPO in a child interpreter with rl-zoo's hyperparameters for the env (hyperparams/ppo.yml,
 as `RL_ZOO` below; VecNormalize of observations and rewards where rl-zoo normalises), one env

@@ -31,12 +31,9 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from stepbus.bus import wiring
-
-if TYPE_CHECKING:
-    from stepbus.bus.forkserver import Forked, ForkServer
 
 PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 5.0  # from SIGTERM to SIGKILL, for a whole group
@@ -131,12 +128,20 @@ def _carries(entry: Path, needle: bytes | None) -> bool:
     return False
 
 
-Process = TypeVar("Process", "subprocess.Popen[Any]", "Forked")
+Process = TypeVar("Process")  # a subprocess.Popen, or what a RoleStarter returns
+
+
+class RoleStarter(Protocol):
+    """Where a group may start its roles from instead of an interpreter each: a fork server
+    (bus/forkserver.py's ForkServer, which imports this module)."""
+
+    def start(self, argv: Sequence[str], *, env: Mapping[str, str],
+              cwd: str | os.PathLike[str], log: Path | None) -> Any: ...
 
 
 class Child(Generic[Process]):
-    """One started process: its name, its Popen (or a fork server's `Forked`), the file its
-    output goes to (if any)."""
+    """One started process: its name, its Popen (or what a fork server answers for one), the
+    file its output goes to (if any)."""
 
     def __init__(self, name: str, popen: Process, log_path: Path | None) -> None:
         self.name, self.log_path = name, log_path
@@ -177,7 +182,7 @@ class Group:
     process gets with this group's own value, found the same way."""
 
     def __init__(self, dir: Path | None = None, tag_var: str = "",
-                 forkserver: ForkServer | None = None) -> None:
+                 forkserver: RoleStarter | None = None) -> None:
         """`forkserver`: where `start_role` forks its roles from (bus/forkserver.py) instead
         of starting an interpreter for each."""
         if tag_var and forkserver is not None:

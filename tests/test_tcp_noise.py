@@ -460,8 +460,13 @@ def learning_goes_on_through_raw_connections(cluster: Cluster, assembler: Proc,
     cluster.start("worker", "--name", "w0")
     cluster.start("learner", "--target-return", "0", *EVERY_UPDATE)  # records are updates
     wait_for(lambda: len(cluster.metrics()) >= 3, 60, "the learner's third policy update")
+    # Figures from a heartbeat the assembler sent after that update, and so after the
+    # learner's handshake: a learner started in milliseconds updates within one heartbeat.
+    seen = rows_by_role(cluster)["assembler"]
+    before = wait_for(lambda: (a := rows_by_role(cluster)["assembler"])["uptime_s"]
+                      >= seen["uptime_s"] + seen["last_heartbeat_s"] + 0.2 and a, 10,
+                      "the assembler's figures from after the third update", interval=0.5)
     asked = time.monotonic()
-    before = rows_by_role(cluster)["assembler"]
     lines_before = assembler.output().count("a learner connected")
     work = [(port, i) for i in range(RAW_CONNECTIONS_PER_PORT) for port in ports]
     with ThreadPoolExecutor(8) as pool:
