@@ -128,7 +128,19 @@ def _carries(entry: Path, needle: bytes | None) -> bool:
     return False
 
 
-Process = TypeVar("Process")  # a subprocess.Popen, or what a RoleStarter returns
+class Running(Protocol):
+    """What a group needs of a started process: a subprocess.Popen, or a fork server's
+    stand-in for one."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+Process = TypeVar("Process", bound=Running)
 
 
 class RoleStarter(Protocol):
@@ -136,7 +148,7 @@ class RoleStarter(Protocol):
     (bus/forkserver.py's ForkServer, which imports this module)."""
 
     def start(self, argv: Sequence[str], *, env: Mapping[str, str],
-              cwd: str | os.PathLike[str], log: Path | None) -> Any: ...
+              cwd: str | os.PathLike[str], log: Path | None) -> Running: ...
 
 
 class Child(Generic[Process]):
