@@ -55,6 +55,7 @@ class Credit:
     baseline: int = 0
     consumed: int = 0
     trainer: str = ""
+    run: str = ""  # the run the current trainer incarnation learns for ("": it did not say)
     batch_steps: int = 256
     topups: int = 0
     extra: int = 0  # granted by top-ups; doubles, so a far too small window grows in few steps
@@ -84,12 +85,12 @@ class Credit:
         return self.start + consumed_steps
 
     def report(self, incarnation: str, consumed_steps: int, batch_steps: int,
-               starving: bool, checkpointed_steps: int = 0) -> str:
+               starving: bool, checkpointed_steps: int = 0, run: str = "") -> str:
         """Take in what a trainer's WEIGHTS message says. Returns how a trainer incarnation
         not heard before was connected ("continues", "afresh"; "" for a known one)."""
         connected = ""
         if incarnation != self.trainer:
-            connected = self.connect(incarnation, consumed_steps)
+            connected = self.connect(incarnation, consumed_steps, run)
         self.consumed, self.batch_steps, self.starving = consumed_steps, batch_steps, starving
         self.checkpointed = checkpointed_steps
         if self.outstanding() < 0:
@@ -98,13 +99,18 @@ class Credit:
             self.top_up()
         return connected
 
-    def connect(self, incarnation: str, consumed_steps: int) -> str:
-        """A new trainer incarnation continues the last one's scale if its count fits it: at
-        least where the last one started and what the last one's newest checkpoint held (it
-        resumed that checkpoint, which only grows), and at most what we stepped. Otherwise (the
-        first trainer we hear, one of another run, or one that started a run of its own, at 0,
-        while its predecessor had checkpointed) its count starts where we are now."""
-        continues = bool(self.trainer) and (
+    def connect(self, incarnation: str, consumed_steps: int, run: str = "") -> str:
+        """A new trainer incarnation continues the last one's scale if it learns for the same
+        run (`run`, its run directory's id; a trainer that names none is judged by its count
+        alone) and its count fits it: at least where the last one started and what the last
+        one's newest checkpoint held (it resumed that checkpoint, which only grows), and at
+        most what we stepped. Otherwise (the first trainer we hear, one of another run, or one
+        that started a run of its own, at 0, while its predecessor had checkpointed) its count
+        starts where we are now. The run tells apart what counts cannot: a learner of another
+        run whose count happens to fit, as one at 0 after a predecessor that was killed
+        between its first checkpoint and the WEIGHTS that would have said so."""
+        same_run = not (run and self.run) or run == self.run
+        continues = bool(self.trainer) and same_run and (
             max(self.first_consumed, self.checkpointed) <= consumed_steps
             <= self.produced - self.start)
         if not continues:
@@ -113,6 +119,7 @@ class Credit:
             self.start = self.baseline = self.produced - consumed_steps
             self.granted = 0
         self.trainer, self.first_consumed, self.extra = incarnation, consumed_steps, 0
+        self.run = run
         return "continues" if continues else "afresh"
 
     def settle_overshoot(self) -> None:

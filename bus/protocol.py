@@ -73,9 +73,10 @@ import numpy as np
 from stepbus.bus import rows
 from stepbus.bus.rows import Obs
 
-PROTOCOL_VERSION = 9  # 2: RUN_STATE's horizon; 3: SpaceSpec's goal; 4: every Gymnasium space;
+PROTOCOL_VERSION = 10  # 2: RUN_STATE's horizon; 3: SpaceSpec's goal; 4: every Gymnasium space;
 # 5: vector envs (RESET's seeds, rows and modes, the relay's kinds); 6: WEIGHTS' checkpointed_steps;
-# 7: SpaceSpec's goal_note; 8: EVAL_RESULT; 9: env infos (RESET's infos, STEP_RESULT's)
+# 7: SpaceSpec's goal_note; 8: EVAL_RESULT; 9: env infos (RESET's infos, STEP_RESULT's);
+# 10: WEIGHTS' run
 
 # Decoding cost grows with the header's bytes and its lists and maps (each one allocated,
 # checked, freed), so both are bounded: any header, valid or not, decodes in at most 3 to 4
@@ -824,8 +825,8 @@ class EnvSpec(Message):
 class Weights(Message):
     """Versioned policy parameters. `consumed_steps` (env steps this trainer incarnation has
     received) is the credit that lets the broker keep stepping: see the broker's flow control.
-    `checkpointed_steps` (the count its newest checkpoint holds) tells the broker whether the
-    next trainer resumed that checkpoint or started a run of its own."""
+    `checkpointed_steps` (the count its newest checkpoint holds) and `run` tell the broker
+    whether the next trainer resumed that checkpoint or learns for a run of its own."""
 
     KIND: ClassVar[Kind] = Kind.WEIGHTS
     trainer: str
@@ -837,6 +838,7 @@ class Weights(Message):
     starving: bool
     params: ArrayMap
     checkpointed_steps: int = 0
+    run: str = ""  # the run directory's id: a successor that resumed the checkpoint shares it
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,26 @@ def test_a_trainer_at_0_after_its_predecessor_checkpointed_started_a_run_of_its_
     assert credit.outstanding() == 200 and credit.rebases == 1
 
 
+def test_a_trainer_of_another_run_counts_afresh_even_where_its_count_fits() -> None:
+    """Counts alone take a learner of another run for a successor when its count fits: one at
+    0 after a predecessor that was killed between its first checkpoint and the WEIGHTS that
+    would have said so, or one that resumed another run's checkpoint of a similar count. The
+    run its WEIGHTS name tells them apart; a trainer that names none is judged by its count."""
+    credit = Credit(max_steps_ahead=300)
+    assert credit.report("l1", 0, 100, False, run="run-a") == "afresh"
+    credit.produced = 1000
+    credit.report("l1", 900, 100, False, checkpointed_steps=0, run="run-a")
+    assert credit.report("other", 0, 100, False, run="run-b") == "afresh"
+    assert credit.outstanding() == 0 and credit.rebases == 1
+    credit.produced = 1200
+    credit.report("other", 150, 100, False, run="run-b")
+    assert credit.report("its-successor", 150, 100, False, run="run-b") == "continues"
+    assert credit.report("back-to-a", 150, 100, False, run="run-a") == "afresh"
+    assert credit.rebases == 2
+    assert credit.report("unnamed", 150, 100, False) == "continues", "judged by its count"
+    assert credit.rebases == 2
+
+
 def test_steps_taken_as_lost_by_a_top_up_that_arrive_after_all_are_taken_back_first() -> None:
     credit = Credit(max_steps_ahead=300)
     credit.report("l1", 0, 100, False)

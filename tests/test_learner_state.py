@@ -80,7 +80,7 @@ class Bench:
         self.learner = learner.Learner(
             self.cfg, model, progress, run_dir, self.out,
             logging.getLogger("test.learner"), name="t0", incarnation=incarnation,
-            newest_version=newest_version, env=spec, clock=self.clock)
+            newest_version=newest_version, env=spec, clock=self.clock, run=run_dir.name)
 
     def deliver(self, *msgs: p.Message) -> None:
         """Each message as the loop hands it over, then the loop's tick until it has no more
@@ -501,13 +501,15 @@ def test_a_successor_receipts_again_what_the_checkpoint_held_and_does_not_count_
     assert saved(tmp_path)["env_steps"] == 4 * STEPS and saved(tmp_path)["episodes"] == 4
     assert first.weights()[-1].checkpointed_steps == 0, "the update's weights precede it"
     first.learner.publish()  # its next weights, as a republish on a quiet link or the next update
-    assert first.weights()[-1].checkpointed_steps == 4 * STEPS, "so the broker knows a successor"
+    said = first.weights()[-1]
+    assert said.checkpointed_steps == 4 * STEPS, "so the broker knows a successor"
     first.learner.metrics.close()  # killed before its receipts went out
     assert first.receipts() == [] and len(first.records()) == 1
     second = Bench(tmp_path, newest_version=2, incarnation="i2")
     (hello,) = second.weights()
     assert hello.consumed_steps == 4 * STEPS, "the run's count: the broker's scale continues"
     assert hello.checkpointed_steps == 4 * STEPS, "the checkpoint it resumed"
+    assert hello.run == said.run == tmp_path.name, "the same run, said"
     # The assembler never heard of the receipt: it sends all five again.
     second.deliver(*(trajectory(seq, ret=10.0) for seq in range(4)), trajectory(4))
     assert second.learner.counts.duplicates == 4 and second.learner.counts.trajectories == 1

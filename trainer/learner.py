@@ -287,17 +287,18 @@ class Learner(node.Process):
                  newest_version: int = 0, slot: SlotBeat | None = None,
                  controller_beat: Callable[[float], object] | None = None,
                  rejects: node.RejectLog | None = None, env: p.EnvSpec | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, run: str = "") -> None:
         """Starts the next generation of the run, at a version above its checkpoint's and
         `newest_version` (the broker's newest); checkpoints and publishes at once, so the next
         learner's generation is above this one's even if it dies now. `env`: what the
-        workers declared (its reward_threshold is the default target return)."""
+        workers declared (its reward_threshold is the default target return); `run`: the run
+        directory's id, which its WEIGHTS carry."""
         super().__init__(ports, log, name=name, clock=clock)
         if rejects is not None:  # with what was refused while setting up
             self.rejects = rejects
         cfg = resume.go_on(cfg, progress, goal(cfg, env)[0], log)  # a solved run, a new goal
         self.cfg, self.model, self.progress = cfg, model, progress
-        self.incarnation, self.controller_beat = incarnation, controller_beat
+        self.incarnation, self.controller_beat, self.run = incarnation, controller_beat, run
         self.slot = slot or SlotBeat()
         progress.generation += 1
         progress.version = max(progress.version, newest_version) + 1
@@ -556,7 +557,7 @@ class Learner(node.Process):
             trainer=self.name, incarnation=self.incarnation, policy=self.cfg.policy_name,
             version=self.progress.version, consumed_steps=self.steps_taken,
             batch_steps=self.cfg.ppo.batch_steps, starving=starving,
-            params=self.weights(), checkpointed_steps=self.checkpointed_steps)
+            params=self.weights(), checkpointed_steps=self.checkpointed_steps, run=self.run)
         self.send(PortName.POLICY, weights)
         if weights.version > self.evaluation.offered:
             self.evaluation.offered = weights.version
@@ -971,7 +972,7 @@ def _start(setup: LearnerSetup, run_dir: Path, env_spec: p.EnvSpec) -> Learner:
     return Learner(cfg, model, progress, policy_dir, setup.ports, setup.log, name=setup.name,
                    incarnation=setup.incarnation, newest_version=env_spec.policy_version,
                    slot=setup.slot, controller_beat=setup.controller_beat,
-                   rejects=setup.rejects, env=env_spec, clock=setup.clock)
+                   rejects=setup.rejects, env=env_spec, clock=setup.clock, run=run_dir.name)
 
 
 def checkpoint_name(models: policy.ModelConfig) -> str:
