@@ -9,11 +9,12 @@ traceback, hanging or loading something it should not."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -37,6 +38,7 @@ SAFETENSORS_DTYPES = frozenset({"BOOL", "U8", "I8", "I16", "I32", "I64", "F16", 
 MAX_TENSOR_BYTES = 1 << 30
 MAX_MODEL_TENSORS = 256
 MAX_TENSORS = 8 * MAX_MODEL_TENSORS
+RETRY_AFTER_FAILURE_S = 1.0  # a checkpoint that could not be written (a full disk) is tried again
 
 
 def save(path: Path, params: dict[str, np.ndarray], optimizer: dict[str, np.ndarray],
@@ -46,11 +48,22 @@ def save(path: Path, params: dict[str, np.ndarray], optimizer: dict[str, np.ndar
     arrays |= {f"optimizer/{k}": v for k, v in optimizer.items()}
     arrays["meta"] = np.frombuffer(json.dumps({"progress": progress}).encode(), dtype=np.uint8)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
+    with _removed_if_failed(tmp), open(tmp, "wb") as f:
         np.savez(f, **arrays)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _removed_if_failed(tmp: Path) -> Iterator[None]:
+    """A temp file a failed write leaves (a full disk) is removed: it would hold the space the
+    next try needs, and the last good checkpoint is untouched."""
+    try:
+        yield
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def refuse(path: Path, problem: str) -> NoReturn:
@@ -163,8 +176,9 @@ def save_torch(path: Path, model: Mapping[str, Any], optimizer: Mapping[str, Any
     tensors |= {f"optimizer/{k}": v.detach().cpu().contiguous().clone()
                 for k, v in optimizer.items()}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(tensors, str(tmp), metadata={"progress": json.dumps(progress)})
-    _replace_synced(tmp, path)
+    with _removed_if_failed(tmp):
+        save_file(tensors, str(tmp), metadata={"progress": json.dumps(progress)})
+        _replace_synced(tmp, path)
 
 
 def load_torch(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
@@ -226,22 +240,33 @@ class Unsaved:
     most every `interval_s`."""
 
     interval_s: float
-    last: float = -math.inf  # when the last checkpoint was written
+    last: float = -math.inf  # when the last checkpoint was written (or failed to be)
     since: float | None = None  # when the oldest learning not on disk was settled
     records: list[dict[str, Any]] = field(default_factory=list)
     written: int = 0  # checkpoints this learner wrote
     write_ms: float = 0.0  # how long the last one took
     held_ms: float = 0.0  # how long the last one's oldest learning waited for it
+    failed: int = 0  # writes that failed since the last one that did not (a full disk)
+    failures: int = 0  # writes that failed, in all
 
     def settled(self, now: float) -> float:
         """Learning (or a drop) happened that a checkpoint must hold; when that is due."""
         if self.since is None:
             self.since = now
-        return self.last + self.interval_s
+        return self.last + (self.interval_s if not self.failed else
+                            max(self.interval_s, RETRY_AFTER_FAILURE_S))
+
+    def failed_at(self, now: float) -> bool:
+        """A checkpoint could not be written at `now`: what waits for it goes on waiting, the
+        next try not before RETRY_AFTER_FAILURE_S. True for the first failure in a row."""
+        self.last = now
+        self.failed += 1
+        self.failures += 1
+        return self.failed == 1
 
     def wrote(self, began: float, now: float) -> list[dict[str, Any]]:
         """A checkpoint was written from `began` to `now`; the records it released."""
-        self.written += 1
+        self.written, self.failed = self.written + 1, 0
         self.write_ms = (now - began) * 1000
         self.held_ms = 0.0 if self.since is None else (now - self.since) * 1000
         self.last, self.since = now, None
@@ -250,4 +275,5 @@ class Unsaved:
 
     def figures(self) -> dict[str, float]:
         return {"checkpoints": self.written, "checkpoint_ms": round(self.write_ms, 2),
-                "checkpoint_held_ms": round(self.held_ms, 1)}
+                "checkpoint_held_ms": round(self.held_ms, 1),
+                "checkpoint_failures": self.failures}

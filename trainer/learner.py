@@ -211,6 +211,8 @@ class Counts:
     updates: int = 0
     trajectories: int = 0  # taken in
     duplicates: int = 0  # sent again after a disconnect, taken in already
+    records_lost: int = 0  # metrics records a full disk refused (left out whole)
+    records_lost_in_a_row: int = 0
 
 
 class Evaluations:
@@ -642,7 +644,7 @@ class Learner(node.Process):
         self.make_record()
         if self.unsaved.since is None:  # nothing settled waits for a checkpoint
             for record in self.unsaved.records:
-                self.metrics.write(record)
+                self.write_record(record)
             self.unsaved.records.clear()
 
     def flush_record(self) -> None:
@@ -664,13 +666,45 @@ class Learner(node.Process):
         if self.reward_scale is not None:
             progress.reward_norm = self.reward_scale.to_json()
         progress.rng = self.model.rng_state()
-        self.model.save(self.ckpt_path, dataclasses.asdict(progress))
+        try:
+            self.model.save(self.ckpt_path, dataclasses.asdict(progress))
+        except OSError as exc:  # a full disk: the last good checkpoint stays as it was
+            self.checkpoint_failed(exc, now)
+            return
+        if self.unsaved.failed:
+            self.log.warning("checkpoint %s written again after %d failed tries",
+                             self.ckpt_path, self.unsaved.failed)
         self.checkpointed_steps = progress.env_steps  # goes out with the next weights
         self.receipts.checkpointed()
         for record in self.unsaved.wrote(began, self.clock()):
-            self.metrics.write(record)
+            self.write_record(record)
         if self.receipts.learned:
             self.receipt_due()
+
+    def write_record(self, record: dict[str, Any]) -> None:
+        """Into metrics.jsonl and TensorBoard; a record a full disk refuses is left out whole
+        (counted, and said once while the disk stays full)."""
+        if self.metrics.write(record):
+            self.counts.records_lost_in_a_row = 0
+            return
+        self.counts.records_lost += 1
+        self.counts.records_lost_in_a_row += 1
+        if self.counts.records_lost_in_a_row == 1:
+            self.log.warning("cannot write a metrics record to %s (disk full?): left out "
+                             "whole, as the next ones until the disk takes them",
+                             self.metrics.jsonl.name)
+
+    def checkpoint_failed(self, exc: OSError, now: float) -> None:
+        """Learning goes on in memory; what waits for a checkpoint (receipts, so the
+        assembler keeps every trajectory not on disk, and metrics records) goes on waiting,
+        and with it, once the assembler's bound is reached, stepping: nothing is lost, and a
+        successor resumes the last good checkpoint. Tried again every second or so."""
+        if self.unsaved.failed_at(now):
+            self.log.warning("cannot write checkpoint %s (%s): the last good one stays; "
+                             "learning goes on in memory and receipts and metrics wait until "
+                             "a checkpoint is written, tried again every %g s",
+                             self.ckpt_path, exc, checkpoint.RETRY_AFTER_FAILURE_S)
+        self.checkpoint_due()
 
     def report(self, now: float) -> None:
         self.progress_log.maybe(self.progress.env_steps, self.mean_return(),

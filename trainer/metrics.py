@@ -10,10 +10,12 @@ TensorFlow nor torch.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -87,18 +89,36 @@ class MetricsFiles:
         MetricsFiles.preload()  # here: the CLI imports this module, too
         from tensorboardX import SummaryWriter
 
-        self.jsonl = (directory / "metrics.jsonl").open("a", buffering=1)
+        self.jsonl = (directory / "metrics.jsonl").open("ab", buffering=0)
         self.events = SummaryWriter(logdir=str(directory), flush_secs=FLUSH_S)
 
-    def write(self, record: dict[str, Any]) -> None:
-        self.jsonl.write(json.dumps(record) + "\n")
+    def write(self, record: dict[str, Any]) -> bool:
+        """The record's line and scalars; False if the disk refused the line (full), which
+        is then not in the file at all."""
+        if not append_whole(self.jsonl.fileno(), (json.dumps(record) + "\n").encode()):
+            return False
         step, walltime = int(record["env_steps"]), record.get("time")
         for _key, tag, value in scalars(record):
             self.events.add_scalar(tag, value, global_step=step, walltime=walltime)
+        return True
 
     def close(self) -> None:
         self.jsonl.close()
         self.events.close()
+
+
+def append_whole(fd: int, line: bytes) -> bool:
+    """`line` at the end of the file, whole or not at all: a write a full disk cuts short is
+    taken back, so a reader never finds a torn line. False if it was not written."""
+    start = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        if os.write(fd, line) == len(line):
+            return True
+    except OSError:
+        pass
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, start)
+    return False
 
 
 def scalars(record: dict[str, Any]) -> list[tuple[str, str, float]]:

@@ -1,0 +1,92 @@
+"""The checkpoint disk full (a small tmpfs, filled mid-run): the last good checkpoint stays
+intact and loadable, the learner says so in one line and goes on learning in memory while
+what waits for a checkpoint (receipts, metrics records) waits, and it writes the checkpoint
+as soon as the space returns; metrics.jsonl never holds a torn line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_learner_state import STEPS, Bench, saved, trajectory
+
+from stepbus.trainer import checkpoint, metrics
+
+
+@pytest.fixture
+def small_disk() -> Iterator[Path]:
+    """A 512 KiB tmpfs of its own (mounting needs root, as CI runs)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    where = Path(tempfile.mkdtemp(prefix="sb-disk-"))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+        where.rmdir()
+
+
+def fill(disk: Path) -> Path:
+    """Every free byte taken by one file."""
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return filler
+
+
+def test_a_full_disk_keeps_the_last_checkpoint_and_learning_waits_for_the_space(
+        small_disk: Path, caplog: pytest.LogCaptureFixture) -> None:
+    bench = Bench(small_disk)
+    bench.deliver(*(trajectory(seq) for seq in range(4)))  # an update, checkpointed
+    assert saved(small_disk)["env_steps"] == 4 * STEPS
+    filler = fill(small_disk)
+    with caplog.at_level(logging.WARNING):
+        bench.deliver(*(trajectory(seq) for seq in range(4, 12)))  # two updates, in memory
+        bench.later(checkpoint.RETRY_AFTER_FAILURE_S)  # tried again: still full
+    assert bench.learner.counts.updates == 3, "learning went on"
+    assert saved(small_disk)["env_steps"] == 4 * STEPS, "the last good checkpoint, loadable"
+    assert sorted(p.name for p in small_disk.iterdir()
+                  if p.name.endswith(".tmp")) == [], "no half-written file holds the space"
+    warnings = [r.getMessage() for r in caplog.records if "cannot write checkpoint" in r.message]
+    assert len(warnings) == 1, "said once while the disk stays full"
+    learned = {s for r in bench.receipts() for s in r.learned.tolist()}
+    assert learned == {0, 1, 2, 3}, "only what a checkpoint holds is receipted"
+    assert bench.learner.unsaved.failures >= 2
+
+    filler.unlink()
+    with caplog.at_level(logging.WARNING):
+        bench.later(checkpoint.RETRY_AFTER_FAILURE_S)
+    assert saved(small_disk)["env_steps"] == 12 * STEPS, "written as soon as the space is back"
+    assert any("written again" in r.getMessage() for r in caplog.records)
+    bench.later(1.0)
+    learned |= {s for r in bench.receipts() for s in r.learned.tolist()}
+    assert learned == set(range(12))
+    lines = (small_disk / "metrics.jsonl").read_bytes().split(b"\n")
+    assert lines[-1] == b"" and all(json.loads(line) for line in lines[:-1]), "no torn line"
+    bench.learner.metrics.close()
+
+
+def test_a_line_the_full_disk_cuts_short_is_taken_back_whole(small_disk: Path) -> None:
+    """The file's last page has 96 bytes free when the disk fills: a 200-byte line gets 96 of
+    them written, and is taken back, so the file ends with the last whole line."""
+    path = small_disk / "metrics.jsonl"
+    path.write_bytes(b"x" * 3999 + b"\n")
+    fill(small_disk)
+    with path.open("ab", buffering=0) as f:
+        assert not metrics.append_whole(f.fileno(), b"y" * 199 + b"\n")
+        assert path.stat().st_size == 4000 and path.read_bytes().endswith(b"x\n")
+        assert metrics.append_whole(f.fileno(), b"z\n"), "a line that fits the page goes in"
+    assert path.read_bytes().endswith(b"x\nz\n")
