@@ -57,7 +57,7 @@ def serve() -> None:
     os.set_blocking(wake_w, False)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     signal.set_wakeup_fd(wake_w)
-    pending = b""
+    pending, server = b"", os.getpid()
     while True:
         ready, _, _ = select.select([0, wake_r], [], [])
         if wake_r in ready:
@@ -73,7 +73,7 @@ def serve() -> None:
         for line in lines:
             pid = os.fork()
             if pid == 0:
-                _become(json.loads(line), (wake_r, wake_w))
+                _become(json.loads(line), (wake_r, wake_w), server)
             _reply({"pid": pid})
 
 
@@ -92,7 +92,7 @@ def _reap() -> None:
         _reply({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
-def _become(request: dict[str, Any], server_fds: tuple[int, int]) -> NoReturn:
+def _become(request: dict[str, Any], server_fds: tuple[int, int], server: int) -> NoReturn:
     """In the forked child: the role's process, as `python -m stepbus ARGV` would start."""
     from stepbus import entry
 
@@ -101,24 +101,27 @@ def _become(request: dict[str, Any], server_fds: tuple[int, int]) -> NoReturn:
     for fd in server_fds:
         os.close(fd)
     os.setsid()
-    launch.die_with_parent(os.getppid())
+    launch.die_with_parent(server)  # a server already gone is caught: the child leaves
     _redirect(request.get("log"))
+    # The server's own PYTHONPATH entries are judged from its directory, before the chdir.
+    _set_path(os.environ.get("PYTHONPATH", ""), request["env"].get("PYTHONPATH", ""),
+              request["cwd"])
     os.chdir(request["cwd"])
-    _set_path(os.environ.get("PYTHONPATH", ""), request["env"].get("PYTHONPATH", ""))
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = [str(Path(entry.__file__).with_name("__main__.py")), *request["argv"]]
     raise SystemExit(entry.main())
 
 
-def _set_path(server_pythonpath: str, pythonpath: str) -> None:
-    """sys.path as `python -m` makes it in the child's directory with its PYTHONPATH: the
-    working directory, then PYTHONPATH's entries, then the installation's (the server's own
-    first entries replaced)."""
+def _set_path(server_pythonpath: str, pythonpath: str, cwd: str) -> None:
+    """sys.path as `python -m` makes it in `cwd` with the child's PYTHONPATH: the working
+    directory, then PYTHONPATH's entries (relative ones from `cwd`), then the
+    installation's (the server's own first entries replaced). Called in the server's
+    directory, where its own relative entries were made absolute."""
     ours = {os.path.abspath(entry) for entry in server_pythonpath.split(os.pathsep) if entry}
     rest = [entry for entry in sys.path[1:] if os.path.abspath(entry) not in ours]
-    theirs = [os.path.abspath(entry) for entry in pythonpath.split(os.pathsep) if entry]
-    sys.path[:] = [os.getcwd(), *theirs, *rest]
+    theirs = [os.path.join(cwd, entry) for entry in pythonpath.split(os.pathsep) if entry]
+    sys.path[:] = [os.path.abspath(cwd), *map(os.path.normpath, theirs), *rest]
 
 
 def _redirect(log: str | None) -> None:
@@ -180,8 +183,13 @@ class ForkServer:
             with self._changed:
                 if not self._changed.wait_for(lambda: self._started or self._gone,
                                               START_TIMEOUT_S) or not self._started:
+                    self._gone = True  # a late reply would be taken for the next start's
+                    self.process.kill()
                     raise OSError("the fork server did not start the process")
                 pid = self._started.pop(0)
+                # A pid the kernel handed out again: the exit of its last holder (reported
+                # before the pid could be reused) is not this child's.
+                self._exits.pop(pid, None)
         return Forked(self, pid, [sys.executable, "-m", "stepbus", *argv])
 
     def returncode(self, pid: int, timeout: float | None) -> int | None:

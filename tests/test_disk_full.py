@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import wait_for
 from test_learner_state import STEPS, Bench, saved, trajectory
 
 from stepbus.trainer import checkpoint, metrics
@@ -90,3 +91,23 @@ def test_a_line_the_full_disk_cuts_short_is_taken_back_whole(small_disk: Path) -
         assert path.stat().st_size == 4000 and path.read_bytes().endswith(b"x\n")
         assert metrics.append_whole(f.fileno(), b"z\n"), "a line that fits the page goes in"
     assert path.read_bytes().endswith(b"x\nz\n")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_tensorboard_dead_of_a_full_disk_never_holds_the_learner_up(
+        small_disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tensorboardX's writer thread dies on the full disk; once the space is back, records
+    still go into metrics.jsonl at once (its bounded queue would have blocked the learner for
+    ever) and closing returns."""
+    monkeypatch.setattr(metrics, "FLUSH_S", 0.05)
+    files = metrics.MetricsFiles(small_disk)
+    record = {"env_steps": 1, "time": 0.0, "mean_return": 1.0, "loss": 0.5}
+    assert files.write(record) and files.events_alive()
+    filler = fill(small_disk)
+    wait_for(lambda: (files.events.add_scalar("x", 1.0) or not files.events_alive()), 10,
+             "the writer thread to die of the full disk", interval=0.05)
+    filler.unlink()
+    assert all(files.write({**record, "env_steps": i}) for i in range(2, 60))
+    files.close()
+    lines = (small_disk / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["env_steps"] for line in lines] == [1, *range(2, 60)]

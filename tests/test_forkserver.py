@@ -54,13 +54,14 @@ def test_a_forked_role_has_its_own_session_directory_environment_and_path(
         server: ForkServer, short_dir: Path) -> None:
     address = f"ipc://{short_dir}/controller"
     # an env module only the child's PYTHONPATH holds, which says when the worker made it
-    (short_dir / "marked_env.py").write_text(
+    (short_dir / "mods").mkdir()
+    (short_dir / "mods" / "marked_env.py").write_text(
         "import os, pathlib, gymnasium\n"
         "def make(**kwargs):\n"
         "    pathlib.Path('made').write_text(os.environ['MARK'] + ' ' + os.getcwd())\n"
         "    return gymnasium.make('CartPole-v1')\n")
     env = launch.environment({"controller": address},
-                             extra={"PYTHONPATH": str(short_dir), "MARK": "forked"})
+                             extra={"PYTHONPATH": "mods", "MARK": "forked"})  # from cwd
     group = launch.Group(short_dir, forkserver=server)
     controller = group.start_role("controller", log=short_dir / "c.log", env=env)
     wait_for(lambda: (short_dir / "controller").exists(), 30, "the controller's socket")

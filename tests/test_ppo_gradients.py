@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from stepbus.models.mlp import (
+    ACTIVATIONS,
     RELU,
     Adam,
     Net,
@@ -20,6 +21,7 @@ from stepbus.models.mlp import (
     ppo_loss_and_grads,
 )
 from stepbus.policy import ActionSpace
+from stepbus.trainer import algorithm
 from stepbus.trainer.ppo import PPOConfig, Trajectory, compute_gae, ppo_update
 
 SPACES = {
@@ -135,6 +137,8 @@ def test_a_relu_net_with_torch_init_and_its_own_log_std() -> None:
     np.testing.assert_allclose(forward(params, obs)[0], h @ params["pi.2.w"] + params["pi.2.b"])
     with pytest.raises(ValueError, match="'gelu'"):
         Net("gelu")
+    # the flag's check (the algorithm interface imports no model) names the same ones
+    assert algorithm.ACTIVATIONS == ACTIVATIONS
 
 
 def test_forward_flattens_obs_and_accepts_float32() -> None:

@@ -212,7 +212,6 @@ class Counts:
     trajectories: int = 0  # taken in
     duplicates: int = 0  # sent again after a disconnect, taken in already
     records_lost: int = 0  # metrics records a full disk refused (left out whole)
-    records_lost_in_a_row: int = 0
 
 
 class Evaluations:
@@ -301,6 +300,7 @@ class Learner(node.Process):
         cfg = resume.go_on(cfg, progress, goal(cfg, env)[0], log)  # a solved run, a new goal
         self.cfg, self.model, self.progress = cfg, model, progress
         self.incarnation, self.controller_beat, self.run = incarnation, controller_beat, run
+        self.records_refused = 0  # metrics records a full disk refused since the last written
         self.slot = slot or SlotBeat()
         progress.generation += 1
         progress.version = max(progress.version, newest_version) + 1
@@ -685,11 +685,11 @@ class Learner(node.Process):
         """Into metrics.jsonl and TensorBoard; a record a full disk refuses is left out whole
         (counted, and said once while the disk stays full)."""
         if self.metrics.write(record):
-            self.counts.records_lost_in_a_row = 0
+            self.records_refused = 0
             return
         self.counts.records_lost += 1
-        self.counts.records_lost_in_a_row += 1
-        if self.counts.records_lost_in_a_row == 1:
+        self.records_refused += 1  # in a row
+        if self.records_refused == 1:
             self.log.warning("cannot write a metrics record to %s (disk full?): left out "
                              "whole, as the next ones until the disk takes them",
                              self.metrics.jsonl.name)

@@ -94,17 +94,29 @@ class MetricsFiles:
 
     def write(self, record: dict[str, Any]) -> bool:
         """The record's line and scalars; False if the disk refused the line (full), which
-        is then not in the file at all."""
+        is then not in the file at all. Scalars go to TensorBoard only while its writer lives
+        (`events_alive`)."""
         if not append_whole(self.jsonl.fileno(), (json.dumps(record) + "\n").encode()):
             return False
-        step, walltime = int(record["env_steps"]), record.get("time")
-        for _key, tag, value in scalars(record):
-            self.events.add_scalar(tag, value, global_step=step, walltime=walltime)
+        if self.events_alive():
+            step, walltime = int(record["env_steps"]), record.get("time")
+            for _key, tag, value in scalars(record):
+                self.events.add_scalar(tag, value, global_step=step, walltime=walltime)
         return True
+
+    def events_alive(self) -> bool:
+        """tensorboardX writes from a thread of its own that dies on a write error (a full
+        disk), after which each scalar waits for room in its bounded queue for ever, and so
+        would the learner: from then on its scalars are left out (metrics.jsonl has them)."""
+        writer = getattr(getattr(self.events, "file_writer", None), "event_writer", None)
+        worker = getattr(writer, "_worker", None)  # tensorboardX 2.6's EventFileWriter
+        return worker is None or worker.is_alive()
 
     def close(self) -> None:
         self.jsonl.close()
-        self.events.close()
+        if self.events_alive():  # closing a dead writer waits on its queue too
+            with contextlib.suppress(OSError):
+                self.events.close()
 
 
 def append_whole(fd: int, line: bytes) -> bool:
