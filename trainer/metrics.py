@@ -90,7 +90,10 @@ class MetricsFiles:
         from tensorboardX import SummaryWriter
 
         self.jsonl = (directory / "metrics.jsonl").open("ab", buffering=0)
-        self.events = SummaryWriter(logdir=str(directory), flush_secs=FLUSH_S)
+        # A file of its own per learner process: the name is otherwise the second and the
+        # host, and a successor started within the same second would write over its file.
+        self.events = SummaryWriter(logdir=str(directory), flush_secs=FLUSH_S,
+                                    filename_suffix=f".{os.getpid()}")
 
     def write(self, record: dict[str, Any]) -> bool:
         """The record's line and scalars; False if the disk refused the line (full), which
