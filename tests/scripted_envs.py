@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -83,6 +84,20 @@ class Slow(gym.Wrapper):
 
 def slow_cartpole() -> gym.Env:
     return Slow(gym.make("CartPole-v1"))
+
+
+class CSleeping(gym.Wrapper):
+    """CartPole whose every step waits 0.6 s inside one C call (usleep through ctypes, which
+    lets the GIL go): a simulator blocked in native code, which no signal handler could beat
+    through and whose wait a timer signal would cut short (nanosleep returns early on EINTR)."""
+
+    def step(self, action):
+        ctypes.CDLL(None).usleep(600_000)
+        return self.env.step(action)
+
+
+def c_sleeping_cartpole() -> gym.Env:
+    return CSleeping(gym.make("CartPole-v1"))
 
 
 class Stalling(gym.Wrapper):

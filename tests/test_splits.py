@@ -9,6 +9,7 @@ import logging
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -99,20 +100,29 @@ def test_a_split_steps_while_the_other_waits_and_each_keeps_its_own_seq():
 
 
 def test_while_one_splits_env_code_runs_every_split_heartbeats():
+    """The heartbeat thread beats for every split while one split's env code runs (the gate
+    open), and never while the loop holds the gate."""
     with split_workers(2, 2) as (workers, outs):
         splits = Splits(workers)
+        beats = worker.BusyBeats(splits.beat_all, threading.Lock())
         for w, out in zip(workers, outs, strict=True):
+            w.envs.gate = beats.gate
             w.busy_beat_at = -1e9  # a beat is due
             out.take()
-        workers[0].envs.in_env = True  # the alarm comes while split 0's env runs
-        splits.on_alarm(signal.SIGALRM, None)
-        assert workers[0].envs.in_env  # given back to the env
-        assert all(len(out.take(p.Heartbeat, port="steps")) == 1 for out in outs)
-        workers[0].envs.in_env = False
-        for w in workers:
-            w.busy_beat_at = -1e9
-        splits.on_alarm(signal.SIGALRM, None)  # no env code runs: the loop beats, not the alarm
-        assert all(out.take(p.Heartbeat, port="steps") == [] for out in outs)
+        beats.gate.acquire()  # as the loop holds it
+        workers[0].envs.in_env = True  # split 0's env code runs: the gate opens
+        beats.thread.start()
+        try:
+            wait_for(lambda: all(w.busy_beat_at > 0 for w in workers), 5,
+                     "the heartbeat thread beating for both splits")
+            workers[0].envs.in_env = False  # the loop takes the gate back
+            assert all(len(out.take(p.Heartbeat, port="steps")) == 1 for out in outs)
+            for w in workers:
+                w.busy_beat_at = -1e9
+            beats.stopping.wait(3 * worker.BUSY_BEAT_S)  # the loop holds the gate: none sent
+            assert all(out.take(p.Heartbeat, port="steps") == [] for out in outs)
+        finally:
+            beats.stop()
 
 
 def test_deterministic_runs_with_and_without_splits_learn_the_same_trajectories(tmp_path: Path):

@@ -122,7 +122,7 @@ class Probe(gym.Wrapper):
 
 
 def test_in_env_is_set_exactly_while_env_code_runs_never_while_errors_are_reported():
-    """The worker's SIGALRM handler sends heartbeats only while `in_env` is set; reporting an
+    """The heartbeat thread sends only while `in_env` is set (the gate open); reporting an
     error sends on the same sockets, so it must happen with the flag down."""
     at_report: list[bool] = []
     envs = EnvSet(Config(envs_per_worker=2), lambda e: at_report.append(envs.in_env),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -17,7 +17,7 @@ from conftest import ManualClock
 from stepbus.bus import node, shm
 from stepbus.bus import protocol as p
 from stepbus.workers import worker
-from stepbus.workers.worker import Config, Phase, Worker
+from stepbus.workers.worker import Config, Phase, Worker, beat_while_envs_run
 
 T0 = 1000.0
 
@@ -224,26 +224,30 @@ def test_the_hello_repeats_quickly_until_a_broker_answers_then_at_its_interval_w
         w.close()
 
 
-def test_a_batch_slower_than_a_heartbeat_sends_heartbeats_from_the_alarm():
-    """Two 0.5 s env steps in one batch: the SIGALRM handler beats while env code runs."""
-    bench = Bench(env="scripted_envs:slow_cartpole", envs_per_worker=2)
-    previous = signal.getsignal(signal.SIGALRM)
+def test_heartbeats_go_on_through_a_batch_blocked_in_native_code():
+    """Two env steps of 0.6 s each inside one C call: the heartbeat thread beats meanwhile, and
+    the env's wait is not cut short (a timer signal made nanosleep return early)."""
+    bench = Bench(env="scripted_envs:c_sleeping_cartpole", envs_per_worker=2)
     try:
-        bench.worker.take_alarm()
+        bench.worker.busy_beats = beat_while_envs_run([bench.worker.envs],
+                                                      bench.worker.beat_while_busy)
         bench.reset(epoch=0, seq=1)
         bench.out.take(p.Heartbeat)
         bench.beats.clear()
+        t0 = time.monotonic()
         (result,) = bench.step(0, 2)
+        assert time.monotonic() - t0 >= 1.2, "the env's native wait was cut short"
         assert result.seq == 2
         beats = bench.out.take(p.Heartbeat, port="steps")
-        assert 1 <= len(beats) <= 2, beats
+        assert 1 <= len(beats) <= 3, beats
         assert (beats[0].role, beats[0].name, beats[0].leaving) == ("worker", "w", False)
-        assert len(bench.beats) >= 3, "the controller's link is asked to beat at every alarm"
+        assert len(bench.beats) >= 3, "the controller's link is asked to beat every 0.25 s"
         assert not bench.worker.envs.in_env
+        gate = bench.worker.envs.gate
+        assert gate is not None and not gate.acquire(blocking=False), "the loop holds it"
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
         bench.worker.close()
+    assert not bench.worker.busy_beats.thread.is_alive()
 
 
 def test_with_shm_frames_observations_go_through_the_segment_once_the_broker_maps_it():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import threading
 import time
 import traceback
 import typing
@@ -89,8 +90,9 @@ class EnvSet:
     `report` receives each error as data; `tick` is called between envs in resets and
     multi-agent steps so a slow batch keeps the worker's heartbeat going. `in_env` is True
     while env code (or a single-agent step's loop around it) runs and no ZeroMQ call is under
-    way, so a timer signal knows when it may send heartbeats itself (see
-    `worker.Worker.on_alarm`).
+    way; with a `gate` (a lock the worker's thread holds otherwise), setting it opens the gate,
+    so the worker's heartbeat thread may use the sockets exactly then (see
+    `worker.BusyBeats`).
     """
 
     def __init__(self, cfg: EnvSettings, report: Callable[[p.RemoteError], None],
@@ -99,7 +101,8 @@ class EnvSet:
         # A split of a double-buffered worker hosts envs first_env.. of it: seeds and error
         # reports name an env by its index in the whole worker, so a split changes neither.
         self.first_env = 0
-        self.in_env = False
+        self.gate: threading.Lock | None = None
+        self._in_env = False
         self.raise_errors = False  # an env's exception ends the run instead (`_recreate`)
         self.restarts: collections.deque[float] = collections.deque()  # recent recreations
         self.kwargs = env_kwargs(cfg.env_kwargs)  # ValueError: the worker refuses to start
@@ -188,8 +191,8 @@ class EnvSet:
         write = None if isinstance(obs, np.ndarray) and self.write.plain else self.write
         box = typing.cast(np.ndarray, obs)  # only used when `write` is None: a Box batch
         # The hot loop: no ZeroMQ call in it but _recreate's report, so `in_env` holds for the
-        # whole batch and the busy-beat alarm (armed around every batch) keeps the heartbeats
-        # going; a wrapper call and a tick per env cost 10% of a CartPole worker's time.
+        # whole batch and the heartbeat thread keeps the heartbeats going meanwhile; a wrapper
+        # call and a tick per env cost 10% of a CartPole worker's time.
         same_step, owed = self.autoreset == p.AUTORESET_SAME_STEP, self.owed.any()
         keep = self.step_infos = StepInfos([None] * k) if self.with_infos else None
         self.in_env = True
@@ -402,7 +405,7 @@ class EnvSet:
         return self.alive.copy() if self.agents else None
 
     def _env_call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run env code with `in_env` set: only then may the timer signal send heartbeats,
+        """Run env code with `in_env` set: only then may the heartbeat thread send heartbeats,
         because only then is this thread surely not inside a ZeroMQ call of its own."""
         was, self.in_env = self.in_env, True
         try:
@@ -460,6 +463,23 @@ class EnvSet:
     def actions_problem(self, actions: np.ndarray) -> str:
         """Why an action batch cannot be stepped (empty if it can)."""
         return spaces.actions_problem(self.spec, actions, self.rows)
+
+    @property
+    def in_env(self) -> bool:
+        return self._in_env
+
+    @in_env.setter
+    def in_env(self, value: bool) -> None:
+        if value == self._in_env:
+            return
+        if value:
+            self._in_env = True
+            if self.gate is not None:
+                self.gate.release()
+        else:
+            if self.gate is not None:
+                self.gate.acquire()  # waits for a heartbeat being sent, tens of microseconds
+            self._in_env = False
 
     def close(self) -> None:
         for env in self.envs:

@@ -6,23 +6,22 @@ Episodes autoreset in the same step; the observation an episode ended on travels
 `final_obs` (see `envset`).
 
 Liveness: heartbeats (to the broker and the controller) go out between env calls, and during
-one long env call from a SIGALRM handler, armed only while a batch is stepped and acting only
-while env code runs. So a slow env looks busy, not dead; only a single C call that never returns
-to Python (holding the GIL) still looks dead. The worker owns SIGALRM: an env must not use it.
+one long env call from a thread of their own, which may use the worker's sockets only while env
+code runs (a lock the main thread holds at every other time). So a slow env looks busy, not
+dead; only a single C call that holds the GIL and never returns still looks dead.
 An env that keeps raising is recreated up to --max-env-restarts-per-minute times, then the
 worker exits 1 with one line saying so.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import functools
 import logging
 import os
-import signal
 import socket as pysocket
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -39,10 +38,11 @@ from stepbus.bus.topology import PortName, Role
 from stepbus.workers import calls, envs
 from stepbus.workers.envset import EnvFailure, EnvSet
 
-__all__ = ["BUSY_BEATS", "Config", "EnvFailure", "EnvSet", "Worker", "run"]
+__all__ = ["BusyBeats", "Config", "EnvFailure", "EnvSet", "Worker", "run"]
 
-# While env code runs, SIGALRM fires this often and sends the busy heartbeats. Half the
-# heartbeat interval, so a beat skipped by the rate limits still leaves the next one in time.
+# While env code runs, the heartbeat thread looks this often whether a busy heartbeat is due.
+# Half the heartbeat interval, so a beat skipped by the rate limits still leaves the next one in
+# time.
 BUSY_BEAT_S = node.HEARTBEAT_INTERVAL_S / 2
 # A broker silent this long hears our hello again (registration, liveness, our numbering).
 HELLO_INTERVAL_S = node.HEARTBEAT_INTERVAL_S
@@ -161,20 +161,44 @@ def make_split_envs(cfg: Config, log: logging.Logger) -> list[EnvSet]:
 
 
 class BusyBeats:
-    """`with BUSY_BEATS:` raises SIGALRM every BUSY_BEAT_S while a batch is being stepped, so an
-    env call longer than the liveness timeout still lets `Worker.on_alarm` send heartbeats.
-    Armed only around env work (two setitimer calls per batch, about 1 us), so no signal
-    interrupts the worker while it waits on ZeroMQ. A class, not a generator-based context
-    manager, because that costs twice as much on every batch."""
+    """A thread that sends a worker's busy heartbeats while its env code runs, however long one
+    env call takes, as long as the call lets the GIL go now and then (Python code does, every
+    5 ms; so do sleeps, I/O and most C libraries' long calls). The worker's main thread holds
+    `gate` at all times but while env code runs (`EnvSet.in_env`), so the thread, which only
+    tries the gate, never uses a socket the main thread is using: ZeroMQ allows a socket to
+    change threads across a full memory barrier, which the lock is. A thread, not a timer
+    signal: a signal handler runs only between bytecodes of the main thread, so it could not
+    beat through a long C call, and it took SIGALRM away from the env."""
 
-    def __enter__(self) -> None:
-        signal.setitimer(signal.ITIMER_REAL, BUSY_BEAT_S, BUSY_BEAT_S)
+    def __init__(self, beat: Callable[[], None], gate: threading.Lock) -> None:
+        self.beat, self.gate = beat, gate
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="busy-heartbeats", daemon=True)
 
-    def __exit__(self, *exc_info: object) -> None:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+    def run(self) -> None:
+        while not self.stopping.wait(BUSY_BEAT_S):
+            if self.gate.acquire(blocking=False):  # the main thread is in env code
+                try:
+                    self.beat()
+                finally:
+                    self.gate.release()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=5 * BUSY_BEAT_S)
 
 
-BUSY_BEATS = BusyBeats()
+def beat_while_envs_run(envsets: list[EnvSet], beat: Callable[[], None]) -> BusyBeats:
+    """Start the heartbeat thread for these envs (a worker's, or its splits'): from now on the
+    calling thread holds their gate except while their env code runs."""
+    gate = threading.Lock()
+    gate.acquire()
+    for envset in envsets:
+        envset.gate = gate
+    beats = BusyBeats(beat, gate)
+    beats.thread.start()
+    return beats
 
 
 class Phase(enum.Enum):
@@ -227,7 +251,7 @@ class Worker(node.Process):
         self.counts, self.shm_counts = WorkerCounts(), ShmCounts()
         self.busy_beat_at = 0.0  # the last heartbeat sent to (or message heard from) the broker
         self.answered = False  # a broker has spoken to us (then hellos slow to their interval)
-        self.busy_beats: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        self.busy_beats: BusyBeats | None = None  # the heartbeat thread, when it is ours
         self.envs = envs or make_envs(cfg, log)
         self.envs.report, self.envs.tick = self.report, self.beat_while_busy
         self.segment = self.open_segment() if cfg.shm_frames else None
@@ -283,8 +307,7 @@ class Worker(node.Process):
         self.phase = Phase.STEPPING
         self.use_shm = self.segment is not None and self.segment.take_broker_mark()
         seeds = [None if s < 0 else s for s in msg.seeds] if msg.seeds else None
-        with self.busy_beats:
-            obs = self.envs.reset(self.options, msg.rows or None, seeds)
+        obs = self.envs.reset(self.options, msg.rows or None, seeds)
         k = self.envs.rows
         self.reply(p.StepResult(
             incarnation="", epoch=0, seq=0, first=True, obs=obs,
@@ -321,9 +344,8 @@ class Worker(node.Process):
         acting = int(self.envs.alive.sum())  # agent steps this batch takes
         segment = self.segment if self.use_shm else None
         slot = segment.acquire() if segment is not None else -1
-        with self.busy_beats:
-            result = self.envs.step(msg.actions, self.step_options,
-                                    None if segment is None or slot < 0 else segment.views[slot])
+        result = self.envs.step(msg.actions, self.step_options,
+                                None if segment is None or slot < 0 else segment.views[slot])
         if segment is not None and slot >= 0:
             segment.publish(slot, self.seq)
             result = dataclasses.replace(result, obs=self.no_rows, obs_slot=slot)
@@ -350,7 +372,7 @@ class Worker(node.Process):
         self.send(PortName.STEPS, error)  # the broker, for a running reset barrier
 
     def beat_while_busy(self) -> None:
-        """Between env calls of a batch (and from the alarm): a slow batch is not a dead
+        """Between env calls of a batch (and from the heartbeat thread): a slow batch is not a dead
         worker, to the controller nor to the broker."""
         now = self.clock()
         if self.controller_beat is not None:
@@ -359,26 +381,6 @@ class Worker(node.Process):
             self.busy_beat_at = now
             self.send(PortName.STEPS, p.Heartbeat(role="worker", name=self.cfg.name, host=self.host,
                                            pid=self.pid, leaving=False, figures={}))
-
-    def take_alarm(self, handler: Callable[[int, Any], None] | None = None) -> None:
-        """Own SIGALRM: from now on every batch is stepped with the busy-beat alarm armed
-        (`handler`: a split worker's, for all its splits)."""
-        signal.signal(signal.SIGALRM, handler or self.on_alarm)
-        # Blocking C calls inside an env (a simulator's read, usleep) restart instead of
-        # failing with EINTR; Python-level sleeps still run the handler (PEP 475).
-        signal.siginterrupt(signal.SIGALRM, False)
-        self.busy_beats = BUSY_BEATS
-
-    def on_alarm(self, signum: int, frame: Any) -> None:
-        # Python runs this in this (the main) thread between bytecodes. Inside env code we are
-        # not inside a ZeroMQ call, so our sends cannot interleave with a half-sent message.
-        # Limit: a single C call that never returns to Python leaves no bytecode to run it in.
-        if self.envs.in_env:
-            self.envs.in_env = False  # an alarm during these sends must not interleave its own
-            try:
-                self.beat_while_busy()
-            finally:
-                self.envs.in_env = True
 
     # -- hooks the loop calls
     def figures(self) -> dict[str, Any]:
@@ -396,6 +398,8 @@ class Worker(node.Process):
                       self.counts.env_steps)
 
     def close(self) -> None:
+        if self.busy_beats is not None:
+            self.busy_beats.stop()
         if self.segment is not None:
             self.segment.close()
         self.envs.close()
@@ -415,19 +419,6 @@ class Splits:
         for w in self.workers:
             w.beat_while_busy()
 
-    def on_alarm(self, signum: int, frame: Any) -> None:
-        """As `Worker.on_alarm`, for whichever split's env code runs."""
-        running = [w for w in self.workers if w.envs.in_env]
-        if not running:
-            return
-        for w in running:
-            w.envs.in_env = False
-        try:
-            self.beat_all()
-        finally:
-            for w in running:
-                w.envs.in_env = True
-
 
 def run(cfg: Config) -> int:
     log = node.setup_logging("worker")
@@ -438,24 +429,22 @@ def run(cfg: Config) -> int:
         log.error("%s", exc)
         return Exit.SETTING
     try:
-        return node.run_role(functools.partial(_open_alarmed, cfg, log, envsets, stop),
+        return node.run_role(functools.partial(_open_beating, cfg, log, envsets, stop),
                              cfg.security, stop)
     except EnvFailure as exc:
         log.error("%s; worker exiting", exc)
         return Exit.FAILED
 
 
-def _open_alarmed(cfg: Config, log: logging.Logger, envsets: list[EnvSet], stop: node.StopFlag,
-                  ctx: zmq.Context) -> list[node.Opened] | None:
-    """A worker alone in its process owns SIGALRM, for heartbeats during slow env steps."""
+def _open_beating(cfg: Config, log: logging.Logger, envsets: list[EnvSet],
+                  stop: node.StopFlag, ctx: zmq.Context) -> list[node.Opened] | None:
+    """A worker process's heartbeats go on during long env calls (the serial runner's workers,
+    sharing a thread with every other role, have no such thread)."""
     opened = open_workers(ctx, cfg, log, envsets, stop)
     workers = [o.process for o in opened or [] if isinstance(o.process, Worker)]
-    if len(workers) == 1:
-        workers[0].take_alarm()
-    elif workers:
-        splits = Splits(workers)
-        for w in workers:
-            w.take_alarm(splits.on_alarm)
+    if workers:
+        beat = workers[0].beat_while_busy if len(workers) == 1 else Splits(workers).beat_all
+        workers[0].busy_beats = beat_while_envs_run([w.envs for w in workers], beat)
     return opened
 
 
