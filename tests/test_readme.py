@@ -74,14 +74,16 @@ def test_the_readme_is_a_manual_of_at_most_250_lines():
 
 
 def _ci_commands(marker: str) -> list[str]:
-    """The commands .ci/run runs under its `# README: <marker>` comment."""
+    """The commands .ci/run runs under its `# README: <marker>` comments (a marker may come
+    again, for the commands after a step of CI's own)."""
     lines = (ROOT / ".ci" / "run").read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(f"# README: {marker}"))
+    starts = [i for i, line in enumerate(lines) if line.startswith(f"# README: {marker}")]
     commands = []
-    for line in lines[start + 1:]:
-        if not line.strip() or line.startswith("#"):
-            break
-        commands.append(line)
+    for start in starts:
+        for line in lines[start + 1:]:
+            if not line.strip() or line.startswith("#"):
+                break
+            commands.append(line)
     return commands
 
 
