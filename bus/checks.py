@@ -188,11 +188,17 @@ def experience_problem(m: p.Experience) -> str:
     return rows_problem(m, k)
 
 
+# Only a cut episode can end without an observation after its last step.
+_FROM_LAST_UNTRUNCATED = "bootstrap_from_last on a trajectory that is not truncated"
+
+
 def trajectory_problem(t: p.Trajectory, spec: p.SpaceSpec, action: ActionSpace) -> str:
     """Why a trajectory cannot be trained on (empty if it can)."""
     n = t.rewards.shape[0]
     if not 1 <= n <= MAX_TRAJECTORY_STEPS or t.rewards.ndim != 1:
         return f"{t.rewards.shape} rewards"
+    if t.bootstrap_from_last and not t.truncated:
+        return _FROM_LAST_UNTRUNCATED
     return (_episode_problem(t.episode_return, t.episode_length)
             or _steps_problem(t, n, (), spec, action))
 
@@ -203,10 +209,12 @@ def trajectories_problem(b: p.Trajectories, spec: p.SpaceSpec, action: ActionSpa
     count = len(b.seqs)
     if not 1 <= count <= p.MAX_TRAJECTORIES_PER_MESSAGE:
         return f"{count} trajectories in one message"
-    lists = (b.agents, b.epochs, b.lengths, b.terminated, b.truncated, b.episode_returns,
-             b.episode_lengths, b.episodes, b.episode_seeds, b.episode_steps)
+    lists = (b.agents, b.epochs, b.lengths, b.terminated, b.truncated, b.bootstrap_from_last,
+             b.episode_returns, b.episode_lengths, b.episodes, b.episode_seeds, b.episode_steps)
     if any(len(values) != count for values in lists):
         return f"per-trajectory lists of lengths {[len(values) for values in lists]}, not {count}"
+    if any(last and not cut for last, cut in zip(b.bootstrap_from_last, b.truncated, strict=True)):
+        return _FROM_LAST_UNTRUNCATED
     if not all(1 <= n <= MAX_TRAJECTORY_STEPS for n in b.lengths):
         return f"trajectory lengths outside [1, {MAX_TRAJECTORY_STEPS}]"
     rows = sum(b.lengths)

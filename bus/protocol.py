@@ -73,10 +73,10 @@ import numpy as np
 from stepbus.bus import rows
 from stepbus.bus.rows import Obs
 
-PROTOCOL_VERSION = 10  # 2: RUN_STATE's horizon; 3: SpaceSpec's goal; 4: every Gymnasium space;
+PROTOCOL_VERSION = 11  # 2: RUN_STATE's horizon; 3: SpaceSpec's goal; 4: every Gymnasium space;
 # 5: vector envs (RESET's seeds, rows and modes, the relay's kinds); 6: WEIGHTS' checkpointed_steps;
 # 7: SpaceSpec's goal_note; 8: EVAL_RESULT; 9: env infos (RESET's infos, STEP_RESULT's);
-# 10: WEIGHTS' run
+# 10: WEIGHTS' run; 11: trajectories' bootstrap_from_last
 
 # Decoding cost grows with the header's bytes and its lists and maps (each one allocated,
 # checked, freed), so both are bounded: any header, valid or not, decodes in at most 3 to 4
@@ -669,9 +669,12 @@ class Trajectory(Message):
     """One agent's contiguous steps, cut at episode end, the horizon, a barrier or a lost worker.
 
     terminated: the episode ended in a terminal state (bootstrap value 0).
-    truncated: the episode was cut short (time limit, lost worker, barrier): bootstrap from
-    `bootstrap_obs`. Neither: a horizon cut inside a running episode; bootstrap from
-    `bootstrap_obs`.
+    truncated: the episode was cut short (time limit, lost worker, barrier, a vanished agent):
+    bootstrap from `bootstrap_obs`. Neither: a horizon cut inside a running episode; bootstrap
+    from `bootstrap_obs`.
+    bootstrap_from_last: no observation follows the last step (an agent that vanished):
+    `bootstrap_obs` is the last step's own observation, and the bootstrap value is the last
+    step's (a recurrent learner must not feed that observation a second time).
     `episode_return`/`episode_length` are set when this trajectory ends an episode the env ended.
     """
 
@@ -700,6 +703,7 @@ class Trajectory(Message):
     # A recurrent model's memory before the first step (one agent's row of each array); the
     # learner replays the trajectory from it. Empty for a feed-forward model.
     state: ArrayMap = field(default_factory=dict)
+    bootstrap_from_last: bool = False
 
 
 @dataclass(frozen=True)
@@ -718,6 +722,7 @@ class Trajectories(Message):
     lengths: list[int]
     terminated: list[bool]
     truncated: list[bool]
+    bootstrap_from_last: list[bool]
     episode_returns: list[float | None]
     episode_lengths: list[int | None]
     episodes: list[int]
@@ -747,6 +752,7 @@ class Trajectories(Message):
             agents=[t.agent for t in trajs], epochs=[t.epoch for t in trajs],
             lengths=[len(t.rewards) for t in trajs], terminated=[t.terminated for t in trajs],
             truncated=[t.truncated for t in trajs],
+            bootstrap_from_last=[t.bootstrap_from_last for t in trajs],
             episode_returns=[t.episode_return for t in trajs],
             episode_lengths=[t.episode_length for t in trajs],
             episodes=[t.episode for t in trajs], episode_seeds=[t.episode_seed for t in trajs],
@@ -773,7 +779,8 @@ class Trajectories(Message):
                 bootstrap_obs=rows.take(self.bootstrap_obs, i), assembler=self.assembler,
                 seq=self.seqs[i], episode=self.episodes[i], episode_seed=self.episode_seeds[i],
                 episode_step=self.episode_steps[i], policy=self.policy,
-                state={k: v[i] for k, v in self.states.items()}))
+                state={k: v[i] for k, v in self.states.items()},
+                bootstrap_from_last=self.bootstrap_from_last[i]))
         return out
 
 

@@ -3,8 +3,11 @@
 An EXPERIENCE message carries a worker's step result (reward and done flags for the previous
 action, the next observation) plus the action the policy chose on that observation. Pairing them
 per agent gives transitions; a trajectory is cut when the episode ends (terminated or truncated,
-with the final observation as bootstrap), when the agent vanishes (truncated, bootstrapping from
-its last observation), or when `horizon` steps accumulate (bootstrap from the next observation).
+with the final observation as bootstrap), when the agent vanishes (truncated; no observation
+follows its last step, so the trajectory says `bootstrap_from_last` and carries that step's own
+observation as `bootstrap_obs`), or when `horizon` steps accumulate (bootstrap from the next
+observation). Closing a worker's trajectories (`WorkerTrack.close`) bootstraps from the
+observation that followed each one's last completed step: the last observation seen.
 Nothing here touches a socket or a counter: the assembler numbers, counts and sends what comes
 out.
 """
@@ -70,8 +73,10 @@ class AgentBuffer:
         self.episode_length += 1
 
     def take(self, epoch: int, bootstrap: Obs, *, terminated: bool = False,
-             truncated: bool = False, episode_end: bool = False) -> p.Trajectory | None:
-        """The trajectory so far (None if empty); the buffer starts afresh."""
+             truncated: bool = False, episode_end: bool = False,
+             bootstrap_from_last: bool = False) -> p.Trajectory | None:
+        """The trajectory so far (None if empty); the buffer starts afresh.
+        `bootstrap_from_last`: `bootstrap` is the last step's own observation (none follows)."""
         traj = None
         if self.n:
             a, n = self.arrays, self.n
@@ -89,7 +94,7 @@ class AgentBuffer:
                 bootstrap_obs=rows.copy(bootstrap),
                 assembler="", seq=-1,  # numbered when sent
                 episode=self.origin[0], episode_seed=self.origin[1], episode_step=self.origin[2],
-                policy=self.policy, state=self.state)
+                policy=self.policy, state=self.state, bootstrap_from_last=bootstrap_from_last)
             self.arrays, self.obs = {}, {}
         self.n, self.pending = 0, False
         if episode_end or truncated:
@@ -174,10 +179,11 @@ class WorkerTrack:
                 traj = agent.take(m.epoch, rows.take(m.final_obs, final_rows[i]), terminated=term,
                                   truncated=not term, episode_end=True)
             elif alive is not None and not alive[i]:
-                # Vanished: neither done nor acting next. Closed, not dropped, and
-                # bootstrapped from the last observation we have of it.
+                # Vanished: neither done nor acting next. Closed, not dropped; the last
+                # observation we have of it is its last step's own (no next one came).
                 out.vanished += 1
-                traj = agent.take(m.epoch, rows.take(self.last_obs, i), truncated=True)
+                traj = agent.take(m.epoch, rows.take(self.last_obs, i), truncated=True,
+                                  bootstrap_from_last=True)
             elif agent.n >= horizon:
                 traj = agent.take(m.epoch, rows.take(m.obs, i))
             else:
@@ -217,7 +223,9 @@ class WorkerTrack:
         return sum(agent.pending for agent in self.agents)
 
     def close(self) -> list[p.Trajectory]:
-        """Every open trajectory, truncated, bootstrapping from the last observation seen."""
+        """Every open trajectory, truncated, bootstrapping from the last observation seen:
+        the one that followed its last completed step (an action still awaiting its result is
+        dropped with its observation, which then bootstraps)."""
         taken = (agent.take(self.epoch, rows.take(self.last_obs, i), truncated=True)
                  for i, agent in enumerate(self.agents))
         return [traj for traj in taken if traj is not None]

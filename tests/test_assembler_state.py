@@ -190,6 +190,56 @@ def test_a_vanished_agent_is_closed_as_truncated_not_dropped_and_starts_afresh_i
     assert bench.asm.figures()["agents_vanished"] == 1
 
 
+def test_a_vanished_agent_says_it_bootstraps_from_its_last_step_and_no_other_cut_does(bench):
+    """A vanished agent's last observation is its last step's own (no next one came): the
+    trajectory says so, so a recurrent learner does not feed it twice. Episode ends (either
+    flag) and horizon cuts have an observation after their last step and do not say so."""
+    s = Script(k=3, agents=["a", "b", "c"])
+    bench.feed(s.first(), s.step(alive=[True] * 3))
+    bench.feed(s.step(terminated=[0], truncated=[1], alive=[True] * 3))
+    ended = {t.agent: t for t in bench.trajectories()}
+    assert ended["w/0/a"].terminated and ended["w/0/b"].truncated
+    assert not any(t.bootstrap_from_last for t in ended.values()), "episode ends have finals"
+    bench.feed(s.step(alive=[True, True, False]))  # c leaves without a done flag
+    [gone] = bench.trajectories()
+    assert gone.agent == "w/0/c" and gone.truncated and gone.bootstrap_from_last
+    assert gone.bootstrap_obs.tolist() == gone.obs[-1].tolist() == [2, 2]
+    bench.feed(*[s.step(alive=[True, True, False]) for _ in range(3)])
+    cuts = bench.trajectories()
+    assert sorted(t.agent for t in cuts) == ["w/0/a", "w/0/b"] and all(
+        not (t.terminated or t.truncated) for t in cuts), "horizon cuts"
+    assert not any(t.bootstrap_from_last for t in cuts)
+    for t in cuts:
+        assert t.bootstrap_obs[1] == t.obs[-1, 1] + 1, "the next observation"
+
+
+@pytest.mark.parametrize("how", ("worker lost", "new incarnation", "reset", "barrier",
+                                 "shutdown"))
+def test_closed_trajectories_bootstrap_from_the_observation_after_their_last_step(
+        bench, how):
+    """Closing a worker's trajectories keeps the observation that followed each one's last
+    completed step (the action chosen on it is dropped): a real next observation, so the
+    trajectory does not say `bootstrap_from_last`."""
+    s = Script(k=2)
+    bench.feed(s.first(), s.step(), s.step())
+    if how == "worker lost":
+        bench.feed(p.WorkerLost(worker="w", incarnation="i1", reason="silent"))
+    elif how == "new incarnation":
+        bench.feed(Script(incarnation="i2").first())
+    elif how == "reset":
+        bench.feed(s.first())
+    elif how == "barrier":
+        bench.feed(s.step(act=False), dataclasses.replace(s.first(), epoch=1))
+    else:
+        bench.asm.on_drained()
+        bench.asm.tick(bench.t)
+    closed = bench.trajectories()
+    assert len(closed) == 2 and all(t.truncated for t in closed)
+    for t in closed:
+        assert not t.bootstrap_from_last
+        assert t.bootstrap_obs[1] == t.obs[-1, 1] + 1, "the observation after the last step"
+
+
 def test_trajectories_cut_together_go_out_in_one_message_and_each_keeps_its_fields(bench):
     """Batching is what makes small-observation envs fast; nothing may blur in it."""
     s = Script(k=3)

@@ -217,6 +217,43 @@ def test_trajectories_travel_together_and_split_back_exactly() -> None:
     assert alone.obs is trajs[0].obs, "a trajectory alone is sent without copying its obs"
 
 
+def test_bootstrap_from_last_travels_per_trajectory_and_a_malformed_one_is_refused() -> None:
+    """A vanished agent's trajectory says it has no observation after its last step; the flag
+    keeps its place among others in a batch, and a batch whose flags do not fit is refused."""
+    def one(seq: int, vanished: bool) -> p.Trajectory:
+        return p.Trajectory(
+            agent=f"w/0/{seq}", epoch=0, terminated=False, truncated=vanished,
+            episode_return=None, episode_length=None, obs=np.full((2, 3), seq, np.float32),
+            actions=np.zeros(2, np.int64), logp=np.zeros(2, np.float32),
+            values=np.zeros(2, np.float32), rewards=np.ones(2, np.float32),
+            policy_versions=np.zeros(2, np.int64), bootstrap_obs=np.full(3, seq, np.float32),
+            assembler="a1", seq=seq, bootstrap_from_last=vanished)
+
+    spec, action = p.SpaceSpec([3], "<f4", "discrete", action_n=2), ActionSpace("discrete", n=2)
+    trajs = [one(1, False), one(2, True), one(3, False)]
+    batch = p.decode([bytes(f) for f in p.encode(p.Trajectories.of(trajs))])
+    assert isinstance(batch, p.Trajectories) and batch.bootstrap_from_last == [False, True, False]
+    assert checks.trajectories_problem(batch, spec, action) == ""
+    assert [t.bootstrap_from_last for t in batch.split()] == [False, True, False]
+    alone = p.decode(p.encode(trajs[1]))
+    assert isinstance(alone, p.Trajectory) and alone.bootstrap_from_last
+    assert checks.trajectory_problem(alone, spec, action) == ""
+
+    short = dataclasses.replace(batch, bootstrap_from_last=[True, False])
+    assert "per-trajectory lists" in checks.trajectories_problem(short, spec, action)
+    untruncated = dataclasses.replace(batch, bootstrap_from_last=[True, True, False])
+    assert "not truncated" in checks.trajectories_problem(untruncated, spec, action)
+    assert "not truncated" in checks.trajectory_problem(
+        dataclasses.replace(trajs[0], bootstrap_from_last=True), spec, action)
+    bad: list[Any] = [[0, 1, 0], [False, "yes", False], None]
+    for flags in bad:
+        with pytest.raises(p.ProtocolError, match="bad field"):
+            p.decode(p.encode(dataclasses.replace(batch, bootstrap_from_last=flags)))
+    one_bad: Any = 1
+    with pytest.raises(p.ProtocolError, match="bad field"):
+        p.decode(p.encode(dataclasses.replace(trajs[1], bootstrap_from_last=one_bad)))
+
+
 def test_a_batch_holds_at_most_max_trajectories_per_message() -> None:
     """The one bound: what the assembler sends at most, and what the learner's check takes."""
     def one(seq: int) -> p.Trajectory:
@@ -508,7 +545,8 @@ WEIGHT_FIELDS = {"trainer": "t", "incarnation": "i", "policy": "p", "version": 1
                  "checkpointed_steps": 0, "run": ""}
 TRAJ_FIELDS = {"agent": "a", "epoch": 0, "terminated": False, "truncated": False,
                "episode_return": None, "episode_length": None, "assembler": "", "seq": 0,
-               "episode": -1, "episode_seed": -1, "episode_step": -1, "policy": "default"}
+               "episode": -1, "episode_seed": -1, "episode_step": -1, "policy": "default",
+               "bootstrap_from_last": False}
 TRAJ_ARRAYS = ["obs", "actions", "logp", "values", "rewards", "policy_versions", "bootstrap_obs"]
 
 

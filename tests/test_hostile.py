@@ -173,12 +173,14 @@ def test_the_trainer_refuses_trajectories_it_cannot_train_on_and_keeps_learning(
         trajectory(obs=np.full((32, 4), np.nan, np.float32)),
         trajectory(logp=np.zeros(31, np.float32)),
         trajectory(n=0),
+        trajectory(bootstrap_from_last=True),  # not truncated: it had a next observation
     ]
     pair = p.Trajectories.of([trajectory(seq=1), trajectory(seq=2)])
     bad += [  # batches: each refused whole
         dataclasses.replace(pair, lengths=[32, 31]),
         dataclasses.replace(pair, lengths=[64, 0]),
         dataclasses.replace(pair, seqs=[1, 1]),
+        dataclasses.replace(pair, bootstrap_from_last=[False]),
         dataclasses.replace(pair, agents=["w/0"]),
         dataclasses.replace(pair, bootstrap_obs=np.zeros((1, 4), np.float32)),
         dataclasses.replace(pair, episode_returns=[float("nan"), None], episode_lengths=[3, None]),

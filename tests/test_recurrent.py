@@ -239,3 +239,33 @@ def test_gae_values_replayed_through_time_are_the_ones_acted_with() -> None:
     assert len(cuts) >= 3
     for i, j in cuts:
         assert values[n + i] == pytest.approx(trajs[j].values[0], abs=1e-5)
+
+
+def test_a_trajectory_without_a_next_observation_bootstraps_from_its_last_replayed_step(
+        ) -> None:
+    """A vanished agent's trajectory carries its last step's observation as `bootstrap_obs`:
+    its bootstrap value is the replay's value at that last step (the broker's, as acted), not
+    that of the memory fed the observation a second time. The other trajectories keep
+    bootstrapping one step further, in the same groups."""
+    envs, model, acting = lstm_on(TASK, 3, ppo.PPOConfig(), seed=3)
+    trajs = rollout(acting, envs, steps=24, horizon=5)
+    vanished = [dataclasses.replace(t, terminated=False, truncated=True,
+                                    bootstrap_obs=rows.take(t.obs, len(t.rewards) - 1),
+                                    bootstrap_from_last=True) if i % 2 else t
+                for i, t in enumerate(trajs)]
+    assert not any(model.problem(t) for t in vanished)
+    algo = model.torch_algo
+    assert isinstance(algo, torch_recurrent.RecurrentPPO)
+    values = algo.values([model.record(t) for t in vanished])
+    fed_twice = algo.values([model.record(dataclasses.replace(t, bootstrap_from_last=False))
+                             for t in vanished])
+    before = algo.values([model.record(t) for t in trajs])
+    n = sum(len(t.rewards) for t in trajs)
+    assert np.array_equal(values[:n], before[:n]), "the steps' values are the same replay"
+    for i, t in enumerate(vanished):
+        if t.bootstrap_from_last:
+            assert values[n + i] == pytest.approx(t.values[-1], abs=1e-5), i
+            assert values[n + i] == values[:n][sum(len(u.rewards) for u in trajs[:i + 1]) - 1]
+            assert abs(fed_twice[n + i] - values[n + i]) > 1e-4, "feeding it twice differs"
+        else:
+            assert values[n + i] == pytest.approx(before[n + i], abs=1e-6), i

@@ -84,8 +84,12 @@ class Trajectory:
     """One agent's contiguous steps, cut at an episode end or at an arbitrary horizon.
 
     ``bootstrap_obs`` is the observation after the last step. If ``terminated`` its value is
-    taken as 0; otherwise (``truncated`` by a time limit, or a plain horizon cut with both flags
-    False) the return is bootstrapped with V(bootstrap_obs).
+    taken as 0; otherwise (``truncated`` by a time limit or a cut, or a plain horizon cut with
+    both flags False) the return is bootstrapped with V(bootstrap_obs). When
+    ``bootstrap_from_last`` no observation follows the last step (an agent that vanished):
+    ``bootstrap_obs`` is then the last step's own observation, so a feed-forward critic's
+    V(bootstrap_obs) is the last step's value, and a recurrent one takes the value of the last
+    step of its replay instead of feeding that observation again.
     """
 
     obs: Obs
@@ -105,7 +109,8 @@ class Trajectory:
     truncated: bool
     """The last step ended the episode by a time limit (bootstrap from ``bootstrap_obs``)."""
     bootstrap_obs: Obs
-    """(*obs_shape) observation following the last step."""
+    """(*obs_shape) observation following the last step (with ``bootstrap_from_last``: the
+    last step's own)."""
     assembler: str = ""
     """The assembler incarnation that numbered it (empty: not from the bus)."""
     seq: int = -1
@@ -114,6 +119,9 @@ class Trajectory:
     """(T, action dim) bool: the actions the env allowed at each step (None: all)."""
     state: dict[str, np.ndarray] | None = None
     """A recurrent model's state before the first step (None: a feed-forward model)."""
+    bootstrap_from_last: bool = False
+    """No observation follows the last step (it was cut when its agent vanished): bootstrap
+    from the last step's own value; ``bootstrap_obs`` is that step's observation."""
 
     def __len__(self) -> int:
         return len(self.rewards)
@@ -128,7 +136,9 @@ class Algorithm(Protocol):
     heartbeating, and returns the figures that go into the metrics. An optional
     `curriculum(stats) -> options | None` asks, after an update, for a reset barrier with env
     options (as `stepbus reset --option` does); an optional `set_learning_rate(lr)` takes the
-    rate a schedule (--anneal-lr) gives the next updates.
+    rate a schedule (--anneal-lr) gives the next updates. A `Trajectory` whose
+    `bootstrap_from_last` is set has no observation after its last step: bootstrap from that
+    step's value (V(bootstrap_obs) is it for a critic without memory).
 
     With a torch `--model` the class is built as `(module, action, config, rng)` instead,
     trains `module` in place and has no `params`; its optimiser state is tensors by name."""

@@ -56,7 +56,8 @@ class Model:
         return Trajectory(obs=obs, actions=t.actions, logp=t.logp, values=t.values,
                           rewards=t.rewards, terminated=t.terminated, truncated=t.truncated,
                           bootstrap_obs=bootstrap, assembler=t.assembler, seq=t.seq,
-                          action_mask=spaces.mask(self.spec, t.obs), state=t.state or None)
+                          action_mask=spaces.mask(self.spec, t.obs), state=t.state or None,
+                          bootstrap_from_last=t.bootstrap_from_last)
 
     def update(self, batch: Sequence[Trajectory],
                tick: Callable[[], object]) -> dict[str, float]:

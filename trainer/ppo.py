@@ -42,7 +42,9 @@ def compute_gae(
     """(advantages, returns), float64, concatenated in trajectory order.
 
     All values, bootstrap ones included, come from one forward pass with the current critic, so
-    stale behaviour values never enter the targets.
+    stale behaviour values never enter the targets. A trajectory with `bootstrap_from_last`
+    carries its last step's observation as `bootstrap_obs`, so its bootstrap is that step's
+    value, as it should be: this critic has no memory for the repeat to disturb.
     """
     trajs = [t for t in trajs if len(t)]
     if not trajs:

@@ -49,7 +49,8 @@ def compute_gae(trajs: Sequence[Trajectory], module: nn.Module, cfg: PPOConfig,
                 device: torch.device, spec: p.SpaceSpec | None = None
                 ) -> tuple[np.ndarray, np.ndarray]:
     """(advantages, returns), float64, concatenated in trajectory order, as
-    `trainer.ppo.compute_gae`: every value, bootstrap ones included, from the current critic.
+    `trainer.ppo.compute_gae`: every value, bootstrap ones included, from the current critic
+    (with `bootstrap_from_last`, V(bootstrap_obs) is the last step's value: no memory here).
     Observations keep their shape (images stay images)."""
     all_obs = rows.concat([*(t.obs for t in trajs), rows.stack([t.bootstrap_obs for t in trajs])])
     return ppo.gae(trajs, values_of(module, all_obs, device, spec), cfg)

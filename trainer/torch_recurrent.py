@@ -9,7 +9,10 @@ trajectory is replayed from its own first state (`Trajectory.state`, kept by the
 with `done` all False. Minibatches hold whole trajectories, padded at the end to the longest
 one (padding after the last real step cannot change the steps before it) and left out of every
 mean; values for GAE, the bootstrap included, come from replaying each trajectory one step
-further, through its bootstrap observation, with the current weights.
+further, through its bootstrap observation, with the current weights. A trajectory with
+`bootstrap_from_last` (its agent vanished: no observation follows its last step) is replayed
+through its own steps only and bootstraps from its last step's value: feeding its last
+observation again would advance the memory through a step that never happened.
 """
 
 from __future__ import annotations
@@ -102,20 +105,21 @@ class RecurrentPPO(TorchAlgorithm):
         self.replay = Recurrent(spec, torch_policy.StateLayout(module), self.device)
 
     def values(self, trajs: Sequence[Trajectory]) -> np.ndarray:
-        """The critic's values of every step then of every bootstrap observation, as
-        `ppo.gae` takes them."""
+        """The critic's values of every step then of every bootstrap (the replay's next
+        step, or with `bootstrap_from_last` its last one), as `ppo.gae` takes them."""
         steps, boots = [], []
         agent = torch_policy.recurrent_agent(self.module)
         for start in range(0, len(trajs), GAE_GROUP):
             group = trajs[start:start + GAE_GROUP]
-            obs = [rows.concat([t.obs, rows.stack([t.bootstrap_obs])]) for t in group]
+            obs = [t.obs if t.bootstrap_from_last
+                   else rows.concat([t.obs, rows.stack([t.bootstrap_obs])]) for t in group]
             seq = Sequences.of(group, obs, self.replay)
             with torch.no_grad():
                 v = (agent.get_value(seq.obs, seq.state, seq.done).reshape(seq.length, -1)
                      .double().cpu().numpy())
             for j, t in enumerate(group):
                 steps.append(v[:len(t), j])
-                boots.append(v[len(t), j])
+                boots.append(v[len(t) - 1 if t.bootstrap_from_last else len(t), j])
         return np.concatenate([*steps, np.asarray(boots)])
 
     def update(self, batch: Sequence[Trajectory],
