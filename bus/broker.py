@@ -492,7 +492,8 @@ class Broker(node.Process):
                 self.refuse("bad weights", problem, claims=msg.trainer)
                 return
         connected = slot.credit.report(msg.incarnation, msg.consumed_steps, msg.batch_steps,
-                                       msg.starving, msg.checkpointed_steps, msg.run)
+                                       msg.starving, msg.checkpointed_steps, msg.run,
+                                       now=self.now)
         if newer:
             slot.newest = msg.version
             if not self.cfg.deterministic:

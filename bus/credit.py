@@ -36,6 +36,11 @@ MAX_PENDING_VERSIONS = 64  # deterministic mode: versions received, not yet due 
 # steps it never gets (lost data, or a horizon longer than the window allows) before we give up
 # reproducibility rather than stall the run for good. A healthy run never waits this long.
 DETERMINISM_GIVE_UP_S = 5.0
+# ... and the trainer must be saying so still: a starving trainer says it again every 0.25 s (it
+# publishes its weights again on a quiet link), so a claim older than this is one a trainer no
+# longer makes, busy with an update of the steps it took in since (a slow update, or the serial
+# runner, where the broker waits while the learner learns, is not lost data).
+STARVING_CLAIM_FRESH_S = 1.0
 
 Weights = dict[str, np.ndarray]
 
@@ -64,6 +69,7 @@ class Credit:
     first_consumed: int = 0  # the current incarnation's count when it connected
     checkpointed: int = 0  # the count the current incarnation's newest checkpoint holds
     starving: bool = False  # what the trainer's latest WEIGHTS message said
+    reported_at: float = 0.0  # when that message came
     # A trainer reported more steps than we stepped beyond its scale and the top-ups: a
     # restarted broker's first trainer, a trainer of another run, or steps counted twice.
     rebases: int = 0
@@ -85,13 +91,15 @@ class Credit:
         return self.start + consumed_steps
 
     def report(self, incarnation: str, consumed_steps: int, batch_steps: int,
-               starving: bool, checkpointed_steps: int = 0, run: str = "") -> str:
+               starving: bool, checkpointed_steps: int = 0, run: str = "", *,
+               now: float = 0.0) -> str:
         """Take in what a trainer's WEIGHTS message says. Returns how a trainer incarnation
         not heard before was connected ("continues", "afresh"; "" for a known one)."""
         connected = ""
         if incarnation != self.trainer:
             connected = self.connect(incarnation, consumed_steps, run)
         self.consumed, self.batch_steps, self.starving = consumed_steps, batch_steps, starving
+        self.reported_at = now
         self.checkpointed = checkpointed_steps
         if self.outstanding() < 0:
             self.settle_overshoot()
@@ -184,7 +192,8 @@ class DueVersions:
         if short > 0:
             self.waiting_since = now if self.waiting_since is None else self.waiting_since
             due.waited_s = now - self.waiting_since
-            if not credit.starving or due.waited_s < DETERMINISM_GIVE_UP_S:
+            starving = credit.starving and now - credit.reported_at <= STARVING_CLAIM_FRESH_S
+            if not starving or due.waited_s < DETERMINISM_GIVE_UP_S:
                 return Due(wait=True)
             # It will never have them (lost data, or a horizon longer than the window allows).
             credit.start += short

@@ -335,8 +335,37 @@ def test_deterministic_mode_waits_for_the_trainer_then_gives_up_reproducibility(
     bench.later(DETERMINISM_GIVE_UP_S)
     bench.deliver(w, p.Heartbeat(role="worker", name="w0", host="h", pid=1, leaving=False,
                                  figures={}))
+    # ... and the trainer still says it starves (it does every 0.25 s on a quiet link)
+    bench.deliver(b"t", weights(1, consumed=1, starving=True))
     bench.tick()
     assert len(bench.steps_to(w)) == 1 and bench.figure("determinism_lost") == 1
+
+
+def test_deterministic_mode_waits_through_an_update_longer_than_its_give_up_bound():
+    """A trainer that said it starved, then took in the steps and went quiet in a long update
+    (seconds on a loaded machine, or the serial runner, where the broker waits while the
+    learner learns): its old claim is no reason to give up reproducibility."""
+    bench = Bench(max_steps_ahead=4, deterministic=True)
+    w = bench.join("w0")
+    bench.deliver(b"t", weights(1))
+    for _ in range(3):
+        bench.deliver(b"t", weights(1, consumed=bench.broker.slots[0].credit.produced))
+        bench.answer(w)
+        bench.tick()
+        assert len(bench.steps_to(w)) == 1
+    bench.deliver(b"t", weights(1, consumed=1, starving=True))
+    bench.answer(w)
+    bench.tick()
+    assert bench.steps_to(w) == []
+    bench.later(2 * DETERMINISM_GIVE_UP_S)  # the update, with nothing heard from the trainer
+    bench.deliver(w, p.Heartbeat(role="worker", name="w0", host="h", pid=1, leaving=False,
+                                 figures={}))
+    bench.tick()
+    assert bench.steps_to(w) == [] and bench.figure("determinism_lost") == 0, "still waits"
+    bench.deliver(b"t", weights(2, consumed=6))  # the update's version, made from 6 steps
+    bench.tick()
+    [step] = bench.steps_to(w)
+    assert step.policy_version == 1 and bench.figure("determinism_lost") == 0
 
 
 def test_each_policy_acts_on_its_own_rows_and_stepping_waits_for_every_policys_weights():
