@@ -430,7 +430,7 @@ class Broker(node.Process):
                            final_obs=r.final_obs, action=action, logp=logp, value=value,
                            alive=r.alive, agents=w.agents,
                            episode=r.episode, episode_seed=r.episode_seed,
-                           agent_policies=w.agent_policies,
+                           no_final_obs=r.no_final_obs, agent_policies=w.agent_policies,
                            policy_versions=versions if len(self.slots) > 1 else None,
                            obs_slot=slot, shm=segment.name if segment is not None else "",
                            shm_nonce=w.shm_nonce if segment is not None else "",

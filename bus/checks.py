@@ -49,9 +49,14 @@ def split_problem(split_of: str, first_env: int) -> str:
 
 
 def rows_problem(m: p.StepResult | p.Experience, rows: int) -> str:
-    """The optional per-row arrays: `alive` (bool), `episode` and `episode_seed` (integers)."""
+    """The optional per-row arrays: `alive` and `no_final_obs` (bool; the latter only on
+    ended rows), `episode` and `episode_seed` (integers)."""
     if m.alive is not None and (m.alive.shape != (rows,) or m.alive.dtype != bool):
         return f"alive must be one bool per row, got {m.alive.dtype} {m.alive.shape}"
+    marks = m.no_final_obs
+    if marks is not None and (marks.shape != (rows,) or marks.dtype != bool
+                              or (marks & ~(m.terminated | m.truncated)).any()):
+        return "no_final_obs must be one bool per row, set only on ended rows"
     for a in (m.episode, m.episode_seed):
         if a is not None and (a.shape != (rows,) or a.dtype.kind not in "iu"):
             return f"episode arrays need one integer per row, got {a.dtype} {a.shape}"

@@ -76,7 +76,7 @@ from stepbus.bus.rows import Obs
 PROTOCOL_VERSION = 11  # 2: RUN_STATE's horizon; 3: SpaceSpec's goal; 4: every Gymnasium space;
 # 5: vector envs (RESET's seeds, rows and modes, the relay's kinds); 6: WEIGHTS' checkpointed_steps;
 # 7: SpaceSpec's goal_note; 8: EVAL_RESULT; 9: env infos (RESET's infos, STEP_RESULT's);
-# 10: WEIGHTS' run; 11: trajectories' bootstrap_from_last
+# 10: WEIGHTS' run; 11: trajectories' bootstrap_from_last, STEP_RESULT's no_final_obs
 
 # Decoding cost grows with the header's bytes and its lists and maps (each one allocated,
 # checked, freed), so both are bounded: any header, valid or not, decodes in at most 3 to 4
@@ -544,6 +544,9 @@ class StepResult(Message):
     # reset with, so any episode can be replayed alone from its seed and actions.
     episode: np.ndarray | None = None
     episode_seed: np.ndarray | None = None
+    # Per row: it ended with no observation after its last action (its env raised, or its agent
+    # left without one), so its row of `final_obs` is the observation it acted on. None: none.
+    no_final_obs: np.ndarray | None = None
     # >= 0: obs are in this slot of the worker's shared-memory segment and `obs` holds no rows
     # (its shape after the first dimension and its dtype say how to read them).
     obs_slot: int = -1
@@ -650,6 +653,7 @@ class Experience(Message):
     agents: list[str] = field(default_factory=list)  # the hello's agents (multi-agent envs)
     episode: np.ndarray | None = None  # as in STEP_RESULT
     episode_seed: np.ndarray | None = None
+    no_final_obs: np.ndarray | None = None  # as in STEP_RESULT
     agent_policies: list[str] = field(default_factory=list)
     policy_versions: np.ndarray | None = None  # int64 per row; None: all `policy_version`
     # As in STEP_RESULT; `shm`/`shm_nonce` name the worker's segment whenever the broker maps
@@ -672,7 +676,8 @@ class Trajectory(Message):
     truncated: the episode was cut short (time limit, lost worker, barrier, a vanished agent):
     bootstrap from `bootstrap_obs`. Neither: a horizon cut inside a running episode; bootstrap
     from `bootstrap_obs`.
-    bootstrap_from_last: no observation follows the last step (an agent that vanished):
+    bootstrap_from_last: no observation follows the last step (an agent that vanished without
+    one, an env that raised; STEP_RESULT's `no_final_obs`):
     `bootstrap_obs` is the last step's own observation, and the bootstrap value is the last
     step's (a recurrent learner must not feed that observation a second time).
     `episode_return`/`episode_length` are set when this trajectory ends an episode the env ended.

@@ -3,11 +3,13 @@
 An EXPERIENCE message carries a worker's step result (reward and done flags for the previous
 action, the next observation) plus the action the policy chose on that observation. Pairing them
 per agent gives transitions; a trajectory is cut when the episode ends (terminated or truncated,
-with the final observation as bootstrap), when the agent vanishes (truncated; no observation
-follows its last step, so the trajectory says `bootstrap_from_last` and carries that step's own
-observation as `bootstrap_obs`), or when `horizon` steps accumulate (bootstrap from the next
-observation). Closing a worker's trajectories (`WorkerTrack.close`) bootstraps from the
-observation that followed each one's last completed step: the last observation seen.
+with the final observation as bootstrap), when the worker reports the agent neither alive nor
+done (vanished: truncated, bootstrapping from its last observation), or when `horizon` steps
+accumulate (bootstrap from the next observation). A vanished agent, and a truncated row the
+worker marks in `no_final_obs` (an agent that left without an observation, an env that raised),
+has no observation after its last step: its bootstrap observation is that step's own, and the
+trajectory says `bootstrap_from_last`. Closing a worker's trajectories (`WorkerTrack.close`)
+bootstraps from the observation that followed each one's last completed step: the last seen.
 Nothing here touches a socket or a counter: the assembler numbers, counts and sends what comes
 out.
 """
@@ -168,6 +170,7 @@ class WorkerTrack:
         # Python lists: indexing a numpy array row by row costs more than converting it once.
         ended, terminated, rewards = done.tolist(), m.terminated.tolist(), m.reward.tolist()
         alive = None if m.alive is None else m.alive.tolist()
+        unobserved = [False] * len(ended) if m.no_final_obs is None else m.no_final_obs.tolist()
         out = Completed()
         for i, agent in enumerate(self.agents):
             if not agent.pending:
@@ -177,7 +180,8 @@ class WorkerTrack:
             if ended[i]:
                 term = bool(terminated[i])
                 traj = agent.take(m.epoch, rows.take(m.final_obs, final_rows[i]), terminated=term,
-                                  truncated=not term, episode_end=True)
+                                  truncated=not term, episode_end=True,
+                                  bootstrap_from_last=unobserved[i] and not term)
             elif alive is not None and not alive[i]:
                 # Vanished: neither done nor acting next. Closed, not dropped; the last
                 # observation we have of it is its last step's own (no next one came).

@@ -259,6 +259,26 @@ def keeps_done_agents() -> Pair:
     return Pair(["a", "b"], "keeps")
 
 
+class Leaver(Pair):
+    """Two agents: `b` leaves after step 1 without a done flag and without an observation;
+    step 2 raises (the env's fault), so `a` has no observation after its last action either."""
+
+    def __init__(self) -> None:
+        super().__init__(["a", "b"], "vanish")
+
+    def step(self, actions: dict):
+        self.t += 1
+        if self.t == 2:
+            raise RuntimeError("simulated crash")
+        self.agents = ["a"]
+        return (self._obs(["a"]), dict.fromkeys(actions, 1.0), dict.fromkeys(actions, False),
+                dict.fromkeys(actions, False), {})
+
+
+def leaves_unobserved() -> Leaver:
+    return Leaver()
+
+
 class PickyAndFlaky(gym.Wrapper):
     """CartPole that rejects reset options with level > 3 and whose first instance in a
     process raises once, on its second step."""

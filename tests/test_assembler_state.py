@@ -213,6 +213,25 @@ def test_a_vanished_agent_says_it_bootstraps_from_its_last_step_and_no_other_cut
         assert t.bootstrap_obs[1] == t.obs[-1, 1] + 1, "the next observation"
 
 
+def test_an_end_the_worker_saw_no_observation_after_bootstraps_from_its_last_step(bench):
+    """The worker marks rows that ended with no observation after their last action (an
+    agent that left without one, an env that raised): a truncated one says
+    `bootstrap_from_last`; a terminated one needs no bootstrap; marks on rows that did not end
+    are refused."""
+    s = Script(k=3, agents=["a", "b", "c"])
+    bench.feed(s.first(), s.step(alive=[True] * 3))
+    marks = np.array([True, True, False])
+    bench.feed(dataclasses.replace(s.step(terminated=[0], truncated=[1, 2], alive=[False] * 3),
+                                   no_final_obs=marks))
+    ended = {t.agent: t for t in bench.trajectories()}
+    assert ended["w/0/a"].terminated and not ended["w/0/a"].bootstrap_from_last
+    assert ended["w/0/b"].truncated and ended["w/0/b"].bootstrap_from_last
+    assert ended["w/0/c"].truncated and not ended["w/0/c"].bootstrap_from_last
+    assert bench.asm.figures()["rejected"] == 0
+    bench.feed(dataclasses.replace(s.step(alive=[True] * 3), no_final_obs=marks))
+    assert bench.asm.figures()["rejected"] == 1, "marks on rows that went on"
+
+
 @pytest.mark.parametrize("how", ("worker lost", "new incarnation", "reset", "barrier",
                                  "shutdown"))
 def test_closed_trajectories_bootstrap_from_the_observation_after_their_last_step(

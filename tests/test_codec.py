@@ -254,6 +254,34 @@ def test_bootstrap_from_last_travels_per_trajectory_and_a_malformed_one_is_refus
         p.decode(p.encode(dataclasses.replace(trajs[1], bootstrap_from_last=one_bad)))
 
 
+def test_a_step_result_marks_rows_that_ended_without_an_observation_and_only_those() -> None:
+    """`no_final_obs` travels from the worker through the broker to the assembler as an
+    optional bool per row, set only on rows that ended."""
+    marks = np.array([False, True, False])
+    result = p.StepResult(incarnation="i", epoch=0, seq=1, first=False,
+                          obs=np.zeros((3, 4), np.float32), reward=np.zeros(3, np.float32),
+                          terminated=np.zeros(3, bool), truncated=np.array([False, True, True]),
+                          final_obs=np.zeros((2, 4), np.float32), no_final_obs=marks)
+    got = p.decode([bytes(f) for f in p.encode(result)])
+    assert isinstance(got, p.StepResult) and got.no_final_obs is not None
+    assert got.no_final_obs.tolist() == [False, True, False]
+    spec = p.SpaceSpec([4], "<f4", "discrete", action_n=2)
+    assert checks.result_problem(got, 3, spec) == ""
+    for bad in (np.array([True, False, False]), np.array([0, 1, 0]), np.ones(2, bool)):
+        assert "no_final_obs" in checks.result_problem(
+            dataclasses.replace(got, no_final_obs=bad), 3, spec)
+    experience = p.Experience(worker="w", incarnation="i", epoch=0, seq=1, first=False,
+                              policy_version=-1, obs=result.obs, reward=result.reward,
+                              terminated=result.terminated, truncated=result.truncated,
+                              final_obs=result.final_obs, no_final_obs=marks)
+    back = p.decode(p.encode(experience))
+    assert isinstance(back, p.Experience) and back.no_final_obs is not None
+    assert back.no_final_obs.tolist() == marks.tolist()
+    assert checks.experience_problem(back) == ""
+    assert "no_final_obs" in checks.experience_problem(
+        dataclasses.replace(back, no_final_obs=np.array([True, True, False])))
+
+
 def test_a_batch_holds_at_most_max_trajectories_per_message() -> None:
     """The one bound: what the assembler sends at most, and what the learner's check takes."""
     def one(seq: int) -> p.Trajectory:

@@ -157,3 +157,40 @@ def test_agents_keyed_by_integers_work():
     envs.reset({})
     alive = envs.step(np.zeros(2, np.int64), {}).alive
     assert alive is not None and alive.tolist() == [True, True]
+
+
+def test_rows_that_end_without_an_observation_after_their_last_action_are_marked():
+    """An agent that leaves without an observation, and every agent of an env that raises,
+    end truncated with the observation they acted on as final: the step result says which,
+    so their trajectories bootstrap from the last step. Ends with an observation are not
+    marked."""
+    def envset(env: str) -> EnvSet:
+        return EnvSet(Config(env=env, envs_per_worker=1, name="w"),
+                      report=lambda error: None, log=logging.getLogger("test"))
+
+    leaver = envset("scripted_envs:leaves_unobserved")
+    leaver.reset({})
+    acts = np.zeros(2, np.int64)
+    left = leaver.step(acts, {})  # b leaves, unobserved
+    assert left.truncated.tolist() == [False, True] and left.alive is not None
+    assert left.no_final_obs is not None and left.no_final_obs.tolist() == [False, True]
+    assert isinstance(left.final_obs, np.ndarray) and left.final_obs.tolist() == [[1, 0]]
+    crashed = leaver.step(acts, {})  # the env raises: a's episode is cut
+    assert crashed.truncated.tolist() == [True, False]
+    assert crashed.no_final_obs is not None and crashed.no_final_obs.tolist() == [True, False]
+    assert leaver.errors == 1
+    again = leaver.step(acts, {})  # the recreated env's b leaves as before; a goes on
+    assert again.no_final_obs is not None and again.no_final_obs.tolist() == [False, True]
+
+    relay = envset("scripted_envs:relay_team")
+    relay.reset({})
+    ends = [relay.step(np.zeros(4, np.int64), {}) for _ in range(5)]
+    assert sum(int((r.terminated | r.truncated).sum()) for r in ends) == 4
+    assert all(r.no_final_obs is None for r in ends), "each ended with an observation"
+
+    single = envset("scripted_envs:hundredth_step_raises")
+    single.reset({})
+    results = [single.step(np.zeros(1, np.int64), {}) for _ in range(100)]
+    marked = [i for i, r in enumerate(results) if r.no_final_obs is not None]
+    assert marked == [99] and results[99].truncated.tolist() == [True]
+    assert sum(bool(r.terminated[0]) for r in results) >= 5, "terminal ends are not marked"

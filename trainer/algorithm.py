@@ -85,11 +85,11 @@ class Trajectory:
 
     ``bootstrap_obs`` is the observation after the last step. If ``terminated`` its value is
     taken as 0; otherwise (``truncated`` by a time limit or a cut, or a plain horizon cut with
-    both flags False) the return is bootstrapped with V(bootstrap_obs). When
-    ``bootstrap_from_last`` no observation follows the last step (an agent that vanished):
-    ``bootstrap_obs`` is then the last step's own observation, so a feed-forward critic's
-    V(bootstrap_obs) is the last step's value, and a recurrent one takes the value of the last
-    step of its replay instead of feeding that observation again.
+    both flags False) the return is bootstrapped with V(bootstrap_obs). With
+    ``bootstrap_from_last`` no observation follows the last step (its agent vanished, or its
+    env raised): ``bootstrap_obs`` is then the last step's own observation, so a feed-forward
+    critic's V(bootstrap_obs) is the last step's value, and a recurrent one takes the value of
+    the last step of its replay instead of feeding that observation again.
     """
 
     obs: Obs
@@ -120,7 +120,7 @@ class Trajectory:
     state: dict[str, np.ndarray] | None = None
     """A recurrent model's state before the first step (None: a feed-forward model)."""
     bootstrap_from_last: bool = False
-    """No observation follows the last step (it was cut when its agent vanished): bootstrap
+    """No observation follows the last step (its agent vanished, or its env raised): bootstrap
     from the last step's own value; ``bootstrap_obs`` is that step's observation."""
 
     def __len__(self) -> int:

@@ -10,9 +10,10 @@ with `done` all False. Minibatches hold whole trajectories, padded at the end to
 one (padding after the last real step cannot change the steps before it) and left out of every
 mean; values for GAE, the bootstrap included, come from replaying each trajectory one step
 further, through its bootstrap observation, with the current weights. A trajectory with
-`bootstrap_from_last` (its agent vanished: no observation follows its last step) is replayed
-through its own steps only and bootstraps from its last step's value: feeding its last
-observation again would advance the memory through a step that never happened.
+`bootstrap_from_last` (no observation follows its last step: its agent vanished without one,
+or its env raised) is replayed through its own steps only and bootstraps from its last step's
+value: feeding its last observation again would advance the memory through a step that never
+happened.
 """
 
 from __future__ import annotations

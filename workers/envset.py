@@ -119,6 +119,7 @@ class EnvSet:
         self.episode = np.full(len(self.envs), -1, np.int64)  # each env's current episode
         self.episode_seed = np.zeros(len(self.envs), np.int64)  # ... and its reset seed
         self.last_obs = spaces.zeros(self.spec, self.rows)
+        self.unobserved: list[int] = []  # rows of the step under way that ended unobserved
         self.errors = 0
         self.agents_vanished = 0  # agents that left an episode without a done flag
         self.without_options: set[int] = set()  # envs that rejected the current reset options
@@ -209,7 +210,7 @@ class EnvSet:
                         write(obs, i, o, info)
                 except Exception as exc:  # the env's fault, not ours: cut the episode, go on
                     truncated[i] = True
-                    finals.append(obs_rows.copy(obs_rows.take(self.last_obs, i)))
+                    finals.append(self._unobserved_final(i))
                     first = self._recreate(i, exc, self._options_for(i, options))
                     self.write(obs, i, *first)
                     if same_step:  # final infos are SAME_STEP's, one per final observation
@@ -231,7 +232,7 @@ class EnvSet:
         return p.StepResult(incarnation="", epoch=0, seq=0, first=False, obs=obs, reward=reward,
                             terminated=terminated, truncated=truncated,
                             final_obs=self._finals(finals), **self.episodes(),
-                            **self.info_fields())
+                            **self.info_fields(), no_final_obs=self._no_final_obs())
 
     def _autoreset(self, i: int, obs: Obs, options: dict) -> dict:
         """Env i's next episode, begun as it ends by itself (recreated if reset raises), its
@@ -256,6 +257,22 @@ class EnvSet:
         if self.step_infos is not None:
             self.step_infos.finals.append(final)
             self.step_infos.rows[i] = reset
+
+    def _unobserved_final(self, i: int) -> Obs:
+        """Row i's final observation when none came after its last action (its env raised,
+        or its agent left without one): the one it acted on, and the row is marked so."""
+        self.unobserved.append(i)
+        return obs_rows.copy(obs_rows.take(self.last_obs, i))
+
+    def _no_final_obs(self) -> np.ndarray | None:
+        """STEP_RESULT's `no_final_obs` for the step under way (None: every ended row had a
+        final observation); the next step starts without marks."""
+        if not self.unobserved:
+            return None
+        marks = np.zeros(self.rows, bool)
+        marks[self.unobserved] = True
+        self.unobserved.clear()
+        return marks
 
     def _finals(self, finals: list[Obs]) -> Obs:
         return obs_rows.stack(finals) if finals else obs_rows.take(self.last_obs, slice(0, 0))
@@ -337,7 +354,8 @@ class EnvSet:
         return p.StepResult(incarnation="", epoch=0, seq=0, first=False, obs=obs,
                             reward=rows.reward, terminated=rows.terminated,
                             truncated=rows.truncated, final_obs=self._finals(rows.finals),
-                            alive=rows.alive, **self.episodes())
+                            alive=rows.alive, **self.episodes(),
+                            no_final_obs=self._no_final_obs())
 
     def _step_one_parallel(self, u: int, env: Any, actions: np.ndarray, options: dict,
                            obs: Obs, rows: RowOutcomes) -> None:
@@ -351,7 +369,7 @@ class EnvSet:
             for a in acting:
                 i = base + self.agent_row[a]
                 rows.truncated[i] = True
-                rows.finals.append(obs_rows.copy(obs_rows.take(self.last_obs, i)))
+                rows.finals.append(self._unobserved_final(i))
             self._place(u, self._recreate(u, exc, self._options_for(u, options)), obs,
                         rows.alive)
             return
@@ -373,7 +391,7 @@ class EnvSet:
             if rows.terminated[i] or rows.truncated[i]:
                 rows.finals.append(
                     self.write.row(nxt[a], infos.get(a), self.last_obs) if a in nxt
-                    else obs_rows.copy(obs_rows.take(self.last_obs, i)))
+                    else self._unobserved_final(i))
         first = (nxt, infos)
         if not going_on:  # all done: the next episode starts within this step
             try:
