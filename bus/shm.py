@@ -106,6 +106,10 @@ class Writer:
                      0o600)
         try:
             os.ftruncate(fd, size)
+            # Every page taken now: a tmpfs hands out pages as they are first written, so a
+            # full /dev/shm would otherwise kill the worker with SIGBUS at some later write,
+            # where now it is an OSError and the worker sends its rows on the socket.
+            os.posix_fallocate(fd, 0, size)
             self.map = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)

@@ -1,7 +1,8 @@
 """The checkpoint disk full (a small tmpfs, filled mid-run): the last good checkpoint stays
 intact and loadable, the learner says so in one line and goes on learning in memory while
 what waits for a checkpoint (receipts, metrics records) waits, and it writes the checkpoint
-as soon as the space returns; metrics.jsonl never holds a torn line."""
+as soon as the space returns; metrics.jsonl never holds a torn line. /dev/shm full: a worker's
+observations go on the socket."""
 
 from __future__ import annotations
 
@@ -13,11 +14,15 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import wait_for
 from test_learner_state import STEPS, Bench, saved, trajectory
 
+from stepbus.bus import node, shm
+from stepbus.bus import protocol as p
 from stepbus.trainer import checkpoint, metrics
+from stepbus.workers.worker import Config, Worker
 
 
 @pytest.fixture
@@ -111,3 +116,30 @@ def test_tensorboard_dead_of_a_full_disk_never_holds_the_learner_up(
     files.close()
     lines = (small_disk / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["env_steps"] for line in lines] == [1, *range(2, 60)]
+
+
+def test_shared_memory_that_cannot_be_had_sends_the_rows_on_the_socket(
+        small_disk: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """/dev/shm full (here a 512 KiB tmpfs in its place): the segment is refused when it is
+    made, not by SIGBUS at some later write into a page the tmpfs never had, and the worker says
+    so in one line and steps with its rows on the socket."""
+    monkeypatch.setattr(shm, "DIR", str(small_disk))
+    with pytest.raises(OSError):  # 16 slots of 64 rows of 1 KiB: 1 MiB on a 512 KiB disk
+        shm.Writer("stepbus-big-1", 64, (256,), np.dtype(np.float32))
+    assert list(small_disk.iterdir()) == [], "nothing left of the refused segment"
+    fill(small_disk)
+    caplog.set_level(logging.WARNING)
+    out = node.Outbox()
+    w = Worker(Config(envs_per_worker=2, name="w", shm_frames=True), out,
+               logging.getLogger("test.worker"))
+    try:
+        assert w.segment is None
+        [line] = [r.getMessage() for r in caplog.records if "--shm-frames" in r.getMessage()]
+        assert "cannot create a segment" in line and "on the socket" in line, line
+        w.deliver(b"", p.Reset(epoch=0, seq=1, options={}))
+        w.deliver(b"", p.Step(epoch=0, seq=2, policy_version=0, actions=np.zeros(2, np.int64)))
+        [_, stepped] = out.take(p.StepResult, port="steps")
+        assert stepped.seq == 2 and stepped.obs_slot < 0 and stepped.obs.shape == (2, 4)
+    finally:
+        w.close()
