@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import numpy as np
 import pytest
 import zmq
 from conftest import EVERY_UPDATE, Cluster, Proc, wait_for
@@ -298,7 +299,7 @@ def rejected_figures(rows: dict[str, dict]) -> dict[str, dict]:
 
 
 BINDERS = ("controller", "broker", "assembler", "evaluator")
-ONLY_WHEN_RELAYING = {"vector"}  # bound by a broker --external (stepbus.vector) alone
+ONLY_WHEN_RELAYING = {"vector"}  # bound by a broker --external alone: a test of its own
 NOISE_CONNECTIONS = 4000
 # RSS may grow by this much over a burst. Keeping the bytes would grow each process by the
 # 5-15 MB it received (asserted above 2x this: the evaluator, with one port, gets the least),
@@ -329,6 +330,45 @@ def test_noise_on_every_bound_tcp_port_leaves_processes_serving_and_memory_flat(
     one_undecodable_message_is_counted_by_each_process(cluster, procs)
     a_persistent_offender_is_counted_and_logged_once_a_second(cluster, procs)
     learning_goes_on_through_raw_connections(cluster, procs["assembler"], all_ports)
+
+
+def test_noise_on_the_vector_relays_ports_leaves_it_serving_a_vector_env(
+        cluster: Cluster) -> None:
+    """`stepbus broker --external` (what `stepbus.vector` starts) binds the vector endpoint
+    besides the workers' one: noise on both is refused the same way, and then a vector env
+    client connects through it and steps."""
+    from stepbus import vector
+
+    use_tcp(cluster)
+    procs = {"broker": cluster.start("broker", "--external")}
+    controller = cluster.start("controller")
+    wait_for(lambda: "broker" in rows_by_role(cluster), 30, "the relay registered")
+    found = listening(procs["broker"].pid)
+    wanted = {tcp_port(cluster.endpoints[name]) for name in ("steps", "vector")}
+    assert {port for _, port in found} == wanted, found
+    ports = {"broker": sorted(wanted)}
+    before = rejected_figures(rows_by_role(cluster))
+    assert before["broker"] == {"rejected": 0}
+    for port in wanted:
+        raw = handshake(port)
+        send_quietly(raw, bytes([LONG_FRAME]) + (1 << 62).to_bytes(8, "big"))
+        assert closed_by_peer(raw, 2.0), f"port {port} kept a frame declared as 4 EiB"
+        raw.close()
+    noise_is_refused_and_memory_stays_flat(cluster, procs, ports, random.Random(1), before)
+    raw = handshake(tcp_port(cluster.endpoints["vector"]))  # the control: one is counted
+    raw.sendall(b"\x00\x01\xc1")
+    raw.close()
+    wait_for(lambda: rows_by_role(cluster)["broker"].get("rejected") == 1, 10,
+             "the relay counting one undecodable message")
+    cluster.start("worker", "--name", "w0", "--envs-per-worker", "2")
+    envs = vector.connect(cluster.endpoints["controller"], 2)
+    try:
+        obs, _ = envs.reset(seed=0)
+        assert obs.shape == (2, 4)
+        envs.step(np.ones(2, np.int64))
+    finally:
+        envs.close()
+    assert procs["broker"].popen.poll() is None and controller.popen.poll() is None
 
 
 def every_port(ports: dict[str, list[int]]) -> list[int]:
@@ -378,7 +418,7 @@ def noise_is_refused_and_memory_stays_flat(cluster: Cluster, procs: dict[str, Pr
     time.sleep(2 * 0.5 + 0.2)  # two heartbeats: the figures below are from after the noise
     rows = rows_by_role(cluster)
     assert rejected_figures(rows) == before, "noise became messages the decoder refused"
-    assert rows["broker"]["workers"] == 0 and rows["assembler"]["steps"] == 0
+    assert rows["broker"]["workers"] == 0 and rows.get("assembler", {}).get("steps", 0) == 0
     for role in procs:
         assert received[role] > 2 * RSS_GROWTH_KIB * 1024, "buffering the noise would show"
         growth = rss_after[role] - rss_before[role]
