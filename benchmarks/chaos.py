@@ -574,14 +574,22 @@ def soak_run(args: argparse.Namespace, work: Path, group: launch.Group,
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--minutes", type=float, required=True,
                         help="how long faults are injected (then 15 s of draining)")
     parser.add_argument("--seed", type=int, default=0, help="faults, their times, the run")
-    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=3,
+                        help="worker processes (honcho start -c worker=N)")
     parser.add_argument("--out", default="", help="keep the run here, with the time series")
     parser.add_argument("--plot", action="store_true", help="with --out: chaos.png")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if not args.minutes > 0:
+        parser.error(f"--minutes must be above 0, not {args.minutes}")
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1, not {args.workers}")
+    if args.plot and not args.out:
+        parser.error("--plot writes chaos.png into --out: name one")
+    return args
 
 
 def main() -> int:
