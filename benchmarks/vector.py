@@ -6,9 +6,10 @@ PPO solving CartPole-v1 on `stepbus.vector.sb3.VecEnv`.
 Throughput: each `--env` (default CartPole-v1, and stepbus.workers.bench_envs:heavy_tailed,
 whose steps cost 1 ms of CPU, 10 ms one time in ten) with random actions drawn beforehand (no
 policy), for each num_envs: gymnasium's SyncVectorEnv (one process), AsyncVectorEnv (one
-process per env), and
+process per env, observations in shared memory), and
 `stepbus.vector.make(..., workers=2)` stepped in lockstep (`step`) and asynchronously
-(`send`/`recv` with batch_size num_envs / 2: one worker's envs while the other steps). Each
+(`send`/`recv` with batch_size num_envs / 2: one worker's envs while the other steps); where
+`envpool` is installed and has the env, EnvPool the same two ways (its C++ thread pool). Each
 figure is env steps (batch rows) per second of wall time over `--seconds`, after a warm-up; all
 run in one invocation, one after the other, so load changes hit them alike.
 
@@ -73,6 +74,50 @@ def async_steps(envs: sv.BusVectorEnv, actions: np.ndarray, seconds: float) -> f
     return rows / (time.perf_counter() - started)
 
 
+def envpool_lockstep(pool: Any, actions: np.ndarray, seconds: float) -> float:
+    """EnvPool's `step` (every env, batch_size num_envs) in a loop."""
+    pool.reset()
+    n = len(actions[0])
+    for t in range(WARMUP_STEPS):
+        pool.step(actions[t % len(actions)])
+    steps, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        pool.step(actions[steps % len(actions)])
+        steps += 1
+    return steps * n / (time.perf_counter() - started)
+
+
+def envpool_async(pool: Any, actions: np.ndarray, seconds: float) -> float:
+    """EnvPool's `recv`/`send` with batch_size num_envs / 2: whichever envs finished first."""
+    pool.async_reset()
+    rows, started, t, warm = 0, time.perf_counter(), 0, -WARMUP_STEPS
+    while time.perf_counter() - started < seconds or warm < 0:
+        ids = pool.recv()[-1]["env_id"]
+        t += 1
+        pool.send(actions[t % len(actions)][ids], ids)
+        warm += 1
+        if warm == 0:
+            rows, started = 0, time.perf_counter()
+        elif warm > 0:
+            rows += len(ids)
+    return rows / (time.perf_counter() - started)
+
+
+def envpool_makers(env: str, num_envs: int) -> list[tuple[str, Callable[[], Any],
+                                                          Callable[..., float]]]:
+    """EnvPool's C++ threads on the same env, where it is installed and has the env."""
+    try:
+        import envpool
+    except ImportError:
+        return []
+    if env not in envpool.list_all_envs():
+        return []
+    return [("EnvPool lockstep", lambda: envpool.make_gymnasium(env, num_envs=num_envs),
+             envpool_lockstep),
+            ("EnvPool recv/send", lambda: envpool.make_gymnasium(
+                env, num_envs=num_envs, batch_size=num_envs // 2), envpool_async)]
+
+
 def throughput(env: str, num_envs: int, seconds: float) -> list[dict[str, Any]]:
     probe = make_env(env)
     probe.action_space.seed(0)
@@ -82,11 +127,12 @@ def throughput(env: str, num_envs: int, seconds: float) -> list[dict[str, Any]]:
     fns = [functools.partial(make_env, env)] * num_envs
     makers: list[tuple[str, Callable[[], Any], Callable[..., float]]] = [
         ("SyncVectorEnv", lambda: gym.vector.SyncVectorEnv(fns), lockstep),
-        ("AsyncVectorEnv", lambda: gym.vector.AsyncVectorEnv(fns), lockstep),
+        ("AsyncVectorEnv", lambda: gym.vector.AsyncVectorEnv(fns, shared_memory=True), lockstep),
         ("stepbus.vector lockstep, 2 workers",
          lambda: sv.make(env, num_envs, workers=2), lockstep),
         ("stepbus.vector send/recv, 2 workers",
          lambda: sv.make(env, num_envs, workers=2, batch_size=num_envs // 2), async_steps),
+        *envpool_makers(env, num_envs),
     ]
     out = []
     for name, make, measure in makers:
