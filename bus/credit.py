@@ -36,7 +36,7 @@ MAX_PENDING_VERSIONS = 64  # deterministic mode: versions received, not yet due 
 # steps it never gets (lost data, or a horizon longer than the window allows) before we give up
 # reproducibility rather than stall the run for good. A healthy run never waits this long.
 DETERMINISM_GIVE_UP_S = 5.0
-# ... and the trainer must be saying so still: a starving trainer says it again every 0.25 s (it
+# ... counted only while the trainer says so: a starving trainer says it again every 0.25 s (it
 # publishes its weights again on a quiet link), so a claim older than this is one a trainer no
 # longer makes, busy with an update of the steps it took in since (a slow update, or the serial
 # runner, where the broker waits while the learner learns, is not lost data).
@@ -92,7 +92,7 @@ class Credit:
 
     def report(self, incarnation: str, consumed_steps: int, batch_steps: int,
                starving: bool, checkpointed_steps: int = 0, run: str = "", *,
-               now: float = 0.0) -> str:
+               now: float) -> str:
         """Take in what a trainer's WEIGHTS message says. Returns how a trainer incarnation
         not heard before was connected ("continues", "afresh"; "" for a known one)."""
         connected = ""
@@ -190,10 +190,14 @@ class DueVersions:
         short = limit - (credit.start + credit.consumed)
         due = Due(wait=False)
         if short > 0:
+            # The give-up clock runs only while the trainer says, and still says, it starves:
+            # the seconds of an update (it says nothing then) never count towards it.
+            if not (credit.starving and now - credit.reported_at <= STARVING_CLAIM_FRESH_S):
+                self.waiting_since = None
+                return Due(wait=True)
             self.waiting_since = now if self.waiting_since is None else self.waiting_since
             due.waited_s = now - self.waiting_since
-            starving = credit.starving and now - credit.reported_at <= STARVING_CLAIM_FRESH_S
-            if not starving or due.waited_s < DETERMINISM_GIVE_UP_S:
+            if due.waited_s < DETERMINISM_GIVE_UP_S:
                 return Due(wait=True)
             # It will never have them (lost data, or a horizon longer than the window allows).
             credit.start += short

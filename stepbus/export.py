@@ -149,8 +149,8 @@ def _label(path: Path, names: Mapping[str, str], metadata: Mapping[str, str]) ->
 
     model = onnx.load(str(path))
     graph = model.graph
-    for value in graph.input:
-        value.name = names.get(value.name, value.name)
+    for graph_input in graph.input:
+        graph_input.name = names.get(graph_input.name, graph_input.name)
     for node in _nodes(graph):
         node.input[:] = [names.get(name, name) for name in node.input]
     for key, value in metadata.items():

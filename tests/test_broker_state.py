@@ -362,10 +362,20 @@ def test_deterministic_mode_waits_through_an_update_longer_than_its_give_up_boun
                                  figures={}))
     bench.tick()
     assert bench.steps_to(w) == [] and bench.figure("determinism_lost") == 0, "still waits"
-    bench.deliver(b"t", weights(2, consumed=6))  # the update's version, made from 6 steps
+    # The update's weights say it does not starve: the give-up clock starts again. Still one
+    # step short of the 6 - window due (its count is 1), it waits...
+    bench.deliver(b"t", weights(2, consumed=1))
+    bench.tick()
+    assert bench.steps_to(w) == []
+    bench.later(0.25)
+    bench.deliver(b"t", weights(2, consumed=1, starving=True))  # ... starving anew
+    bench.tick()
+    assert bench.steps_to(w) == [] and bench.figure("determinism_lost") == 0, \
+        "the seconds of the update did not count towards giving up"
+    bench.deliver(b"t", weights(3, consumed=6))
     bench.tick()
     [step] = bench.steps_to(w)
-    assert step.policy_version == 1 and bench.figure("determinism_lost") == 0
+    assert step.policy_version == 2 and bench.figure("determinism_lost") == 0
 
 
 def test_each_policy_acts_on_its_own_rows_and_stepping_waits_for_every_policys_weights():

@@ -8,18 +8,18 @@ from stepbus.bus.credit import Credit
 
 
 def reported(credit: Credit, incarnation: str, consumed: int, starving: bool = False) -> int:
-    credit.report(incarnation, consumed, batch_steps=100, starving=starving)
+    credit.report(incarnation, consumed, batch_steps=100, starving=starving, now=0.0)
     return credit.outstanding()
 
 
 def test_a_successor_continues_the_count_and_what_it_takes_in_again_counts_once() -> None:
     credit = Credit(max_steps_ahead=300)
-    assert credit.report("l1", 0, 100, False) == "afresh", "the first trainer we hear"
+    assert credit.report("l1", 0, 100, False, now=0.0) == "afresh", "the first trainer we hear"
     assert credit.outstanding() == 0
     credit.produced = 1300
     assert reported(credit, "l1", 1000) == 300  # took in all but the last 300
     # l1 dies; its checkpoint held 800 steps: the other 200 it took in come again to l2.
-    assert credit.report("l2", 800, 100, False) == "continues"
+    assert credit.report("l2", 800, 100, False, now=0.0) == "continues"
     assert credit.outstanding() == 500, "200 to take in again and the 300 in flight"
     assert credit.full(), "no stepping past the window while the resent data waits"
     assert reported(credit, "l2", 1000) == 300, "the resent steps counted once"
@@ -29,14 +29,14 @@ def test_a_successor_continues_the_count_and_what_it_takes_in_again_counts_once(
 
 def test_swaps_and_kills_in_a_row_never_take_stepping_past_the_window() -> None:
     credit = Credit(max_steps_ahead=300)
-    credit.report("l0", 0, 100, False)
+    credit.report("l0", 0, 100, False, now=0.0)
     checkpointed, taken = 0, 0
     for k in range(1, 6):
         credit.produced += 300  # a window stepped; the learner takes in 250 of it
         taken += 250
         assert reported(credit, f"l{k - 1}", taken) == credit.produced - taken
         checkpointed = taken - 100  # its last 100 steps were not in a checkpoint
-        assert credit.report(f"l{k}", checkpointed, 100, False) == "continues"
+        assert credit.report(f"l{k}", checkpointed, 100, False, now=0.0) == "continues"
         assert credit.outstanding() == credit.produced - checkpointed
         taken = checkpointed + 150  # what comes again, and 50 more
         assert 0 <= reported(credit, f"l{k}", taken) <= credit.window()
@@ -46,11 +46,11 @@ def test_swaps_and_kills_in_a_row_never_take_stepping_past_the_window() -> None:
 def test_a_trainer_whose_count_does_not_fit_counts_afresh() -> None:
     credit = Credit(max_steps_ahead=300)
     credit.produced = 5000
-    credit.report("l1", 4000, 100, False)
+    credit.report("l1", 4000, 100, False, now=0.0)
     credit.produced = 5200
-    assert credit.report("other-run", 10, 100, False) == "afresh", "below where l1 started"
+    assert credit.report("other-run", 10, 100, False, now=0.0) == "afresh", "below where l1 started"
     assert credit.outstanding() == 0 and credit.rebases == 1
-    assert credit.report("ahead", 999_999, 100, False) == "afresh", "more than we stepped"
+    assert credit.report("ahead", 999_999, 100, False, now=0.0) == "afresh", "more than we stepped"
     assert credit.outstanding() == 0 and credit.rebases == 2
 
 
@@ -60,14 +60,15 @@ def test_a_trainer_at_0_after_its_predecessor_checkpointed_started_a_run_of_its_
     a successor, its 0 would leave everything the predecessor learned outstanding forever:
     stepping would wait for top-ups."""
     credit = Credit(max_steps_ahead=300)
-    assert credit.report("l1", 0, 100, False, checkpointed_steps=0) == "afresh"
+    assert credit.report("l1", 0, 100, False, checkpointed_steps=0, now=0.0) == "afresh"
     credit.produced = 1000
-    credit.report("l1", 900, 100, False, checkpointed_steps=800)
-    assert credit.report("fresh", 0, 100, False) == "afresh"
+    credit.report("l1", 900, 100, False, checkpointed_steps=800, now=0.0)
+    assert credit.report("fresh", 0, 100, False, now=0.0) == "afresh"
     assert credit.outstanding() == 0 and credit.rebases == 1
     credit.produced = 1200
-    credit.report("fresh", 150, 100, False, checkpointed_steps=0)
-    assert credit.report("its-successor", 0, 100, False) == "continues", "it never checkpointed"
+    credit.report("fresh", 150, 100, False, checkpointed_steps=0, now=0.0)
+    assert credit.report("its-successor", 0, 100, False, now=0.0) == "continues", \
+        "it never checkpointed"
     assert credit.outstanding() == 200 and credit.rebases == 1
 
 
@@ -77,23 +78,23 @@ def test_a_trainer_of_another_run_counts_afresh_even_where_its_count_fits() -> N
     would have said so, or one that resumed another run's checkpoint of a similar count. The
     run its WEIGHTS name tells them apart; a trainer that names none is judged by its count."""
     credit = Credit(max_steps_ahead=300)
-    assert credit.report("l1", 0, 100, False, run="run-a") == "afresh"
+    assert credit.report("l1", 0, 100, False, run="run-a", now=0.0) == "afresh"
     credit.produced = 1000
-    credit.report("l1", 900, 100, False, checkpointed_steps=0, run="run-a")
-    assert credit.report("other", 0, 100, False, run="run-b") == "afresh"
+    credit.report("l1", 900, 100, False, checkpointed_steps=0, run="run-a", now=0.0)
+    assert credit.report("other", 0, 100, False, run="run-b", now=0.0) == "afresh"
     assert credit.outstanding() == 0 and credit.rebases == 1
     credit.produced = 1200
-    credit.report("other", 150, 100, False, run="run-b")
-    assert credit.report("its-successor", 150, 100, False, run="run-b") == "continues"
-    assert credit.report("back-to-a", 150, 100, False, run="run-a") == "afresh"
+    credit.report("other", 150, 100, False, run="run-b", now=0.0)
+    assert credit.report("its-successor", 150, 100, False, run="run-b", now=0.0) == "continues"
+    assert credit.report("back-to-a", 150, 100, False, run="run-a", now=0.0) == "afresh"
     assert credit.rebases == 2
-    assert credit.report("unnamed", 150, 100, False) == "continues", "judged by its count"
+    assert credit.report("unnamed", 150, 100, False, now=0.0) == "continues", "judged by its count"
     assert credit.rebases == 2
 
 
 def test_steps_taken_as_lost_by_a_top_up_that_arrive_after_all_are_taken_back_first() -> None:
     credit = Credit(max_steps_ahead=300)
-    credit.report("l1", 0, 100, False)
+    credit.report("l1", 0, 100, False, now=0.0)
     credit.produced = 300
     assert reported(credit, "l1", 0, starving=True) == 200, "one batch granted"
     assert reported(credit, "l1", 250) == 0, "they came after all: the grant is taken back"

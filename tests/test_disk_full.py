@@ -140,6 +140,7 @@ def test_shared_memory_that_cannot_be_had_sends_the_rows_on_the_socket(
         w.deliver(b"", p.Reset(epoch=0, seq=1, options={}))
         w.deliver(b"", p.Step(epoch=0, seq=2, policy_version=0, actions=np.zeros(2, np.int64)))
         [_, stepped] = out.take(p.StepResult, port="steps")
-        assert stepped.seq == 2 and stepped.obs_slot < 0 and stepped.obs.shape == (2, 4)
+        assert stepped.seq == 2 and stepped.obs_slot < 0
+        assert isinstance(stepped.obs, np.ndarray) and stepped.obs.shape == (2, 4)
     finally:
         w.close()
