@@ -89,6 +89,7 @@ class Soak:
     swap: subprocess.Popen[bytes] | None = None
     next_fault: float = 0.0
     stopped: list[int] = field(default_factory=list)  # SIGSTOPped: thawed in any case
+    clients: list[subprocess.Popen[bytes]] = field(default_factory=list)  # ended in any case
 
     @property
     def ledger_dir(self) -> Path:
@@ -196,8 +197,10 @@ def segments() -> set[str]:
 def stepbus(soak: Soak, *args: str) -> subprocess.Popen[bytes]:
     """A `stepbus` client command against this run (its endpoints are in soak.env)."""
     exe = shutil.which("stepbus", path=soak.env["PATH"]) or "stepbus"
-    return subprocess.Popen([exe, *args], env=soak.env, cwd=soak.work,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    client = subprocess.Popen([exe, *args], env=soak.env, cwd=soak.work,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    soak.clients.append(client)
+    return client
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -535,7 +538,8 @@ def shut_down(soak: Soak, tag: tuple[str, str] | None, shm_before: set[str]) -> 
     """`stepbus shutdown`, honcho's exit awaited, then what is left 2 s later (before the
     harness ends anything by force)."""
     began = time.time()
-    stepbus(soak, "shutdown").wait(30)
+    with contextlib.suppress(subprocess.TimeoutExpired):  # a client still waiting is ended
+        stepbus(soak, "shutdown").wait(30)
     with contextlib.suppress(subprocess.TimeoutExpired):
         soak.honcho.wait(SHUTDOWN_WAIT_S)
     honcho_exit = soak.honcho.poll()
@@ -545,15 +549,15 @@ def shut_down(soak: Soak, tag: tuple[str, str] | None, shm_before: set[str]) -> 
             "left": left_behind(soak.work, tag), "segments": sorted(segments() - shm_before)}
 
 
-def soak_run(args: argparse.Namespace, work: Path, group: launch.Group,
-             stopped: list[int]) -> int:
+def soak_run(args: argparse.Namespace, work: Path, group: launch.Group, stopped: list[int],
+             clients: list[subprocess.Popen[bytes]]) -> int:
     shm_before = segments()
     env = prepare(work, args.seed)
     honcho = shutil.which("honcho", path=env["PATH"]) or "honcho"
     child = group.start([honcho, "start", "-c", f"worker={args.workers}"], env=env, cwd=work,
                         log=work / "honcho.log", name="honcho")
     soak = Soak(work, child, env | {TAG_VAR: group.tag[1] if group.tag else ""},
-                random.Random(args.seed), args.workers, stopped=stopped)
+                random.Random(args.seed), args.workers, stopped=stopped, clients=clients)
     soak.next_fault = soak.t0 + soak.rng.uniform(*FAULT_GAP_S)
     duration_s = args.minutes * 60
     run_for(soak, soak.t0 + duration_s, faults=True)
@@ -600,12 +604,17 @@ def main() -> int:
         work.mkdir(parents=True, exist_ok=False)
     group = launch.Group(dir=work, tag_var=TAG_VAR)
     stopped: list[int] = []
+    clients: list[subprocess.Popen[bytes]] = []
     try:
-        return soak_run(args, work, group, stopped)
+        return soak_run(args, work, group, stopped, clients)
     finally:
         for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+        for client in clients:  # a trainer swap or shutdown still under way
+            if client.poll() is None:
+                client.kill()
+                client.wait()
         group.stop()
         if not args.out:
             shutil.rmtree(work, ignore_errors=True)
