@@ -144,3 +144,13 @@ def test_shared_memory_that_cannot_be_had_sends_the_rows_on_the_socket(
         assert isinstance(stepped.obs, np.ndarray) and stepped.obs.shape == (2, 4)
     finally:
         w.close()
+
+
+def test_a_checkpoint_that_cannot_take_its_place_leaves_no_temp_file(tmp_path: Path) -> None:
+    """The rename fails (here a directory holds the checkpoint's name): the error is the
+    caller's to handle, and no temp file is left to take the space of the next try."""
+    path = tmp_path / "checkpoint.npz"
+    (path / "in-the-way").mkdir(parents=True)
+    with pytest.raises(OSError):
+        checkpoint.save(path, {"w": np.zeros(3)}, {}, {"env_steps": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.npz"]

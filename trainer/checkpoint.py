@@ -48,17 +48,18 @@ def save(path: Path, params: dict[str, np.ndarray], optimizer: dict[str, np.ndar
     arrays |= {f"optimizer/{k}": v for k, v in optimizer.items()}
     arrays["meta"] = np.frombuffer(json.dumps({"progress": progress}).encode(), dtype=np.uint8)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with _removed_if_failed(tmp), open(tmp, "wb") as f:
-        np.savez(f, **arrays)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with _removed_if_failed(tmp):
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
 
 
 @contextlib.contextmanager
 def _removed_if_failed(tmp: Path) -> Iterator[None]:
-    """A temp file a failed write leaves (a full disk) is removed: it would hold the space the
-    next try needs, and the last good checkpoint is untouched."""
+    """A temp file a failed write or rename leaves (a full disk) is removed: it would hold the
+    space the next try needs, and the last good checkpoint is untouched."""
     try:
         yield
     except BaseException:
