@@ -1,11 +1,13 @@
-"""Slurm: deploy/slurm/stepbus.sbatch runs a whole stepbus run as one job, which solves CartPole
-and exits 0; a second job (stepbus-workers.sbatch) adds workers to a running run and scancel
-takes them away while the run goes on; scancel of the run ends every process of it, each by
+"""Slurm: deploy/slurm/stepbus.sbatch runs a whole stepbus run as one two-node job, its central
+processes on one node and its workers on the other (TCP, CURVE), which solves CartPole and exits
+0; a second job (stepbus-workers.sbatch) adds workers to a running run and scancel takes them
+away while the run goes on; scancel of the run ends every process of it on both nodes, each by
 its own SIGTERM handling, within 5 s (Slurm's KillWait here, after which it would SIGKILL).
 
-Needs a Slurm cluster that takes jobs on this host: `deploy/slurm/local-cluster.sh` (as root)
-installs Debian's packages and starts one. Without one the tests skip, saying so, unless
-STEPBUS_REQUIRE_SLURM=1 (CI sets it), which makes a missing cluster a failure.
+Needs the two-node cluster of `deploy/slurm/local-cluster.sh` (as root: it installs Debian's
+packages and starts a slurmd per node, each in a network namespace of its own, `stepbus-NODE`).
+Without it the tests skip, saying so, unless STEPBUS_REQUIRE_SLURM=1 (CI sets it), which makes a
+missing cluster a failure.
 """
 
 from __future__ import annotations
@@ -29,24 +31,62 @@ from conftest import REPO, wait_for
 SBATCH = REPO / "deploy" / "slurm" / "stepbus.sbatch"
 WORKERS_SBATCH = REPO / "deploy" / "slurm" / "stepbus-workers.sbatch"
 REQUIRED = os.environ.get("STEPBUS_REQUIRE_SLURM") == "1"
+START = "`deploy/slurm/local-cluster.sh` (as root) starts the two-node cluster"
 
 
 @functools.cache
 def slurm_missing() -> str:
     """Why no Slurm job can run here, or "" when one can."""
-    if not all(shutil.which(tool) for tool in ("sbatch", "squeue", "scancel", "sinfo")):
-        return ("no Slurm commands on PATH: `deploy/slurm/local-cluster.sh` (as root) installs "
-                "Debian's slurm packages and starts a one-host cluster")
+    if not all(shutil.which(tool) for tool in ("sbatch", "squeue", "scancel", "sinfo", "ip")):
+        return f"no Slurm commands (or no `ip`) on PATH: {START}, installing Debian's packages"
     try:
-        res = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True,
-                             timeout=30)
+        res = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True,
+                             text=True, timeout=30)
     except subprocess.TimeoutExpired:
-        return "sinfo did not answer within 30 s: start slurmctld (`deploy/slurm/local-cluster.sh`)"
-    states = res.stdout.split()
-    if res.returncode != 0 or not {"idle", "mix", "alloc"} & set(states):
-        return (f"no Slurm node takes jobs (sinfo: {res.stdout.strip() or res.stderr.strip()}); "
-                "start one with `deploy/slurm/local-cluster.sh` (as root)")
+        return f"sinfo did not answer within 30 s: {START}"
+    taking = [line.split()[0] for line in res.stdout.splitlines()
+              if line.split()[1:] in (["idle"], ["mix"], ["alloc"])]
+    if res.returncode != 0 or len(taking) < 2:
+        return (f"not two Slurm nodes taking jobs (sinfo: "
+                f"{res.stdout.strip() or res.stderr.strip()}): {START}")
+    if not all(Path(f"/run/netns/stepbus-{node}").exists() for node in nodes()):
+        return f"the nodes {nodes()} have no network namespaces stepbus-NODE: {START}"
     return ""
+
+
+@functools.cache
+def nodes() -> list[str]:
+    """The cluster's nodes; the first is the one a job spanning both starts on."""
+    res = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True,
+                         timeout=30)
+    return sorted(set(res.stdout.split()))
+
+
+def node_of(pid: int) -> str:
+    """The node in whose network namespace the process runs ("" for none of them)."""
+    with contextlib.suppress(OSError):
+        net = os.stat(f"/proc/{pid}/ns/net").st_ino
+        for node in nodes():
+            if os.stat(f"/run/netns/stepbus-{node}").st_ino == net:
+                return node
+    return ""
+
+
+def left_on_nodes() -> dict[str, list[str]]:
+    """Live processes on each node but its slurmd (jobs' processes, slurmstepd), as "PID NAME"."""
+    left: dict[str, list[str]] = {}
+    for node in nodes():
+        res = subprocess.run(["ip", "netns", "pids", f"stepbus-{node}"], capture_output=True,
+                             text=True, timeout=10)
+        for pid in res.stdout.split():
+            try:
+                comm = Path(f"/proc/{pid}/comm").read_text().strip()
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if comm != "slurmd" and state != "Z":
+                left.setdefault(node, []).append(f"{pid} {comm}")
+    return left
 
 
 @pytest.fixture
@@ -140,7 +180,8 @@ def logs(job_dir: Path) -> str:
 @pytest.mark.timeout(240)  # a loaded 2-core CI machine: the job is given 180 s
 def test_the_sbatch_job_solves_cartpole_and_exits_0(submit_dir: Path) -> None:
     t0 = time.time()
-    res = sbatch(submit_dir, "--ntasks-per-node=2", str(SBATCH), wait=True, timeout=180)
+    res = sbatch(submit_dir, "--nodes=2", "--ntasks-per-node=2", str(SBATCH), wait=True,
+                 timeout=180)
     elapsed = time.time() - t0
     job = res.stdout.strip().split(";")[0]
     job_dir = submit_dir / f"stepbus-{job}"
@@ -153,6 +194,8 @@ def test_the_sbatch_job_solves_cartpole_and_exits_0(submit_dir: Path) -> None:
     assert oct((job_dir / "keys" / "client.key_secret").stat().st_mode & 0o777) == "0o600"
     assert (job_dir / "keys").stat().st_mode & 0o077 == 0, "the keys are the job user's only"
     assert processes_in(submit_dir) == []
+    assert_central_on_first_node_workers_on_second(job_dir, out)
+    wait_for(lambda: not left_on_nodes(), 10, "nothing of the job left on either node")
     first, last = records[0], records[-1]
     rate = (last["env_steps"] - first["env_steps"]) / max(1e-9, last["time"] - first["time"])
     print(f"\nslurm: sbatch to first policy update {first['time'] - t0:.1f} s, solved "
@@ -160,22 +203,56 @@ def test_the_sbatch_job_solves_cartpole_and_exits_0(submit_dir: Path) -> None:
           f"{rate:.0f} env steps/s, sbatch --wait returned after {elapsed:.1f} s")
 
 
+def assert_central_on_first_node_workers_on_second(job_dir: Path, out: str) -> None:
+    """Each process's log names its host (`ROLE-HOST-PID`): the central processes' the first
+    node, the 2 workers' the second, which reached the first over TCP by its name."""
+    head, other = nodes()
+    assert f"central processes on {head}, controller tcp://{head}:" in out, out
+    assert f"2 workers on {other}," in out, out
+    assert f"trainer slot trainer-{head}-" in out, out
+    for role in ("controller", "broker", "assembler"):
+        text = (job_dir / "logs" / f"{role}.log").read_text()
+        assert f"supervising {role} {role}-{head}-" in text, text
+    workers = [p.read_text() for p in sorted((job_dir / "logs").glob("worker-*.log"))]
+    assert len(workers) == 2, logs(job_dir)
+    for text in workers:
+        assert f"supervising worker worker-{other}-" in text, text
+        assert f"connecting to tcp://{head}:" in text, text
+
+
+def assert_placed_by_node(job_dir: Path) -> None:
+    """Every process of the run says its host in the status, and its network namespace is that
+    node's: the central processes on the first node, the run's own worker (and its supervisor,
+    `worker-HOST-PID`) on the second."""
+    head, other = nodes()
+    rows = status(job_dir)
+    assert {row["role"] for row in rows} >= {"controller", "broker", "assembler", "worker"}, rows
+    for row in rows:
+        side = other if row["role"] == "worker" or row["name"].startswith("worker-") else head
+        assert row["host"] == node_of(row["pid"]) == side, (row, rows)
+
+
 @pytest.mark.timeout(240)
 def test_a_second_job_adds_workers_and_scancel_ends_each_job_cleanly(submit_dir: Path) -> None:
     t0 = time.time()
-    run = sbatch(submit_dir, "--ntasks-per-node=1", str(SBATCH), "--target-return", "0")
+    run = sbatch(submit_dir, "--nodes=2", "--ntasks-per-node=1", str(SBATCH),
+                 "--target-return", "0")
     assert run.returncode == 0, run.stderr
     job = run.stdout.strip().split(";")[0]
     job_dir = submit_dir / f"stepbus-{job}"
     wait_for(lambda: stepping_workers(job_dir), 60, "the run's worker to step", interval=0.5)
     started = time.time() - t0
+    assert_placed_by_node(job_dir)
 
-    more = sbatch(submit_dir, "--ntasks-per-node=2", str(WORKERS_SBATCH), str(job_dir))
+    more = sbatch(submit_dir, "--nodes=2", "--ntasks-per-node=1", str(WORKERS_SBATCH),
+                  str(job_dir))
     assert more.returncode == 0, more.stderr
     added = more.stdout.strip().split(";")[0]
     wait_for(lambda: len({n for n in stepping_workers(job_dir) if f"-{added}-" in n}) == 2, 60,
              "the second job's 2 workers to step", interval=0.5)
     assert (job_dir / "keys" / "authorized" / f"keys-workers-{added}.key").exists()
+    assert {row["host"] for row in status(job_dir) if f"-{added}-" in row["name"]} \
+        == set(nodes()), "the second job's workers: one on each node"
 
     subprocess.run(["scancel", added], check=True, timeout=10)
     wait_for(lambda: not any(f"-{added}-" in n for n in stepping_workers(job_dir)), 15,
@@ -190,6 +267,7 @@ def test_a_second_job_adds_workers_and_scancel_ends_each_job_cleanly(submit_dir:
     subprocess.run(["scancel", job], check=True, timeout=10)
     wait_for(lambda: not processes_in(submit_dir), 10, "every process of the run to end")
     gone = time.monotonic() - t_cancel
+    wait_for(lambda: not left_on_nodes(), 10, "nothing of the jobs left on either node")
     text = logs(job_dir)
     out = (submit_dir / f"stepbus-{job}.out").read_text()
     assert gone < 5, f"{gone:.1f} s\n{text}"
