@@ -72,19 +72,26 @@ def node_of(pid: int) -> str:
     return ""
 
 
-def left_on_nodes() -> dict[str, list[str]]:
-    """Live processes on each node but its slurmd (jobs' processes, slurmstepd), as "PID NAME"."""
+def left_on_nodes(*jobs: str) -> dict[str, list[str]]:
+    """Live processes of the jobs in each node's network namespace, as "PID NAME": their
+    processes by SLURM_JOB_ID in the environment, their slurmstepds by the command line
+    (`slurmstepd: [JOB.STEP]`). Only these jobs': other tests' jobs may share the nodes."""
+    env = {f"SLURM_JOB_ID={job}".encode() for job in jobs}
+    steps = tuple(f"slurmstepd: [{job}.".encode() for job in jobs)
     left: dict[str, list[str]] = {}
     for node in nodes():
         res = subprocess.run(["ip", "netns", "pids", f"stepbus-{node}"], capture_output=True,
                              text=True, timeout=10)
         for pid in res.stdout.split():
             try:
-                comm = Path(f"/proc/{pid}/comm").read_text().strip()
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                proc = Path(f"/proc/{pid}")
+                environ = set((proc / "environ").read_bytes().split(b"\0"))
+                cmdline = (proc / "cmdline").read_bytes()
+                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                comm = (proc / "comm").read_text().strip()
             except OSError:
                 continue
-            if comm != "slurmd" and state != "Z":
+            if state != "Z" and (env & environ or cmdline.startswith(steps)):
                 left.setdefault(node, []).append(f"{pid} {comm}")
     return left
 
@@ -195,7 +202,7 @@ def test_the_sbatch_job_solves_cartpole_and_exits_0(submit_dir: Path) -> None:
     assert (job_dir / "keys").stat().st_mode & 0o077 == 0, "the keys are the job user's only"
     assert processes_in(submit_dir) == []
     assert_central_on_first_node_workers_on_second(job_dir, out)
-    wait_for(lambda: not left_on_nodes(), 10, "nothing of the job left on either node")
+    wait_for(lambda: not left_on_nodes(job), 10, "nothing of the job left on either node")
     first, last = records[0], records[-1]
     rate = (last["env_steps"] - first["env_steps"]) / max(1e-9, last["time"] - first["time"])
     print(f"\nslurm: sbatch to first policy update {first['time'] - t0:.1f} s, solved "
@@ -243,6 +250,7 @@ def test_a_second_job_adds_workers_and_scancel_ends_each_job_cleanly(submit_dir:
     wait_for(lambda: stepping_workers(job_dir), 60, "the run's worker to step", interval=0.5)
     started = time.time() - t0
     assert_placed_by_node(job_dir)
+    assert set(left_on_nodes(job)) == set(nodes()), "the run's processes seen on both nodes"
 
     more = sbatch(submit_dir, "--nodes=2", "--ntasks-per-node=1", str(WORKERS_SBATCH),
                   str(job_dir))
@@ -258,6 +266,7 @@ def test_a_second_job_adds_workers_and_scancel_ends_each_job_cleanly(submit_dir:
     wait_for(lambda: not any(f"-{added}-" in n for n in stepping_workers(job_dir)), 15,
              "the second job's workers to leave", interval=0.5)
     wait_for(lambda: added not in jobs_of(submit_dir), 15, "the workers job to end")
+    wait_for(lambda: not left_on_nodes(added), 10, "nothing of the workers job on either node")
     assert not (job_dir / "keys" / "authorized" / f"keys-workers-{added}.key").exists()
     before = own_worker_steps(job_dir, job)
     wait_for(lambda: own_worker_steps(job_dir, job) > before, 10,
@@ -267,7 +276,7 @@ def test_a_second_job_adds_workers_and_scancel_ends_each_job_cleanly(submit_dir:
     subprocess.run(["scancel", job], check=True, timeout=10)
     wait_for(lambda: not processes_in(submit_dir), 10, "every process of the run to end")
     gone = time.monotonic() - t_cancel
-    wait_for(lambda: not left_on_nodes(), 10, "nothing of the jobs left on either node")
+    wait_for(lambda: not left_on_nodes(job, added), 10, "nothing of the jobs left on either node")
     text = logs(job_dir)
     out = (submit_dir / f"stepbus-{job}.out").read_text()
     assert gone < 5, f"{gone:.1f} s\n{text}"
