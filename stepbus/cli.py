@@ -633,6 +633,42 @@ def _add_keys_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keys", default=wiring.Security().keys, help=keys.metadata["help"])
 
 
+def _flag_fields(cls: type) -> dict[str, str]:
+    """Every flag of a Config class, its groups' too, with the field it sets: aliases
+    (`--lr`, `--learning-rate`) name the same one."""
+    out: dict[str, str] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out |= _flag_fields(hints[f.name])
+        else:
+            out |= {_flag(name): f.name for name in _names(f)}
+    return out
+
+
+def merged_learner_flags(earlier: list[str], later: list[str]) -> list[str]:
+    """A trainer slot's learner flags after a swap: `earlier` less what `later` sets again,
+    then `later`. Later flags won already; dropping the values they override keeps a slot
+    swapped every minute for days at one value per setting on its learner's command line."""
+    fields = _flag_fields(PROCESSES["learner"].config_class())
+
+    def units(flags: list[str]) -> list[tuple[str, list[str]]]:
+        """(the setting a flag sets, the flag and its values): a flag begins at `--`; what
+        follows it up to the next one is its values (negative numbers included)."""
+        out: list[tuple[str, list[str]]] = []
+        for token in flags:
+            if token.startswith("--") or not out:
+                name = token.split("=", 1)[0]
+                out.append((fields.get(name, name), [token]))
+            else:
+                out[-1][1].append(token)
+        return out
+
+    again = {setting for setting, _ in units(later)}
+    return [token for setting, tokens in units(earlier) if setting not in again
+            for token in tokens] + later
+
+
 def learner_flags_problem(flags: list[str]) -> str:
     """Why `stepbus learner FLAGS` would not parse (empty if it would): the slot checks a swap
     before stopping the learner it has."""
@@ -719,7 +755,8 @@ def _command(argv: list[str]) -> int:
         elif args.command == "trainer":
             code = PROCESSES["trainer"].runner()(
                 _build_config(PROCESSES["trainer"].config_class(), args), argv[1:],
-                learner_flags_problem, entry=functools.partial(main, ["learner", *argv[1:]]))
+                learner_flags_problem, merged_learner_flags,
+                entry=functools.partial(main, ["learner", *argv[1:]]))
         else:
             command = PROCESSES[args.command]
             code = command.runner()(_build_config(command.config_class(), args))

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 from conftest import ManualClock
 
+from stepbus import cli
 from stepbus.bus import node, supervisor
 from stepbus.bus import protocol as p
 from stepbus.trainer import slot
@@ -48,6 +49,7 @@ class Bench:
         self.out = node.Outbox()
         self.slot = slot.Slot(self.out, logging.getLogger("test.slot"), name="slot",
                               args=list(args), validate=lambda flags: problem,
+                              merge=cli.merged_learner_flags,
                               command=[sys.executable, "-c", code], clock=self.clock)
 
     def at(self, t: float) -> None:
@@ -178,12 +180,13 @@ def test_a_swap_stops_the_learner_starts_one_with_the_new_flags_and_replies_afte
     bench.at(1.2)
     assert bench.slot.child is supervisor.Child.RUNNING
     second = bench.learner().popen.pid
-    assert second != first and bench.learner().popen.args[-4:] == ["--lr", "0.1", "--lr", "0.2"]
+    assert second != first and bench.learner().popen.args[-2:] == ["--lr", "0.2"]
+    assert "0.1" not in bench.learner().popen.args, "a swapped flag's earlier value goes"
     bench.at(1.2 + slot.PROBATION_S - 0.1)
     assert bench.replies() == []
     bench.at(1.2 + slot.PROBATION_S)
     assert bench.replies() == [p.Reply(
-        ok=True, detail=f"learner pid {second} running with --lr 0.1 --lr 0.2")]
+        ok=True, detail=f"learner pid {second} running with --lr 0.2")]
     assert (bench.slot.swaps, bench.slot.counts.deaths) == (1, 0)
     assert bench.slot.figures()["state"] == "running"
 
@@ -201,7 +204,7 @@ def test_a_swap_under_way_when_the_run_ends_is_answered_as_the_slot_leaves(
     second = bench.learner().popen.pid
     bench.slot.deliver(b"", p.Shutdown(reason="stepbus shutdown"), now=T0 + 2)
     assert bench.replies() == [p.Reply(ok=True, detail=(
-        f"learner pid {second} ran with --lr 0.1 --lr 0.2 until the slot stopped (stepbus "
+        f"learner pid {second} ran with --lr 0.2 until the slot stopped (stepbus "
         f"shutdown), before its {slot.PROBATION_S:g}s probation ended"))]
     assert bench.slot.swaps == 1
     bench.at(2.0 + slot.PROBATION_S)
@@ -288,3 +291,18 @@ def test_on_shutdown_the_learner_gets_sigterm_then_sigkill_after_the_grace_and_t
     assert waiting.slot.stop_reason == "controller shutdown", "no learner: it stops at once"
     waiting.at(5.0)
     assert waiting.slot.learner is None, "and starts none"
+
+
+def test_a_swaps_flags_replace_the_ones_they_set_again_and_keep_the_rest() -> None:
+    """However many swaps, one value per setting: aliases name one setting, values run to
+    the next flag (several, or negative), `--flag=value` is the same flag."""
+    merged = cli.merged_learner_flags(
+        ["--lr", "0.1", "--hidden", "64", "64", "--seed", "3", "--log-std-init", "-1",
+         "--norm-obs"],
+        ["--learning-rate=0.2", "--hidden", "32", "--log-std-init", "-2"])
+    assert merged == ["--seed", "3", "--norm-obs", "--learning-rate=0.2", "--hidden", "32",
+                      "--log-std-init", "-2"]
+    flags: list[str] = []
+    for i in range(100):
+        flags = cli.merged_learner_flags(flags, ["--lr", str(i)])
+    assert flags == ["--lr", "99"]

@@ -47,14 +47,16 @@ class Slot(supervisor.Supervisor):
 
     def __init__(self, ports: node.Ports, log: logging.Logger, *, name: str,
                  args: list[str], validate: Callable[[list[str]], str],
+                 merge: Callable[[list[str], list[str]], list[str]],
                  command: list[str] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`args` are the slot's own learner flags; `validate(args)` says why a swap's flags
-        are unusable ("" if they are fine); `command` runs a learner (before its flags)."""
+        are unusable ("" if they are fine); `merge(args, swap_args)` the flags after a swap;
+        `command` runs a learner (before its flags)."""
         super().__init__(ports, log, name=name, args=args, clock=clock,
                          command=command or launch.role_command("learner"),
                          beat_env=learner.SLOT_BEAT_FD_ENV)
-        self.validate = validate
+        self.validate, self.merge = validate, merge
         self.swap: Swap | None = None
         self.swaps = self.swaps_reverted = 0
         log.info("trainer slot %s: one learner at a time, restarted if it dies", name)
@@ -92,7 +94,7 @@ class Slot(supervisor.Supervisor):
                       p.Reply(ok=False, detail=f"learner flags refused: {problem}"))
             return
         self.swap = Swap(previous_args=self.args)
-        self.args = [*self.args, *msg.args]  # later flags win; they stay for later restarts too
+        self.args = self.merge(self.args, msg.args)  # they stay for later restarts too
         self.log.info("swap requested: %s", " ".join(msg.args) or "(same settings)")
         if self.running is not None:
             self.ask_to_stop(self.running, signal.SIGUSR1, self.now)  # checkpoint, leave at once
@@ -162,10 +164,13 @@ class Slot(supervisor.Supervisor):
 
 
 def run(cfg: learner.Config, learner_args: list[str],
-        validate: Callable[[list[str]], str], entry: Callable[[], int] | None = None) -> int:
+        validate: Callable[[list[str]], str],
+        merge: Callable[[list[str], list[str]], list[str]],
+        entry: Callable[[], int] | None = None) -> int:
     """`learner_args` are the slot's own flags, passed on to every learner; `validate(args)`
-    returns why a swap's flags are unusable (empty if they are fine); `entry` runs a learner
-    with them in this interpreter (the first learner is a fork that calls it)."""
+    returns why a swap's flags are unusable (empty if they are fine); `merge(args, swap_args)`
+    the flags after a swap (a swap's flags replace those they set again); `entry` runs a
+    learner with them in this interpreter (the first learner is a fork that calls it)."""
     log = node.setup_logging("slot")
     try:
         if done := resume.finished(cfg):  # said before a learner, or anything, starts
@@ -178,6 +183,7 @@ def run(cfg: learner.Config, learner_args: list[str],
             or f"trainer-{pysocket.gethostname()}-{os.getpid()}")
     return supervisor.serve(
         cfg.security, log,
-        lambda ports: Slot(ports, log, name=name, args=learner_args, validate=validate),
+        lambda ports: Slot(ports, log, name=name, args=learner_args, validate=validate,
+                           merge=merge),
         role="slot", name=name, controller=cfg.controller, broadcast=cfg.broadcast,
         entry=entry, beat_env=learner.SLOT_BEAT_FD_ENV)
