@@ -178,6 +178,7 @@ class EnvSet:
     def step(self, actions: np.ndarray, options: dict,
              out: np.ndarray | None = None) -> p.StepResult:
         """`out`: where the observations go (a shared-memory slot), not a new array."""
+        self.unobserved.clear()  # marks of a step an exception cut short are not this one's
         if self.agents:
             return self._step_parallel(actions, options, out)
         k = len(self.envs)
