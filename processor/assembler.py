@@ -34,6 +34,7 @@ from stepbus.bus.exits import SettingError
 from stepbus.bus.topology import PortName, Role
 from stepbus.processor.buffers import WorkerTrack
 from stepbus.processor.outlets import (
+    RESEND_GRACE_S,
     TWO_LEARNERS_TURNS,
     TWO_LEARNERS_WARNING_S,
     Ledger,
@@ -270,19 +271,21 @@ class Assembler(node.Process):
 
     def on_socket_event(self, port: str, event: int) -> None:
         """A peer of a trajectories port completed its ZeroMQ handshake (with CURVE: was
-        authenticated). A bare TCP connection never gets here: one that does not finish the
+        authenticated): the backlog goes again RESEND_GRACE_S later, or when the resend
+        interval ends. A bare TCP connection never gets here: one that does not finish the
         handshake is no learner, so a port scan sends nothing again."""
         if event != zmq.EVENT_HANDSHAKE_SUCCEEDED:
             return
         self.now = self.clock()
         outlet = self.by_events[port]
         self.counts.learner_handshakes += 1
-        if self.now >= outlet.next_resend:
-            self.send_unlearned_again(outlet)
-        elif outlet.resend_timer not in self.timers:  # handshakes within the interval: one
+        if outlet.resend_timer in self.timers:  # handshakes before it goes: one resend
+            return
+        soonest = self.now + RESEND_GRACE_S
+        if outlet.next_resend > soonest:
             self.counts.resends_deferred += 1
-            self.at(outlet.resend_timer, outlet.next_resend,
-                    functools.partial(self.resend_later, outlet))
+        self.at(outlet.resend_timer, max(soonest, outlet.next_resend),
+                functools.partial(self.resend_later, outlet))
 
     def resend_later(self, outlet: Outlet, now: float) -> None:
         self.now = now

@@ -32,6 +32,10 @@ MAX_BATCHED_OBS_BYTES = topology.ZERO_COPY_FROM
 # is shorter than a learner's restart (0.5 s back-off plus its start-up), so a swap waits for
 # nothing but its own handshake.
 RESEND_INTERVAL_S = 1.0
+# A handshake's backlog goes out this long after it, not at once: a learner that reconnects at
+# once (its old connection closed a moment before its new one) could otherwise find part of the
+# backlog spread into the old connection, which libzmq had not yet dropped, and lost with it.
+RESEND_GRACE_S = 0.1
 # Two learners taking one policy's trajectories (each gets some of them) show as receipts from
 # incarnations taking turns. A departed learner's last receipt read after its successor's first
 # makes two turns, so the warning needs a third; then it comes at most once per this many

@@ -4,6 +4,7 @@ and the record stays the same size however long the run (flat RSS)."""
 from __future__ import annotations
 
 import contextlib
+import time
 import tracemalloc
 
 import zmq
@@ -102,6 +103,12 @@ def test_what_the_assembler_sends_again_to_a_learner_that_has_it_is_not_taken_tw
             break
     assert learner_figures, "no trajectory sent again reached the learner, or it took them"
     assert assembler["resent"] > 0
+    # The assembler's figures from a heartbeat it sent after the learner's figures were read:
+    # it keeps making trajectories, so an older heartbeat may count fewer than the learner's.
+    read = time.monotonic()
+    assembler = wait_for(lambda: (r := row(cluster, "assembler")) and time.monotonic()
+                         - r["last_heartbeat_s"] > read + 0.05 and r, 5,
+                         "an assembler heartbeat from after the learner's figures")
     assert learner_figures["trajectories"] <= assembler["trajectories"], (
         "the learner took in more than the assembler ever made", learner_figures, assembler)
     assert shutdown(cluster)
