@@ -14,6 +14,9 @@ step, last step, their times), and keeps the record in `optimizer_state()`, so a
 holds exactly what the learning it holds learned from, and a successor resumes it with the
 weights. Rows of a stream that meet end to start are merged: an hour is a few thousand rows.
 
+`LedgerConsume` keeps the same record and learns nothing (trainer/consume.py's ConsumeOnly), for
+a harness measuring throughput that must not be bounded by PPO's updates (bad_network.py).
+
 `account` is the harness's arithmetic on that record: per stream, steps learned once, learned
 twice, never learned (holes before the last learned step) and the tail after it.
 """
@@ -33,6 +36,7 @@ import numpy as np
 
 from stepbus.policy import ActionSpace
 from stepbus.trainer.algorithm import PPOConfig, Trajectory
+from stepbus.trainer.consume import ConsumeOnly
 from stepbus.trainer.ppo import PPO
 
 DIR_ENV = "CHAOS_LEDGER_DIR"  # where each env instance keeps its stream's step count
@@ -175,6 +179,28 @@ class LedgerPPO(PPO):
 
     def load_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
         super().load_optimizer_state(state)
+        self.ledger = Ledger.from_arrays(state)
+
+
+class LedgerConsume(ConsumeOnly):
+    """ConsumeOnly, recording what each batch would have been learned from as LedgerPPO
+    does: steps it takes in count as learned."""
+
+    def __init__(self, obs_dim: int, action: ActionSpace, config: PPOConfig,
+                 rng: np.random.Generator) -> None:
+        super().__init__(obs_dim, action, config, rng)
+        self.ledger = Ledger()
+
+    def update(self, batch: Sequence[Trajectory],
+               tick: Callable[[], object] | None = None) -> dict[str, float]:
+        for t in batch:
+            self.ledger.add_trajectory(t)
+        return super().update(batch, tick)
+
+    def optimizer_state(self) -> dict[str, np.ndarray]:
+        return self.ledger.to_arrays()
+
+    def load_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
         self.ledger = Ledger.from_arrays(state)
 
 

@@ -25,6 +25,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from stepbus.bus import launch
@@ -38,26 +39,81 @@ def ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
 
 
+def veth(ends: tuple[tuple[str, str, str], tuple[str, str, str]], *, offload: bool = True
+         ) -> None:
+    """A veth pair, each end (name, namespace, address/prefix) moved, addressed and up, with
+    the namespace's loopback. Without `offload`, TCP hands it one segment at a time (no
+    segmentation offload), so a rule that drops a packet drops one packet of the wire's size,
+    not a 64 KiB burst."""
+    (end_a, _, _), (end_b, _, _) = ends
+    ip("link", "add", end_a, "type", "veth", "peer", "name", end_b)
+    for end, ns, address in ends:
+        ip("link", "set", end, "netns", ns)
+        if not offload:
+            ip("-n", ns, "link", "set", end, "gso_max_segs", "1")
+        ip("-n", ns, "addr", "add", address, "dev", end)
+        ip("-n", ns, "link", "set", end, "up")
+        ip("-n", ns, "link", "set", "lo", "up")
+
+
+def subnet_of(tag: str) -> str:
+    """The first three octets of a 10.x.y.0/24 of its own for a namespace set `tag`."""
+    return f"10.{int(tag[:2], 16) % 200 + 20}.{int(tag[2:4], 16)}"
+
+
+@contextlib.contextmanager
+def namespaces(*names: str) -> Iterator[None]:
+    """Network namespaces `names`, deleted (with everything in them) on the way out."""
+    try:
+        for ns in names:
+            ip("netns", "add", ns)
+        yield
+    finally:
+        for ns in names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+
 @contextlib.contextmanager
 def two_namespaces() -> Iterator[tuple[tuple[str, ...], tuple[str, ...], str]]:
     """(prefix running a command on host A, on host B, host A's address); needs root and
     iproute2. Raises OSError or CalledProcessError where namespaces cannot be made."""
     tag = uuid.uuid4().hex[:6]
     a, b = f"sb-a-{tag}", f"sb-b-{tag}"
-    subnet = f"10.{int(tag[:2], 16) % 200 + 20}.{int(tag[2:4], 16)}"
-    try:
-        ip("netns", "add", a)
-        ip("netns", "add", b)
-        ip("link", "add", f"sba{tag}", "type", "veth", "peer", "name", f"sbb{tag}")
-        for ns, end, host in ((a, f"sba{tag}", 1), (b, f"sbb{tag}", 2)):
-            ip("link", "set", end, "netns", ns)
-            ip("-n", ns, "addr", "add", f"{subnet}.{host}/24", "dev", end)
-            ip("-n", ns, "link", "set", end, "up")
-            ip("-n", ns, "link", "set", "lo", "up")
+    subnet = subnet_of(tag)
+    with namespaces(a, b):
+        veth(((f"sba{tag}", a, f"{subnet}.1/24"), (f"sbb{tag}", b, f"{subnet}.2/24")))
         yield ("ip", "netns", "exec", a), ("ip", "netns", "exec", b), f"{subnet}.1"
-    finally:
-        for ns in (a, b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+
+@dataclass(frozen=True)
+class RoutedHosts:
+    """Hosts A and B with a router between them, each a namespace: what crosses from one to
+    the other is forwarded by the router, where a firewall rule can drop or queue it as a
+    network would (benchmarks/bad_network.py)."""
+
+    on_a: tuple[str, ...]  # prefix running a command on host A
+    on_b: tuple[str, ...]
+    on_router: tuple[str, ...]
+    address: str  # host A's
+    address_b: str
+
+
+@contextlib.contextmanager
+def routed_namespaces() -> Iterator[RoutedHosts]:
+    """A - router - B, two veth pairs and two /25s, the router forwarding; needs root and
+    iproute2. Raises OSError or CalledProcessError where namespaces cannot be made."""
+    tag = uuid.uuid4().hex[:6]
+    a, b, r = f"sb-a-{tag}", f"sb-b-{tag}", f"sb-r-{tag}"
+    net = subnet_of(tag)
+    with namespaces(a, b, r):
+        veth(((f"sba{tag}", a, f"{net}.1/25"), (f"sbra{tag}", r, f"{net}.126/25")), offload=False)
+        veth(((f"sbb{tag}", b, f"{net}.129/25"), (f"sbrb{tag}", r, f"{net}.254/25")), offload=False)
+        ip("-n", a, "route", "add", f"{net}.128/25", "via", f"{net}.126")
+        ip("-n", b, "route", "add", f"{net}.0/25", "via", f"{net}.254")
+        subprocess.run(["ip", "netns", "exec", r, "sh", "-c",
+                        "echo 1 > /proc/sys/net/ipv4/ip_forward"], check=True, timeout=10)
+        yield RoutedHosts(("ip", "netns", "exec", a), ("ip", "netns", "exec", b),
+                          ("ip", "netns", "exec", r), f"{net}.1", f"{net}.129")
 
 
 def measure(label: str, args: argparse.Namespace, address: str, on_a: tuple[str, ...],

@@ -39,6 +39,25 @@ RECONNECT_IVL_MAX_MS = 2_000  # reconnect backoff ceiling
 TCP_KEEPALIVE_IDLE_S = 1
 TCP_KEEPALIVE_INTERVAL_S = 1
 TCP_KEEPALIVE_PROBES = 3
+# Keepalives probe only an idle connection. One with data unacknowledged (a worker's hellos to a
+# broker whose host vanished or was cut off by the network) is left to retransmission, which
+# backs off for about 15 minutes (tcp_retries2) before the kernel gives up: until then ZeroMQ
+# neither drops the connection nor reconnects, and once the network heals the next
+# retransmission may be tens of seconds away. TCP_USER_TIMEOUT (ZMQ_TCP_MAXRT) ends a connection
+# whose data has gone unacknowledged this long, and ZeroMQ reconnects. 5 s: over 3x the 1.5 s
+# liveness bound, so the application has declared the peer lost first, and far beyond what 2%
+# loss on a 100 ms round trip delays an acknowledgement. The kernel (5.x and later; checked on
+# 6.18) also ends a connection whose peer has advertised a zero window that long, so it is set
+# only where the reader never holds data back on purpose (steps and control: a peer's ZeroMQ I/O
+# thread reads them whatever the process does, short of a SIGSTOP), never on the experience
+# path, where an assembler whose intake is paused, or a learner in a long update, hold back by
+# design and must keep their connections however long that lasts.
+DEAD_PEER_MS = 5_000
+# A connect that the network leaves unanswered is given up after this long and made again after
+# the reconnect interval, instead of waiting out the kernel's SYN retransmissions (1, 2, 4, ...
+# s apart, 127 s in all): a link comes back within about 1 + 2 s of a partition healing. A link
+# whose round trip is longer than this cannot connect.
+CONNECT_TIMEOUT_MS = 1_000
 IPC_PATH_MAX = 107  # bytes: sockaddr_un's sun_path, less its terminating NUL
 SCHEMES = ("tcp", "ipc", "inproc")
 
@@ -105,27 +124,33 @@ class SocketSpec:
     # before its bytes arrive, so one that carries no arrays can be bound much lower.
     max_message_bytes: int = MAX_MESSAGE_BYTES
     named: bool = False  # the socket's identity is the process's name (a worker's DEALER)
+    # TCP_USER_TIMEOUT of DEAD_PEER_MS: only where the reader never holds data back on purpose.
+    dead_peer_timeout: bool = False
 
 
-_LINK = (SocketSpec(PortName.CONTROLLER, zmq.DEALER, False, "controller", sndhwm=10),
-         SocketSpec(PortName.BROADCAST, zmq.SUB, False, "broadcast"))
+_LINK = (SocketSpec(PortName.CONTROLLER, zmq.DEALER, False, "controller", sndhwm=10,
+                    dead_peer_timeout=True),
+         SocketSpec(PortName.BROADCAST, zmq.SUB, False, "broadcast", dead_peer_timeout=True))
 
 ROLES: dict[Role, tuple[SocketSpec, ...]] = {
     # Control messages carry no arrays: a peer may not make the controller hold more for it.
     Role.CONTROLLER: (SocketSpec(PortName.ROUTER, zmq.ROUTER, True, "controller",
-                                 max_message_bytes=1 << 20),
-                      SocketSpec(PortName.PUB, zmq.PUB, True, "broadcast")),
-    Role.BROKER: (SocketSpec(PortName.STEPS, zmq.ROUTER, True, "steps", router_mandatory=True),
+                                 max_message_bytes=1 << 20, dead_peer_timeout=True),
+                      SocketSpec(PortName.PUB, zmq.PUB, True, "broadcast",
+                                 dead_peer_timeout=True)),
+    Role.BROKER: (SocketSpec(PortName.STEPS, zmq.ROUTER, True, "steps", router_mandatory=True,
+                             dead_peer_timeout=True),
                   SocketSpec(PortName.POLICY, zmq.ROUTER, True, "policy"),
                   # No assembler: not writable, so dispatch holds instead of queueing; a short
                   # queue, so an assembler that stops taking experience in soon stops stepping.
                   SocketSpec(PortName.EXPERIENCE, zmq.PUSH, False, "experience",
                              immediate=True, sndhwm=1000)),
-    Role.RELAY: (SocketSpec(PortName.STEPS, zmq.ROUTER, True, "steps", router_mandatory=True),
+    Role.RELAY: (SocketSpec(PortName.STEPS, zmq.ROUTER, True, "steps", router_mandatory=True,
+                            dead_peer_timeout=True),
                  SocketSpec(PortName.VECTOR, zmq.ROUTER, True, "vector")),
     # While no broker is connected, hellos are dropped rather than queued to flood it later.
     Role.WORKER: (SocketSpec(PortName.STEPS, zmq.DEALER, False, "steps", immediate=True,
-                             named=True),),
+                             named=True, dead_peer_timeout=True),),
     # A short intake queue, so a paused intake soon pauses the broker; beyond 64 queued,
     # trajectories wait in the outlet's `held` (counted).
     Role.ASSEMBLER: (SocketSpec(PortName.EXPERIENCE, zmq.PULL, True, "experience",
@@ -147,7 +172,8 @@ ROLES: dict[Role, tuple[SocketSpec, ...]] = {
     Role.EVALUATOR: (SocketSpec(PortName.EVALUATION, zmq.ROUTER, True, "evaluation",
                                 rcvhwm=4),),
     Role.LINK: _LINK,
-    Role.CLIENT: (SocketSpec(PortName.CONTROLLER, zmq.DEALER, False, "controller"),),
+    Role.CLIENT: (SocketSpec(PortName.CONTROLLER, zmq.DEALER, False, "controller",
+                             dead_peer_timeout=True),),
     Role.VECTOR_CLIENT: (SocketSpec(PortName.VECTOR, zmq.DEALER, False, "vector"),),
 }
 # Ports a role sends on through its controller link as well as its own.
@@ -211,7 +237,8 @@ def open_spec(ctx: zmq.Context, spec: SocketSpec, endpoint: str, *,
                   connect=endpoint if not spec.bind and endpoint else None,
                   identity=name.encode() if spec.named and name else None,
                   immediate=spec.immediate, max_message_bytes=spec.max_message_bytes,
-                  sndhwm=spec.sndhwm, rcvhwm=spec.rcvhwm)
+                  sndhwm=spec.sndhwm, rcvhwm=spec.rcvhwm,
+                  dead_peer_ms=DEAD_PEER_MS if spec.dead_peer_timeout else 0)
     if spec.router_mandatory:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     return sock
@@ -225,14 +252,16 @@ def open_outlet(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
 def socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,
            identity: bytes | None = None, immediate: bool = False,
            max_message_bytes: int = MAX_MESSAGE_BYTES, sndhwm: int = HWM,
-           rcvhwm: int = HWM) -> zmq.Socket:
+           rcvhwm: int = HWM, dead_peer_ms: int = 0) -> zmq.Socket:
     """One socket with the project's options; at most one of bind/connect (neither: connect
     later). sndhwm, rcvhwm are set here because libzmq reads them when a connection's queue is
-    made, which may be at bind/connect time."""
+    made, which may be at bind/connect time. `dead_peer_ms`: TCP_USER_TIMEOUT (0: none)."""
     sock = ctx.socket(kind)
     for option, value in ((zmq.LINGER, LINGER_MS), (zmq.SNDHWM, sndhwm), (zmq.RCVHWM, rcvhwm),
                           (zmq.RECONNECT_IVL, RECONNECT_IVL_MS),
                           (zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS),
+                          (zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS),
+                          (zmq.TCP_MAXRT, dead_peer_ms),
                           # TCP links only; ipc peers' deaths close the socket
                           (zmq.TCP_KEEPALIVE, 1), (zmq.TCP_KEEPALIVE_IDLE, TCP_KEEPALIVE_IDLE_S),
                           (zmq.TCP_KEEPALIVE_INTVL, TCP_KEEPALIVE_INTERVAL_S),

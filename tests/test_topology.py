@@ -41,6 +41,9 @@ def test_every_role_opens_its_declared_sockets_with_their_options() -> None:
                 assert sock.getsockopt(zmq.SNDHWM) == spec.sndhwm, (role, spec.port)
                 assert sock.getsockopt(zmq.RCVHWM) == spec.rcvhwm, (role, spec.port)
                 assert sock.getsockopt(zmq.IMMEDIATE) == spec.immediate, (role, spec.port)
+                assert sock.getsockopt(zmq.TCP_MAXRT) == (
+                    topology.DEAD_PEER_MS if spec.dead_peer_timeout else 0), (role, spec.port)
+                assert sock.getsockopt(zmq.CONNECT_TIMEOUT) == topology.CONNECT_TIMEOUT_MS
                 if spec.bind:
                     assert sock.getsockopt(zmq.MAXMSGSIZE) == spec.max_message_bytes
                 if spec.named:
