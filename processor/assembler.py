@@ -261,6 +261,11 @@ class Assembler(node.Process):
         outlet.held.append(self.ledger.number(traj))  # sent with the others, after this pass
 
     def flush(self, outlet: Outlet) -> None:
+        """Hand what is held to the port, as far as it takes it; nothing while a handshake's
+        grace lasts (libzmq may not yet have dropped the connection the new one replaces:
+        round-robin would lose part of what went to it)."""
+        if self.now < outlet.paused_until:
+            return
         while outlet.held and self.ports.writable(outlet.port):
             batch = next_batch(outlet.held)
             if not self.send(outlet.port, p.Trajectories.of(batch)):
@@ -271,21 +276,28 @@ class Assembler(node.Process):
 
     def on_socket_event(self, port: str, event: int) -> None:
         """A peer of a trajectories port completed its ZeroMQ handshake (with CURVE: was
-        authenticated): the backlog goes again RESEND_GRACE_S later, or when the resend
-        interval ends. A bare TCP connection never gets here: one that does not finish the
-        handshake is no learner, so a port scan sends nothing again."""
+        authenticated): what was not learned from goes again (at once, or when the resend
+        interval ends), and nothing goes to that port for RESEND_GRACE_S. A bare TCP connection
+        never gets here: one that does not finish the handshake is no learner, so a port scan
+        sends nothing again."""
         if event != zmq.EVENT_HANDSHAKE_SUCCEEDED:
             return
         self.now = self.clock()
         outlet = self.by_events[port]
         self.counts.learner_handshakes += 1
-        if outlet.resend_timer in self.timers:  # handshakes before it goes: one resend
-            return
-        soonest = self.now + RESEND_GRACE_S
-        if outlet.next_resend > soonest:
+        outlet.paused_until = self.now + RESEND_GRACE_S
+        self.at(outlet.pause_timer, outlet.paused_until,
+                functools.partial(self.flush_later, outlet))
+        if self.now >= outlet.next_resend:
+            self.send_unlearned_again(outlet)
+        elif outlet.resend_timer not in self.timers:  # handshakes within the interval: one
             self.counts.resends_deferred += 1
-        self.at(outlet.resend_timer, max(soonest, outlet.next_resend),
-                functools.partial(self.resend_later, outlet))
+            self.at(outlet.resend_timer, outlet.next_resend,
+                    functools.partial(self.resend_later, outlet))
+
+    def flush_later(self, outlet: Outlet, now: float) -> None:
+        self.now = now
+        self.flush(outlet)
 
     def resend_later(self, outlet: Outlet, now: float) -> None:
         self.now = now

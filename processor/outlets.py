@@ -32,9 +32,10 @@ MAX_BATCHED_OBS_BYTES = topology.ZERO_COPY_FROM
 # is shorter than a learner's restart (0.5 s back-off plus its start-up), so a swap waits for
 # nothing but its own handshake.
 RESEND_INTERVAL_S = 1.0
-# A handshake's backlog goes out this long after it, not at once: a learner that reconnects at
-# once (its old connection closed a moment before its new one) could otherwise find part of the
-# backlog spread into the old connection, which libzmq had not yet dropped, and lost with it.
+# After a handshake nothing goes to the port for this long: a learner that reconnects at once
+# (its old connection closed a moment before its new one) could otherwise find part of what is
+# sent, the backlog sent again included, spread into the old connection, which libzmq had not
+# yet dropped, and lost with it.
 RESEND_GRACE_S = 0.1
 # Two learners taking one policy's trajectories (each gets some of them) show as receipts from
 # incarnations taking turns. A departed learner's last receipt read after its successor's first
@@ -71,6 +72,7 @@ class Outlet:
     last_learner: str = ""  # the incarnation that sent it
     turns: int = 0  # receipts from an incarnation seen before, after another's
     last_resend: float = -math.inf  # when the backlog last went out again
+    paused_until: float = -math.inf  # a handshake's grace: nothing is sent before then
     two_learners_warned: float = -math.inf
 
     @property
@@ -82,6 +84,11 @@ class Outlet:
         """The port of its socket monitor: completed handshakes (unlearned trajectories are
         sent again)."""
         return self.port + " events"
+
+    @property
+    def pause_timer(self) -> str:
+        """The timer that ends a handshake's grace (RESEND_GRACE_S)."""
+        return self.port + " grace"
 
     @property
     def resend_timer(self) -> str:

@@ -517,16 +517,16 @@ def test_handshakes_in_quick_succession_send_the_backlog_once_now_and_once_at_th
     assert len(bench.trajectories()) == 3
     with caplog.at_level(logging.INFO, "test.assembler"):
         bench.asm.on_socket_event("trajectories events", HANDSHAKE)
+        assert bench.trajectories() == [], "nothing goes during a handshake's grace"
         after_grace(bench)
         assert len(bench.trajectories()) == 3, "the first handshake: after the grace"
-        sent_at = bench.t
         for _ in range(200):  # 200 handshakes within the interval
-            bench.t += (outlets.RESEND_INTERVAL_S - 0.01) / 200
+            bench.t += (outlets.RESEND_INTERVAL_S - outlets.RESEND_GRACE_S - 0.01) / 200
             bench.asm.on_socket_event("trajectories events", HANDSHAKE)
             bench.asm.run_timers(bench.t)
             bench.asm.tick(bench.t)
         assert bench.trajectories() == [], "nothing more within the interval"
-        bench.t = sent_at + outlets.RESEND_INTERVAL_S
+        bench.t = T0 + outlets.RESEND_INTERVAL_S + outlets.RESEND_GRACE_S  # the last one's grace
         bench.asm.run_timers(bench.t)
         bench.asm.tick(bench.t)
         assert [t.seq for t in bench.trajectories()] == [0, 1, 2], "once more at its end"
@@ -546,7 +546,6 @@ def test_a_handshake_within_the_interval_gets_what_was_unlearned_when_the_interv
     learner's own handshake, within the interval, still gets everything unlearned then."""
     bench.asm.on_socket_event("trajectories events", HANDSHAKE)  # nothing unlearned yet
     after_grace(bench)
-    sent_at = bench.t
     s = Script(k=2)
     bench.t += 0.2
     bench.feed(s.first(), *[s.step() for _ in range(4)])
@@ -554,7 +553,7 @@ def test_a_handshake_within_the_interval_gets_what_was_unlearned_when_the_interv
     bench.asm.on_socket_event("trajectories events", HANDSHAKE)
     after_grace(bench)
     assert bench.trajectories() == []
-    bench.t = sent_at + outlets.RESEND_INTERVAL_S
+    bench.t = T0 + outlets.RESEND_INTERVAL_S
     bench.asm.run_timers(bench.t)
     bench.asm.tick(bench.t)
     assert [t.seq for t in bench.trajectories()] == [0, 1]
