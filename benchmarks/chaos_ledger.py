@@ -160,48 +160,40 @@ class Ledger:
         return ledger
 
 
-class LedgerPPO(PPO):
+class Recording:
+    """Mixed into an algorithm (before it): what each update learns from is recorded in its
+    optimizer state, so the checkpoint holds it with the weights."""
+
+    ledger: Ledger
+
+    def __init__(self, obs_dim: int, action: ActionSpace, config: PPOConfig,
+                 rng: np.random.Generator) -> None:
+        super().__init__(obs_dim, action, config, rng)  # type: ignore[call-arg]
+        self.ledger = Ledger()
+
+    def update(self, batch: Sequence[Trajectory],
+               tick: Callable[[], object] | None = None) -> dict[str, float]:
+        for t in batch:
+            self.ledger.add_trajectory(t)
+        stats: dict[str, float] = super().update(batch, tick)  # type: ignore[misc]
+        return stats
+
+    def optimizer_state(self) -> dict[str, np.ndarray]:
+        state: dict[str, np.ndarray] = super().optimizer_state()  # type: ignore[misc]
+        return state | self.ledger.to_arrays()
+
+    def load_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
+        super().load_optimizer_state(state)  # type: ignore[misc]
+        self.ledger = Ledger.from_arrays(state)
+
+
+class LedgerPPO(Recording, PPO):
     """The numpy PPO, recording what each update learns from in its optimizer state."""
 
-    def __init__(self, obs_dim: int, action: ActionSpace, config: PPOConfig,
-                 rng: np.random.Generator) -> None:
-        super().__init__(obs_dim, action, config, rng)
-        self.ledger = Ledger()
 
-    def update(self, batch: Sequence[Trajectory],
-               tick: Callable[[], object] | None = None) -> dict[str, float]:
-        for t in batch:
-            self.ledger.add_trajectory(t)
-        return super().update(batch, tick)
-
-    def optimizer_state(self) -> dict[str, np.ndarray]:
-        return super().optimizer_state() | self.ledger.to_arrays()
-
-    def load_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
-        super().load_optimizer_state(state)
-        self.ledger = Ledger.from_arrays(state)
-
-
-class LedgerConsume(ConsumeOnly):
+class LedgerConsume(Recording, ConsumeOnly):
     """ConsumeOnly, recording what each batch would have been learned from as LedgerPPO
     does: steps it takes in count as learned."""
-
-    def __init__(self, obs_dim: int, action: ActionSpace, config: PPOConfig,
-                 rng: np.random.Generator) -> None:
-        super().__init__(obs_dim, action, config, rng)
-        self.ledger = Ledger()
-
-    def update(self, batch: Sequence[Trajectory],
-               tick: Callable[[], object] | None = None) -> dict[str, float]:
-        for t in batch:
-            self.ledger.add_trajectory(t)
-        return super().update(batch, tick)
-
-    def optimizer_state(self) -> dict[str, np.ndarray]:
-        return self.ledger.to_arrays()
-
-    def load_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
-        self.ledger = Ledger.from_arrays(state)
 
 
 # ----------------------------------------------------------------------------- accounting

@@ -58,19 +58,25 @@ def async_steps(envs: sv.BusVectorEnv, actions: np.ndarray, seconds: float) -> f
     """Env steps per second of recv/send: whichever workers are ready step again at once."""
     envs.reset(seed=0)
     envs.send(actions[0])
-    rows, started, t = 0, time.perf_counter(), 0
-    warm = -WARMUP_STEPS
+    rate = ready_rows(lambda: envs.recv()[-1]["env_id"], envs.send, actions, seconds)
+    envs.recv()
+    return rate
+
+
+def ready_rows(recv: Callable[[], np.ndarray], send: Callable[[np.ndarray, np.ndarray], None],
+               actions: np.ndarray, seconds: float) -> float:
+    """Rows per second of a recv/send loop (`recv` gives the ids of the envs that are
+    ready; `send` their actions), after WARMUP_STEPS rounds."""
+    rows, started, t, warm = 0, time.perf_counter(), 0, -WARMUP_STEPS
     while time.perf_counter() - started < seconds or warm < 0:
-        _, _, _, _, info = envs.recv()
-        ids = info["env_id"]
+        ids = recv()
         t += 1
-        envs.send(actions[t % len(actions)][ids], ids)
+        send(actions[t % len(actions)][ids], ids)
         warm += 1
         if warm == 0:
             rows, started = 0, time.perf_counter()
         elif warm > 0:
             rows += len(ids)
-    envs.recv()
     return rows / (time.perf_counter() - started)
 
 
@@ -90,17 +96,7 @@ def envpool_lockstep(pool: Any, actions: np.ndarray, seconds: float) -> float:
 def envpool_async(pool: Any, actions: np.ndarray, seconds: float) -> float:
     """EnvPool's `recv`/`send` with batch_size num_envs / 2: whichever envs finished first."""
     pool.async_reset()
-    rows, started, t, warm = 0, time.perf_counter(), 0, -WARMUP_STEPS
-    while time.perf_counter() - started < seconds or warm < 0:
-        ids = pool.recv()[-1]["env_id"]
-        t += 1
-        pool.send(actions[t % len(actions)][ids], ids)
-        warm += 1
-        if warm == 0:
-            rows, started = 0, time.perf_counter()
-        elif warm > 0:
-            rows += len(ids)
-    return rows / (time.perf_counter() - started)
+    return ready_rows(lambda: pool.recv()[-1]["env_id"], pool.send, actions, seconds)
 
 
 def envpool_makers(env: str, num_envs: int) -> list[tuple[str, Callable[[], Any],

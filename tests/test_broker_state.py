@@ -318,7 +318,9 @@ def test_deterministic_mode_acts_with_the_version_due_at_each_step_count():
     assert bench.figure("determinism_lost") == 0
 
 
-def test_deterministic_mode_waits_for_the_trainer_then_gives_up_reproducibility():
+def waiting_for_the_trainer() -> tuple[Bench, bytes]:
+    """Window 4, 2 envs, 6 steps stepped; the trainer says it starves having taken in 1 of
+    them: a version made from 2 may still come, so stepping waits."""
     bench = Bench(max_steps_ahead=4, deterministic=True)
     w = bench.join("w0")
     bench.deliver(b"t", weights(1))
@@ -327,11 +329,15 @@ def test_deterministic_mode_waits_for_the_trainer_then_gives_up_reproducibility(
         bench.answer(w)
         bench.tick()
         assert len(bench.steps_to(w)) == 1
-    # 6 steps produced, the trainer says it took in 1: a version made from 2 may still come.
     bench.deliver(b"t", weights(1, consumed=1, starving=True))
     bench.answer(w)
     bench.tick()
     assert bench.steps_to(w) == [], "waits for the trainer's intake"
+    return bench, w
+
+
+def test_deterministic_mode_waits_for_the_trainer_then_gives_up_reproducibility():
+    bench, w = waiting_for_the_trainer()
     bench.later(DETERMINISM_GIVE_UP_S)
     bench.deliver(w, p.Heartbeat(role="worker", name="w0", host="h", pid=1, leaving=False,
                                  figures={}))
@@ -345,18 +351,7 @@ def test_deterministic_mode_waits_through_an_update_longer_than_its_give_up_boun
     """A trainer that said it starved, then took in the steps and went quiet in a long update
     (seconds on a loaded machine, or the serial runner, where the broker waits while the
     learner learns): its old claim is no reason to give up reproducibility."""
-    bench = Bench(max_steps_ahead=4, deterministic=True)
-    w = bench.join("w0")
-    bench.deliver(b"t", weights(1))
-    for _ in range(3):
-        bench.deliver(b"t", weights(1, consumed=bench.broker.slots[0].credit.produced))
-        bench.answer(w)
-        bench.tick()
-        assert len(bench.steps_to(w)) == 1
-    bench.deliver(b"t", weights(1, consumed=1, starving=True))
-    bench.answer(w)
-    bench.tick()
-    assert bench.steps_to(w) == []
+    bench, w = waiting_for_the_trainer()
     bench.later(2 * DETERMINISM_GIVE_UP_S)  # the update, with nothing heard from the trainer
     bench.deliver(w, p.Heartbeat(role="worker", name="w0", host="h", pid=1, leaving=False,
                                  figures={}))
