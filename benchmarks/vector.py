@@ -45,13 +45,19 @@ RL_ZOO_CARTPOLE: dict[str, Any] = {
 def lockstep(envs: gym.vector.VectorEnv, actions: np.ndarray, seconds: float) -> float:
     """Env steps per second of `step` in a loop."""
     envs.reset(seed=0)
+    return stepped_rows(envs.step, actions, seconds)
+
+
+def stepped_rows(step: Callable[[np.ndarray], object], actions: np.ndarray,
+                 seconds: float) -> float:
+    """Rows per second of `step` over every env in a loop, after WARMUP_STEPS steps."""
     for t in range(WARMUP_STEPS):
-        envs.step(actions[t % len(actions)])
+        step(actions[t % len(actions)])
     steps, started = 0, time.perf_counter()
     while time.perf_counter() - started < seconds:
-        envs.step(actions[steps % len(actions)])
+        step(actions[steps % len(actions)])
         steps += 1
-    return steps * envs.num_envs / (time.perf_counter() - started)
+    return steps * len(actions[0]) / (time.perf_counter() - started)
 
 
 def async_steps(envs: sv.BusVectorEnv, actions: np.ndarray, seconds: float) -> float:
@@ -83,14 +89,7 @@ def ready_rows(recv: Callable[[], np.ndarray], send: Callable[[np.ndarray, np.nd
 def envpool_lockstep(pool: Any, actions: np.ndarray, seconds: float) -> float:
     """EnvPool's `step` (every env, batch_size num_envs) in a loop."""
     pool.reset()
-    n = len(actions[0])
-    for t in range(WARMUP_STEPS):
-        pool.step(actions[t % len(actions)])
-    steps, started = 0, time.perf_counter()
-    while time.perf_counter() - started < seconds:
-        pool.step(actions[steps % len(actions)])
-        steps += 1
-    return steps * n / (time.perf_counter() - started)
+    return stepped_rows(pool.step, actions, seconds)
 
 
 def envpool_async(pool: Any, actions: np.ndarray, seconds: float) -> float:
