@@ -21,12 +21,12 @@ Reported: the workers' env steps/s clean and lossy (the assembler's count, read 
 `stepbus status`), their ratio and the measured round trip; from the partition's start until
 the broker declares each worker lost (its log); from healing until each worker's hello reaches
 the broker again and until steps are counted again; then, after `stepbus shutdown`, the
-ledger in the learner's last checkpoint: steps learned once, twice (must be 0) and never (the
-holes, with their times against the partition), and the broker's, assembler's and learner's
-counters. One JSON line at the end. --without-user-timeout runs every process without the
-TCP_USER_TIMEOUT and connect timeout bus/topology.py sets (a sitecustomize puts both to 0), to
-compare the rejoin. Everything it makes (namespaces, veths, rules, processes) is removed in a
-`finally`, also on Ctrl-C.
+ledger in the learner's last checkpoint: steps learned at all and exactly once, twice (must be
+0) and never (the holes, with their times against the partition), and the broker's,
+assembler's and learner's counters. One JSON line at the end. --without-user-timeout runs
+every process without the TCP_USER_TIMEOUT and connect timeout bus/topology.py sets (a
+sitecustomize puts both to 0), to compare the rejoin. Everything it makes (namespaces, veths,
+rules, processes) is removed in a `finally`, also on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -67,11 +67,6 @@ LOST = re.compile(r"worker (\S+) (?:silent|unreachable) for")
 JOINED = re.compile(r"worker (\S+) (?:joined|restarted)")
 NO_USER_TIMEOUT = ("from stepbus.bus import topology\n"
                    "topology.DEAD_PEER_MS = 0\ntopology.CONNECT_TIMEOUT_MS = 0\n")
-
-
-def iptables(hosts: two_hosts.RoutedHosts, *args: str) -> None:
-    subprocess.run([*hosts.on_router, "iptables", "-w", *args], check=True,
-                   capture_output=True, timeout=10)
 
 
 @dataclass
@@ -125,14 +120,9 @@ class LogWatch:
     def poll(self) -> None:
         if not self.path.exists():
             return
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        whole = data.rpartition(b"\n")[0]
-        if whole:
-            self.offset += len(whole) + 1
-            now = time.monotonic()
-            self.lines += [(now, line) for line in whole.decode(errors="replace").splitlines()]
+        self.offset, new = chaos.new_lines(self.path, self.offset)
+        now = time.monotonic()
+        self.lines += [(now, line.decode(errors="replace")) for line in new]
 
     def first(self, pattern: re.Pattern[str], after: float) -> dict[str, float]:
         """The first time after `after` each name matched `pattern` (its group 1)."""
@@ -226,11 +216,11 @@ def round_trip_ms(bench: Bench, count: int = 7) -> float:
     return round(1000 * statistics.median(float(x) for x in out.split()), 1)
 
 
-def measure_window(bench: Bench, name: str) -> float:
-    """Steps per second over --seconds after --warmup."""
+def measure_window(bench: Bench, name: str, seconds: float | None = None) -> float:
+    """Steps per second over `seconds` (--seconds) after --warmup."""
     time.sleep(bench.args.warmup)
     start = bench.mark(f"{name}_start")
-    time.sleep(bench.args.seconds)
+    time.sleep(bench.args.seconds if seconds is None else seconds)
     assert bench.watch is not None
     return bench.watch.rate(start, bench.mark(f"{name}_end"))
 
@@ -250,10 +240,10 @@ def impair(bench: Bench) -> None:
                                + (bench.work / "delay_queue.log").read_text())
         time.sleep(0.05)
     if args.loss_pct > 0:
-        iptables(bench.hosts, "-A", "FORWARD", "-m", "statistic", "--mode", "random",
+        bench.hosts.iptables("-A", "FORWARD", "-m", "statistic", "--mode", "random",
                  "--probability", f"{args.loss_pct / 100:.6f}", "-j", "DROP")
     if args.delay_ms > 0:
-        iptables(bench.hosts, "-A", "FORWARD", "-j", "NFQUEUE", "--queue-num", str(QUEUE))
+        bench.hosts.iptables("-A", "FORWARD", "-j", "NFQUEUE", "--queue-num", str(QUEUE))
 
 
 def connections(on: tuple[str, ...]) -> dict[str, int]:
@@ -272,14 +262,14 @@ def partition(bench: Bench) -> dict[str, Any]:
     log, watch = bench.broker_log, bench.watch
     log.poll()  # what came before is stamped before the cut
     cut = bench.mark("partition")
-    iptables(bench.hosts, "-I", "FORWARD", "1", "-j", "DROP")
+    bench.hosts.iptables("-I", "FORWARD", "1", "-j", "DROP")
     established: dict[str, int] | None = None
     while time.monotonic() < cut + bench.args.partition_s:
         log.poll()
         if established is None and time.monotonic() > cut + bench.args.partition_s - 1:
             established = connections(bench.hosts.on_b)  # the links still up, or not
         time.sleep(0.05)
-    iptables(bench.hosts, "-D", "FORWARD", "1")
+    bench.hosts.iptables("-D", "FORWARD", "1")
     heal = bench.mark("heal")
     steps_at_heal = max((s for _, s in watch.steps), default=0)
     deadline = heal + bench.args.rejoin_timeout_s
@@ -339,8 +329,9 @@ def ledger(bench: Bench) -> dict[str, Any]:
     cut_ms = 1000 * bench.wall["partition"]
     holes = [{"steps": h.steps, "after_s": round((h.after_ms - cut_ms) / 1000, 2),
               "before_s": round((h.before_ms - cut_ms) / 1000, 2)} for h in acc.holes]
-    return {"streams": acc.streams, "produced": acc.produced, "learned_once": acc.once,
-            "learned_twice": acc.twice, "never_learned": acc.never, "holes": holes[:20],
+    return {"streams": acc.streams, "produced": acc.produced, "learned_steps": acc.once,
+            "learned_once": acc.once - acc.twice, "learned_twice": acc.twice,
+            "never_learned": acc.never, "holes": holes[:20],
             "hole_count": len(holes), "tail": acc.tail}
 
 
@@ -364,11 +355,8 @@ def run(bench: Bench) -> dict[str, Any]:
           f"before healing {result['established_at_partition_end']}; after healing, hellos "
           f"in {result['rejoined_s']} s, stepping again {result['stepping_again_s']} s",
           flush=True)
-    time.sleep(args.warmup)
-    after = time.monotonic()
-    time.sleep(args.seconds / 2)
+    result["healed_steps_per_s"] = round(measure_window(bench, "healed", args.seconds / 2))
     assert bench.watch is not None
-    result["healed_steps_per_s"] = round(bench.watch.rate(after, time.monotonic()))
     result |= counters(bench.watch)
     shut_down(bench)
     result["delay_queue"] = stop_delay_queue(bench)
@@ -413,9 +401,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 result = run(bench)
             finally:
-                group.stop()
+                group.stop()  # before the namespaces go
     finally:
-        group.stop()
         shutil.rmtree(work, ignore_errors=True)
     result |= {"workers": args.workers, "envs_per_worker": args.envs_per_worker,
                "loss_pct": args.loss_pct, "delay_ms": args.delay_ms,

@@ -215,17 +215,23 @@ def sample_rss(soak: Soak, now: float) -> None:
     soak.rss.append((now, {role: (pid, rss_kb(pid)) for role, pid in pids.items()}))
 
 
+def new_lines(path: Path, offset: int) -> tuple[int, list[bytes]]:
+    """The whole lines written to `path` after `offset` (one being written waits for its
+    end), and the offset after them."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read()
+    whole = data[:data.rfind(b"\n") + 1]
+    return offset + len(whole), whole.splitlines()
+
+
 def read_metrics(soak: Soak) -> None:
     """New whole lines of the run's metrics.jsonl."""
     files = sorted(soak.work.glob("runs/*/metrics.jsonl"))
     if not files:
         return
-    with open(files[0], "rb") as f:
-        f.seek(soak.metrics_offset)
-        data = f.read()
-    whole = data[:data.rfind(b"\n") + 1]
-    soak.metrics_offset += len(whole)
-    soak.records += [json.loads(line) for line in whole.splitlines() if line.strip()]
+    soak.metrics_offset, lines = new_lines(files[0], soak.metrics_offset)
+    soak.records += [json.loads(line) for line in lines if line.strip()]
 
 
 # ----------------------------------------------------------------------------- faults

@@ -220,7 +220,7 @@ class Accounting:
 
     streams: int = 0
     produced: int = 0  # steps the envs took (the count files), or learned-up-to without them
-    once: int = 0
+    once: int = 0  # steps learned at least once
     twice: int = 0  # learnings beyond the first (a step learned three times counts 2)
     twice_ranges: list[tuple[int, int, int]] = field(default_factory=list)  # stream, first, last
     never: int = 0

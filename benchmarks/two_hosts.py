@@ -97,6 +97,11 @@ class RoutedHosts:
     address: str  # host A's
     address_b: str
 
+    def iptables(self, *rule: str) -> None:
+        """A firewall rule in the router: what crosses it is dropped or queued as it says."""
+        subprocess.run([*self.on_router, "iptables", "-w", *rule], check=True,
+                       capture_output=True, timeout=10)
+
 
 @contextlib.contextmanager
 def routed_namespaces() -> Iterator[RoutedHosts]:

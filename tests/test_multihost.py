@@ -111,23 +111,20 @@ def test_a_worker_cut_off_behind_a_lossy_router_is_declared_lost_and_rejoins(
         figure = two_hosts_bench.assembler_steps(hosts.on_a, cluster.env(on_a))
         return 0 if figure is None else figure[1]
 
-    def router(*rule: str) -> None:
-        subprocess.run([*hosts.on_router, "iptables", "-w", *rule], check=True, timeout=10)
-
     wait_for(steps, 60, "steps across the router")
-    router("-A", "FORWARD", "-m", "statistic", "--mode", "random", "--probability", "0.02",
+    hosts.iptables("-A", "FORWARD", "-m", "statistic", "--mode", "random", "--probability", "0.02",
            "-j", "DROP")
     before = steps()
     wait_for(lambda: steps() > before, 10, "steps through 2% loss")
 
     seen = len(broker.output())  # what the broker logs from the partition on
-    router("-I", "FORWARD", "1", "-j", "DROP")  # the partition: nothing crosses
+    hosts.iptables("-I", "FORWARD", "1", "-j", "DROP")  # the partition: nothing crosses
     cut = time.monotonic()
     wait_for(lambda: re.search(r"worker w0 (silent|unreachable) for", broker.output()[seen:]),
              5, "the worker declared lost")
     lost_after = time.monotonic() - cut
     time.sleep(max(0.0, cut + PARTITION_S - time.monotonic()))  # the fault is its length
-    router("-D", "FORWARD", "1")
+    hosts.iptables("-D", "FORWARD", "1")
     healed = time.monotonic()
     wait_for(lambda: "worker w0 joined" in broker.output()[seen:], 10, "the worker's rejoin")
     rejoined_after = time.monotonic() - healed

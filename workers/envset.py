@@ -267,12 +267,11 @@ class EnvSet:
 
     def _no_final_obs(self) -> np.ndarray | None:
         """STEP_RESULT's `no_final_obs` for the step under way (None: every ended row had a
-        final observation); the next step starts without marks."""
+        final observation; `step` clears the marks as it begins)."""
         if not self.unobserved:
             return None
         marks = np.zeros(self.rows, bool)
         marks[self.unobserved] = True
-        self.unobserved.clear()
         return marks
 
     def _finals(self, finals: list[Obs]) -> Obs:
