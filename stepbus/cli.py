@@ -108,10 +108,10 @@ EXPORT_HELP = ("write the trained policy's greedy acting path (observation norma
                "model, masks, recurrent state) to an ONNX file that onnxruntime runs alone "
                "(docs/export.md); needs pip install -e \".[onnx]\"")
 SWAP_HELP = ("replace the learner in the running trainer slot: the current learner "
-             "checkpoints and exits, a new one resumes the checkpoint with the slot's flags "
-             "plus these (any `stepbus learner` flag, e.g. --lr 3e-4 or --algo "
-             "module:Class); a new learner that exits within 3 s is replaced by one with the "
-             "previous flags")
+             "checkpoints and exits, a new one resumes the checkpoint with the slot's flags, "
+             "these in place of any value they set again (any `stepbus learner` flag, e.g. "
+             "--lr 3e-4 or --algo module:Class); a new learner that exits within 3 s is "
+             "replaced by one with the previous flags")
 
 
 def _flag(name: str) -> str:
