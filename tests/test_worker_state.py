@@ -224,6 +224,33 @@ def test_the_hello_repeats_quickly_until_a_broker_answers_then_at_its_interval_w
         w.close()
 
 
+def test_after_a_stall_what_waits_is_read_before_a_hello_goes_out():
+    """A worker that did not run for seconds (starved, or the serial runner's long update) has
+    a hello long due and maybe a STEP waiting: the hello must not go first, or its old seq
+    tells the broker that STEP was lost."""
+    clock = ManualClock(T0)
+    bench = Bench(clock=clock, envs_per_worker=1)
+    w = bench.worker
+    try:
+        w.deliver(b"", p.Reset(epoch=0, seq=1, options={}), now=T0)
+        bench.out.take(p.StepResult)
+        clock.t = w.now = T0 + 3.0
+        w.on_stalled(3.0)
+        w.run_timers(clock.t)
+        assert bench.out.take(p.WorkerHello) == [], "the poll comes first"
+        w.deliver(b"", p.Step(epoch=0, seq=2, policy_version=0,
+                              actions=np.zeros(1, np.int64)), now=clock.t)
+        assert [r.seq for r in bench.out.take(p.StepResult)] == [2]
+        clock.t += worker.READ_FIRST_S
+        w.run_timers(clock.t)
+        assert bench.out.take(p.WorkerHello) == [], "the broker just spoke"
+        clock.t += worker.HELLO_INTERVAL_S
+        w.run_timers(clock.t)
+        assert [h.seq for h in bench.out.take(p.WorkerHello)] == [2]
+    finally:
+        w.close()
+
+
 def test_heartbeats_go_on_through_a_batch_blocked_in_native_code():
     """Two env steps of 0.6 s each inside one C call: the heartbeat thread beats meanwhile, and
     the env's wait is not cut short (a timer signal made nanosleep return early)."""

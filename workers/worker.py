@@ -53,6 +53,8 @@ HELLO_INTERVAL_S = node.HEARTBEAT_INTERVAL_S
 # interval is the usual one.
 FIRST_HELLO_INTERVAL_S = node.DISCOVER_INTERVAL_S
 FIRST_HELLOS_FOR_S = node.DISCOVER_QUICK_FOR_S
+# After a stall, how long a due hello waits: one poll, which reads what arrived meanwhile.
+READ_FIRST_S = 0.005
 # Double buffering (--splits): a handful of groups hides the inference round trip (Sample
 # Factory uses 2); one digit keeps the splits' names sorting in env order (deterministic mode
 # batches workers by name).
@@ -288,6 +290,14 @@ class Worker(node.Process):
         self.send(PortName.STEPS, dataclasses.replace(self.hello, seq=self.seq))
         if not self.answered and now - self.started < FIRST_HELLOS_FOR_S:
             self.timers["hello"].due = now + FIRST_HELLO_INTERVAL_S
+
+    def on_stalled(self, seconds: float) -> None:
+        """What the broker sent while we did not run is read before a hello goes out: a hello
+        sent first carries a sequence number older than the request waiting here, and a
+        broker that has waited long for our reply takes it as that request lost (and resets
+        us, which a deterministic run must never see happen because of timing)."""
+        hello = self.timers["hello"]
+        hello.due = max(hello.due, self.now + READ_FIRST_S)
 
     def heard(self, now: float) -> None:
         """The broker spoke: no hello and no busy heartbeat is due for an interval."""
