@@ -159,8 +159,9 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
 def pytest_configure(config: pytest.Config) -> None:
     """Once per run (in xdist's controller, or the one process of -n 0), before any test starts
     a process: stepbus's bytecode compiled where every child finds it. With
-    PYTHONDONTWRITEBYTECODE set (as on CI's machines) no process writes it, and each of the
-    suite's hundreds of children would compile stepbus's modules again (0.08 s of CPU each)."""
+    PYTHONDONTWRITEBYTECODE set (as on some machines; `.ci/run` unsets it) no process writes
+    it, and each of the suite's hundreds of children would compile stepbus's modules again
+    (0.08 s of CPU each)."""
     if hasattr(config, "workerinput"):
         return
     import compileall

@@ -226,8 +226,9 @@ def test_the_hello_repeats_quickly_until_a_broker_answers_then_at_its_interval_w
 
 def test_after_a_stall_what_waits_is_read_before_a_hello_goes_out():
     """A worker that did not run for seconds (starved, or the serial runner's long update) has
-    a hello long due and maybe a STEP waiting: the hello must not go first, or its old seq
-    tells the broker that STEP was lost."""
+    a hello long due and maybe a STEP waiting: the hello must not go first, or it tells a
+    broker that has waited over a second for the reply that the STEP was lost. Postponed once
+    per hello: a worker late on every pass still says hello."""
     clock = ManualClock(T0)
     bench = Bench(clock=clock, envs_per_worker=1)
     w = bench.worker
@@ -247,6 +248,11 @@ def test_after_a_stall_what_waits_is_read_before_a_hello_goes_out():
         clock.t += worker.HELLO_INTERVAL_S
         w.run_timers(clock.t)
         assert [h.seq for h in bench.out.take(p.WorkerHello)] == [2]
+        for _ in range(2):  # stalled on every pass, with nothing arriving
+            clock.t = w.now = clock.t + 2.0
+            w.on_stalled(2.0)
+            w.run_timers(clock.t)
+        assert [h.seq for h in bench.out.take(p.WorkerHello)] == [2], "once per hello"
     finally:
         w.close()
 

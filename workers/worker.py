@@ -253,6 +253,7 @@ class Worker(node.Process):
         self.counts, self.shm_counts = WorkerCounts(), ShmCounts()
         self.busy_beat_at = 0.0  # the last heartbeat sent to (or message heard from) the broker
         self.answered = False  # a broker has spoken to us (then hellos slow to their interval)
+        self.hello_postponed = False  # after a stall, until the hello goes out (`on_stalled`)
         self.busy_beats: BusyBeats | None = None  # the heartbeat thread, when it is ours
         self.envs = envs or make_envs(cfg, log)
         self.envs.report, self.envs.tick = self.report, self.beat_while_busy
@@ -288,16 +289,19 @@ class Worker(node.Process):
     def say_hello(self, now: float) -> None:
         """Registration and liveness; `seq` lets a new broker continue our numbering."""
         self.send(PortName.STEPS, dataclasses.replace(self.hello, seq=self.seq))
+        self.hello_postponed = False
         if not self.answered and now - self.started < FIRST_HELLOS_FOR_S:
             self.timers["hello"].due = now + FIRST_HELLO_INTERVAL_S
 
     def on_stalled(self, seconds: float) -> None:
         """What the broker sent while we did not run is read before a hello goes out: a hello
-        sent first carries a sequence number older than the request waiting here, and a
-        broker that has waited long for our reply takes it as that request lost (and resets
-        us, which a deterministic run must never see happen because of timing)."""
+        that arrives while the broker has waited over a second for our reply to a request
+        waiting here tells it that request was lost, and it resets us (which a deterministic
+        run must never see happen because of timing). Once per hello: a loop late on every
+        pass still says hello."""
         hello = self.timers["hello"]
-        hello.due = max(hello.due, self.now + READ_FIRST_S)
+        if not self.hello_postponed:
+            hello.due, self.hello_postponed = max(hello.due, self.now + READ_FIRST_S), True
 
     def heard(self, now: float) -> None:
         """The broker spoke: no hello and no busy heartbeat is due for an interval."""
