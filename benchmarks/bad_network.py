@@ -1,8 +1,8 @@
 """Far workers across a bad network: a clean link, then loss with delay, then a partition of
 their host and its healing, in one invocation (as root).
 
-    python benchmarks/bad_network.py [--workers 4] [--envs-per-worker 256] [--seconds 10]
-        [--loss-pct 2] [--delay-ms 50] [--jitter-ms 10] [--partition-s 30]
+    python benchmarks/bad_network.py [--workers 4] [--envs-per-worker 256] [--splits 1]
+        [--seconds 10] [--loss-pct 2] [--delay-ms 50] [--jitter-ms 10] [--partition-s 30]
         [--without-user-timeout]
 
 Three network namespaces (two_hosts.routed_namespaces): host A runs the controller, broker,
@@ -56,6 +56,7 @@ import chaos_ledger
 import two_hosts
 
 from stepbus.bus import launch
+from stepbus.workers import worker
 
 REPO = Path(__file__).resolve().parents[1]
 LEDGER_ENV = "benchmarks.chaos_ledger:make"
@@ -157,6 +158,13 @@ class Bench:
     def names(self) -> list[str]:
         return [f"b{i}" for i in range(self.args.workers)]
 
+    @property
+    def bus_names(self) -> list[str]:
+        """The workers as the broker knows them: each split is one (`--splits`)."""
+        if self.args.splits == 1:
+            return self.names
+        return [worker.split_name(n, k) for n in self.names for k in range(self.args.splits)]
+
 
 def environments(bench: Bench) -> None:
     """Host A's and the workers' environments: CURVE keys, the ledger's env and algorithm, and
@@ -193,7 +201,8 @@ def start_pipeline(bench: Bench) -> None:
     for i, name in enumerate(bench.names):
         two_hosts.start_role(group, bench.work, bench.hosts.on_b, "worker", "--name", name,
                              "--worker-index", str(i), "--envs-per-worker",
-                             str(bench.args.envs_per_worker), env=bench.worker_env)
+                             str(bench.args.envs_per_worker), "--splits",
+                             str(bench.args.splits), env=bench.worker_env)
     two_hosts.wait_until_stepping("bad network", group.procs, bench.work, on_a,
                                   bench.host_env)
     child = group.start([*on_a, *launch.role_command("status"), "--json", "--watch",
@@ -277,14 +286,14 @@ def partition(bench: Bench) -> dict[str, Any]:
     while time.monotonic() < deadline:
         log.poll()
         stepping = next((t for t, s in watch.steps if t > heal and s > steps_at_heal), None)
-        if stepping is not None and len(log.first(JOINED, heal)) == len(bench.names):
+        if stepping is not None and len(log.first(JOINED, heal)) == len(bench.bus_names):
             break
         time.sleep(0.05)
     lost, joined = log.first(LOST, cut), log.first(JOINED, heal)
     return {"declared_lost_s": {n: round(lost[n] - cut, 2) if n in lost else None
-                                for n in bench.names},
+                                for n in bench.bus_names},
             "rejoined_s": {n: round(joined[n] - heal, 2) if n in joined else None
-                           for n in bench.names},
+                           for n in bench.bus_names},
             "stepping_again_s": None if stepping is None else round(stepping - heal, 2),
             "established_at_partition_end": established}
 
@@ -371,6 +380,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--envs-per-worker", type=int, default=256)
+    parser.add_argument("--splits", type=int, default=1,
+                        help="the far workers' --splits: batches each keeps in flight")
     parser.add_argument("--seconds", type=float, default=10.0, help="each measured window")
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds before a window")
     parser.add_argument("--loss-pct", type=float, default=2.0, help="each direction")
@@ -405,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result |= {"workers": args.workers, "envs_per_worker": args.envs_per_worker,
+               "splits": args.splits,
                "loss_pct": args.loss_pct, "delay_ms": args.delay_ms,
                "jitter_ms": args.jitter_ms, "partition_s": args.partition_s,
                "user_timeout": not args.without_user_timeout,
