@@ -73,10 +73,11 @@ import numpy as np
 from stepbus.bus import rows
 from stepbus.bus.rows import Obs
 
-PROTOCOL_VERSION = 11  # 2: RUN_STATE's horizon; 3: SpaceSpec's goal; 4: every Gymnasium space;
+PROTOCOL_VERSION = 12  # 2: RUN_STATE's horizon; 3: SpaceSpec's goal; 4: every Gymnasium space;
 # 5: vector envs (RESET's seeds, rows and modes, the relay's kinds); 6: WEIGHTS' checkpointed_steps;
 # 7: SpaceSpec's goal_note; 8: EVAL_RESULT; 9: env infos (RESET's infos, STEP_RESULT's);
-# 10: WEIGHTS' run; 11: trajectories' bootstrap_from_last, STEP_RESULT's no_final_obs
+# 10: WEIGHTS' run; 11: trajectories' bootstrap_from_last, STEP_RESULT's no_final_obs;
+# 12: RECEIPT's max_policy_lag
 
 # Decoding cost grows with the header's bytes and its lists and maps (each one allocated,
 # checked, freed), so both are bounded: any header, valid or not, decodes in at most 3 to 4
@@ -803,6 +804,9 @@ class Receipt(Message):
     taken: np.ndarray  # int64 trajectory numbers taken in
     learned: np.ndarray  # ... used in an update, or discarded on purpose (stale, after solving)
     policy: str = "default"  # the policy the learner trains: learners are told apart per policy
+    # The learner drops trajectories acted this many versions before its own (-1: none): the
+    # assembler cuts trajectories that span half of it (processor/buffers.py, version_span).
+    max_policy_lag: int = -1
 
 
 @dataclass(frozen=True)

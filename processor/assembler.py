@@ -83,6 +83,7 @@ class Counts:
     joined_mid_episode: int = 0  # rows seen first mid-episode (this assembler restarted)
     steps_lost: int = 0  # actions whose results will never come
     agents_vanished: int = 0
+    spanned: int = 0  # trajectories cut short: the policy moved on half the learner's lag bound
     unrouted: int = 0  # trajectories of a policy without an endpoint here (dropped)
     shm_read: int = 0  # observation batches copied out of shared memory
     shm_unreadable: int = 0
@@ -112,6 +113,9 @@ class Assembler(node.Process):
         self.refused_segments: set[str] = set()  # names we could not map (each tried once)
         self.unrouted: set[str] = set()  # policies without an endpoint, logged once each
         self.last_swap_gap_s: float | None = None
+        # Per policy, the versions a trajectory may span (processor/buffers.py): half its
+        # learner's --max-policy-lag, as its receipts say; none until they do.
+        self.version_spans: dict[str, int] = {}
         # Experience messages the loop may still take in this pass: what waits for a learner
         # is bounded, so intake pauses (and then stepping) while too much waits.
         self.room = cfg.max_buffered
@@ -138,9 +142,10 @@ class Assembler(node.Process):
         if track is None:
             track = self.start_track(m)
         else:
-            done = track.complete(m, self.cfg.horizon)
+            done = track.complete(m, self.cfg.horizon, self.version_spans)
             self.counts.steps += done.steps
             self.counts.agents_vanished += done.vanished
+            self.counts.spanned += done.spanned
             for traj in done.trajectories:
                 self.emit(traj)
         track.last_obs, track.epoch, track.seq = m.obs, m.epoch, m.seq
@@ -330,6 +335,11 @@ class Assembler(node.Process):
             if arr.dtype.kind not in "iu" or arr.ndim != 1:
                 self.refuse("bad receipt", f"{arr.dtype} {arr.shape}", claims=m.trainer)
                 return
+        if not -1 <= m.max_policy_lag < 2**53:
+            self.refuse("bad receipt", f"max_policy_lag {m.max_policy_lag}", claims=m.trainer)
+            return
+        if m.max_policy_lag >= 0:
+            self.version_spans[m.policy] = max(1, (m.max_policy_lag + 1) // 2)
         if m.incarnation not in outlet.learners:
             self.new_learner(outlet, m)
         elif m.incarnation != outlet.last_learner:

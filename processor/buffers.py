@@ -5,7 +5,13 @@ action, the next observation) plus the action the policy chose on that observati
 per agent gives transitions; a trajectory is cut when the episode ends (terminated or truncated,
 with the final observation as bootstrap), when the worker reports the agent neither alive nor
 done (vanished: truncated, bootstrapping from its last observation), or when `horizon` steps
-accumulate (bootstrap from the next observation). A vanished agent, and a truncated row the
+accumulate (bootstrap from the next observation), or when the policy acting next is
+`version_span` or more versions newer than the trajectory's first step (also bootstrapping from
+the next observation): a learner drops trajectories acted more than its `--max-policy-lag`
+versions before its own, and a row whose env steps slowly (starved of CPU, or just slow) would
+otherwise collect a horizon of steps over that many versions. Half the learner's bound leaves
+the other half for what stepping may run ahead of the learner (the broker's credit window).
+A vanished agent, and a truncated row the
 worker marks in `no_final_obs` (an agent that left without an observation, an env that raised),
 has no observation after its last step: its bootstrap observation is that step's own, and the
 trajectory says `bootstrap_from_last`. Closing a worker's trajectories (`WorkerTrack.close`)
@@ -67,6 +73,13 @@ class AgentBuffer:
         a["policy_versions"][n] = version
         self.pending = True
 
+    def spans(self, next_version: int, span: int) -> bool:
+        """A step acted `next_version` would make this trajectory span `span` versions or
+        more (span 0: never)."""
+        if not self.n:
+            return False
+        return 0 < span <= next_version - int(self.arrays["policy_versions"][0])
+
     def complete(self, reward: float) -> None:
         self.arrays["rewards"][self.n] = reward
         self.n += 1
@@ -125,6 +138,7 @@ class Completed:
 
     steps: int = 0
     vanished: int = 0
+    spanned: int = 0  # cut because the policy moved on `version_span` versions
     trajectories: list[p.Trajectory] = field(default_factory=list)
 
 
@@ -163,9 +177,12 @@ class WorkerTrack:
                "sequence gap" if gap else "")
         return why, gap
 
-    def complete(self, m: p.Experience, horizon: int) -> Completed:
-        """Pair m's rewards with the actions chosen last time; cut what ends or is full."""
+    def complete(self, m: p.Experience, horizon: int,
+                 spans: dict[str, int] | None = None) -> Completed:
+        """Pair m's rewards with the actions chosen last time; cut what ends, is full, or
+        spans too many versions (`spans`: the version span per policy; none: no such cut)."""
         done = m.terminated | m.truncated
+        next_versions = self.next_versions(m) if spans else None
         final_rows = (np.cumsum(done) - 1).tolist()
         # Python lists: indexing a numpy array row by row costs more than converting it once.
         ended, terminated, rewards = done.tolist(), m.terminated.tolist(), m.reward.tolist()
@@ -190,11 +207,24 @@ class WorkerTrack:
                                   bootstrap_from_last=True)
             elif agent.n >= horizon:
                 traj = agent.take(m.epoch, rows.take(m.obs, i))
+            elif next_versions is not None and spans and agent.spans(
+                    next_versions[i], spans.get(agent.policy, 0)):
+                out.spanned += 1
+                traj = agent.take(m.epoch, rows.take(m.obs, i))
             else:
                 continue
             if traj is not None:
                 out.trajectories.append(traj)
         return out
+
+    @staticmethod
+    def next_versions(m: p.Experience) -> list[int] | None:
+        """The version acting on each of m's observations (None: m carries no actions)."""
+        if m.action is None:
+            return None
+        if m.policy_versions is not None:
+            return m.policy_versions.tolist()
+        return [m.policy_version] * rows.count(m.obs)
 
     def choose(self, m: p.Experience) -> str:
         """Record the actions m carries on its observations; why not ("" if recorded)."""

@@ -95,10 +95,11 @@ class Bench:
         return [t for msg in self.messages(port) for t in msg.split()]
 
     def receipt(self, taken: Sequence[int] = (), learned: Sequence[int] = (), *,
-                incarnation: str = "L1", assembler_incarnation: str = "a1") -> p.Receipt:
+                incarnation: str = "L1", assembler_incarnation: str = "a1",
+                max_policy_lag: int = -1) -> p.Receipt:
         return p.Receipt(trainer="learner", incarnation=incarnation,
                          assembler=assembler_incarnation, taken=np.array(taken, np.int64),
-                         learned=np.array(learned, np.int64))
+                         learned=np.array(learned, np.int64), max_policy_lag=max_policy_lag)
 
 
 @pytest.fixture
@@ -124,6 +125,33 @@ def test_a_running_episode_is_cut_at_the_horizon_and_bootstraps_from_the_next_ob
         assert traj.policy_versions.tolist() == [7] * 4
         assert traj.episode_return is None and traj.episode_length is None
     assert len(got) == 2, "the 9th step must wait for the horizon or the episode end"
+
+
+def test_a_slow_rows_trajectory_is_cut_once_the_policy_moved_on_half_the_learners_bound():
+    """Versions move on while a slow env's row collects its horizon: its trajectory is cut
+    (bootstrapping from the next observation) before a step would make it span half the
+    lag bound its learner's receipts state, so the learner does not drop it as stale."""
+    bench, s = Bench(horizon=32), Script(k=2)
+
+    def acted(version: int, msg: p.Experience) -> p.Experience:
+        return dataclasses.replace(msg, policy_version=version)
+
+    bench.feed(acted(10, s.first()), acted(10, s.step()), acted(12, s.step()),
+               acted(14, s.step()))
+    assert bench.trajectories() == [], "no learner has stated its bound: the horizon only"
+    bench.feed(bench.receipt(max_policy_lag=2**53))
+    assert bench.asm.figures()["rejected"] == 1, "a bound out of range is refused"
+    bench.feed(bench.receipt(max_policy_lag=8))  # a span of 4
+    bench.feed(acted(15, s.step()))
+    got = bench.trajectories()
+    assert [t.policy_versions.tolist() for t in got] == [[10, 10, 12, 14]] * 2
+    assert [t.bootstrap_obs.tolist() for t in got] == [[0, 4], [1, 4]]
+    assert not any(t.terminated or t.truncated for t in got)
+    assert bench.asm.counts.spanned == 2
+    bench.feed(*[acted(18, s.step()) for _ in range(3)])
+    assert bench.trajectories() == [], "from 15 on: a span of 3 so far"
+    bench.feed(acted(19, s.step()))
+    assert [len(t.rewards) for t in bench.trajectories()] == [4, 4]
 
 
 def test_truncation_keeps_the_final_observation_for_bootstrapping(bench):

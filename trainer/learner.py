@@ -120,7 +120,7 @@ class Config:
                 "evaluator's greedy episodes, `stepbus evaluator`)"})
     max_policy_lag: int = field(default=8, metadata={"min": 0,
         "help": "trajectories acted by a policy more than this many versions old are dropped "
-                "(counted)"})
+                "(counted); the assembler cuts trajectories short that would span half of it"})
     max_updates: int = field(default=0, metadata={"min": 0,
         "help": "stop the whole pipeline once the run has made this many policy updates "
                 "(0: never)"})

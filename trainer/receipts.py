@@ -108,15 +108,16 @@ class Receipts:
         ring = self.recent[(self.recent_next - k + np.arange(k)) % LEARNED_KEPT]
         return [*ring[ring >= 0].tolist(), *newest]
 
-    def message(self, trainer: str, incarnation: str, policy: str,
-                now: float) -> p.Receipt | None:
+    def message(self, trainer: str, incarnation: str, policy: str, now: float,
+                max_policy_lag: int = -1) -> p.Receipt | None:
         if not (self.taken or self.learned):
             return None
         if self.pending_since is None:
             self.pending_since = now
         return p.Receipt(trainer=trainer, incarnation=incarnation, assembler=self.assembler,
                          taken=np.asarray(self.taken, np.int64),
-                         learned=np.asarray(self.learned, np.int64), policy=policy)
+                         learned=np.asarray(self.learned, np.int64), policy=policy,
+                         max_policy_lag=max_policy_lag)
 
     def delivered(self) -> None:
         for seq in self.learned:  # from `open` into the ring
