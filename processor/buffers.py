@@ -47,6 +47,7 @@ class AgentBuffer:
         self.stats_valid = True  # False when we joined mid-episode (assembler restart)
         self.origin = (-1, -1, -1)  # the trajectory's episode, episode seed, first episode step
         self.state: dict[str, np.ndarray] = {}  # a recurrent model's state before the first step
+        self.first_version = 0  # the policy version of the trajectory's first step
 
     def choose(self, obs: Obs, action: np.ndarray, logp: float, value: float,
                version: int, episode: int = -1, seed: int = -1,
@@ -54,6 +55,7 @@ class AgentBuffer:
         """`state`: the recurrent state the action was chosen from (called only at the
         trajectory's first step, the one state a trajectory keeps)."""
         if self.n == 0:
+            self.first_version = version
             self.origin = (episode, seed, self.episode_length if self.stats_valid else -1)
             self.state = state() if state is not None else {}
         if not self.arrays:
@@ -76,9 +78,7 @@ class AgentBuffer:
     def spans(self, next_version: int, span: int) -> bool:
         """A step acted `next_version` would make this trajectory span `span` versions or
         more (span 0: never)."""
-        if not self.n:
-            return False
-        return 0 < span <= next_version - int(self.arrays["policy_versions"][0])
+        return self.n > 0 and 0 < span <= next_version - self.first_version
 
     def complete(self, reward: float) -> None:
         self.arrays["rewards"][self.n] = reward
@@ -182,6 +182,7 @@ class WorkerTrack:
         """Pair m's rewards with the actions chosen last time; cut what ends, is full, or
         spans too many versions (`spans`: the version span per policy; none: no such cut)."""
         done = m.terminated | m.truncated
+        spans = spans or {}
         next_versions = self.next_versions(m) if spans else None
         final_rows = (np.cumsum(done) - 1).tolist()
         # Python lists: indexing a numpy array row by row costs more than converting it once.
@@ -207,8 +208,8 @@ class WorkerTrack:
                                   bootstrap_from_last=True)
             elif agent.n >= horizon:
                 traj = agent.take(m.epoch, rows.take(m.obs, i))
-            elif next_versions is not None and spans and agent.spans(
-                    next_versions[i], spans.get(agent.policy, 0)):
+            elif next_versions is not None and agent.spans(next_versions[i],
+                                                           spans.get(agent.policy, 0)):
                 out.spanned += 1
                 traj = agent.take(m.epoch, rows.take(m.obs, i))
             else:

@@ -145,7 +145,8 @@ def test_a_slow_rows_trajectory_is_cut_once_the_policy_moved_on_half_the_learner
     bench.feed(acted(15, s.step()))
     got = bench.trajectories()
     assert [t.policy_versions.tolist() for t in got] == [[10, 10, 12, 14]] * 2
-    assert [t.bootstrap_obs.tolist() for t in got] == [[0, 4], [1, 4]]
+    assert [t.bootstrap_obs.tolist() for t in got
+            if isinstance(t.bootstrap_obs, np.ndarray)] == [[0, 4], [1, 4]]
     assert not any(t.terminated or t.truncated for t in got)
     assert bench.asm.counts.spanned == 2
     bench.feed(*[acted(18, s.step()) for _ in range(3)])

@@ -140,6 +140,7 @@ def test_receipts_name_what_was_taken_in_and_after_the_update_what_was_learned(
     bench.later(0.0)
     (r,) = bench.receipts()
     assert (r.trainer, r.incarnation, r.assembler, r.policy) == ("t0", "i1", "a1", "default")
+    assert r.max_policy_lag == 8, "its bound: the assembler cuts trajectories to half of it"
     assert r.taken.tolist() == [0, 1, 2] and r.learned.tolist() == []
     bench.deliver(trajectory(3))  # the batch is full: learned from
     bench.later(learner.RECEIPT_INTERVAL_S * 0.75)

@@ -594,7 +594,8 @@ class Learner(node.Process):
             self.at("receipts", due, self.send_receipts)
 
     def send_receipts(self, now: float) -> None:
-        msg = self.receipts.message(self.name, self.incarnation, self.cfg.policy_name, now)
+        msg = self.receipts.message(self.name, self.incarnation, self.cfg.policy_name, now,
+                                    self.cfg.max_policy_lag)
         if msg is None:
             return
         self.last_receipts = now
