@@ -228,31 +228,36 @@ def test_after_a_stall_what_waits_is_read_before_a_hello_goes_out():
     """A worker that did not run for seconds (starved, or the serial runner's long update) has
     a hello long due and maybe a STEP waiting: the hello must not go first, or it tells a
     broker that has waited over a second for the reply that the STEP was lost. Postponed once
-    per hello: a worker late on every pass still says hello."""
+    per hello: a worker late on every pass with nothing arriving still says hello."""
     clock = ManualClock(T0)
     bench = Bench(clock=clock, envs_per_worker=1)
     w = bench.worker
+
+    def stalled(seconds: float) -> list[p.WorkerHello]:
+        clock.t = w.now = clock.t + seconds
+        w.on_stalled(seconds)
+        w.run_timers(clock.t)
+        return bench.out.take(p.WorkerHello)
+
+    def step(seq: int) -> list[int]:
+        w.deliver(b"", p.Step(epoch=0, seq=seq, policy_version=0,
+                              actions=np.zeros(1, np.int64)), now=clock.t)
+        return [r.seq for r in bench.out.take(p.StepResult)]
+
     try:
         w.deliver(b"", p.Reset(epoch=0, seq=1, options={}), now=T0)
         bench.out.take(p.StepResult)
-        clock.t = w.now = T0 + 3.0
-        w.on_stalled(3.0)
-        w.run_timers(clock.t)
-        assert bench.out.take(p.WorkerHello) == [], "the poll comes first"
-        w.deliver(b"", p.Step(epoch=0, seq=2, policy_version=0,
-                              actions=np.zeros(1, np.int64)), now=clock.t)
-        assert [r.seq for r in bench.out.take(p.StepResult)] == [2]
+        for seq in (2, 3):  # a stall, a STEP waiting; again after the broker spoke
+            assert stalled(3.0) == [], "the poll comes first"
+            assert step(seq) == [seq]
         clock.t += worker.READ_FIRST_S
         w.run_timers(clock.t)
         assert bench.out.take(p.WorkerHello) == [], "the broker just spoke"
         clock.t += worker.HELLO_INTERVAL_S
         w.run_timers(clock.t)
-        assert [h.seq for h in bench.out.take(p.WorkerHello)] == [2]
-        for _ in range(2):  # stalled on every pass, with nothing arriving
-            clock.t = w.now = clock.t + 2.0
-            w.on_stalled(2.0)
-            w.run_timers(clock.t)
-        assert [h.seq for h in bench.out.take(p.WorkerHello)] == [2], "once per hello"
+        assert [h.seq for h in bench.out.take(p.WorkerHello)] == [3]
+        assert stalled(2.0) == [] and [h.seq for h in stalled(2.0)] == [3], \
+            "stalled on every pass with nothing arriving: postponed once"
     finally:
         w.close()
 

@@ -304,8 +304,9 @@ class Worker(node.Process):
             hello.due, self.hello_postponed = max(hello.due, self.now + READ_FIRST_S), True
 
     def heard(self, now: float) -> None:
-        """The broker spoke: no hello and no busy heartbeat is due for an interval."""
-        self.timers["hello"].due = now + HELLO_INTERVAL_S
+        """The broker spoke: no hello and no busy heartbeat is due for an interval (and the
+        next stall may postpone that one)."""
+        self.timers["hello"].due, self.hello_postponed = now + HELLO_INTERVAL_S, False
         self.busy_beat_at, self.answered = now, True
 
     def on_reset(self, peer: bytes, msg: p.Reset) -> None:
