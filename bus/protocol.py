@@ -805,7 +805,7 @@ class Receipt(Message):
     learned: np.ndarray  # ... used in an update, or discarded on purpose (stale, after solving)
     policy: str = "default"  # the policy the learner trains: learners are told apart per policy
     # The learner drops trajectories acted this many versions before its own (-1: none): the
-    # assembler cuts trajectories that span half of it (processor/buffers.py, version_span).
+    # assembler cuts trajectories that span half of it (processor/buffers.py, AgentBuffer.spans).
     max_policy_lag: int = -1
 
 

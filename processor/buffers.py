@@ -4,16 +4,16 @@ An EXPERIENCE message carries a worker's step result (reward and done flags for 
 action, the next observation) plus the action the policy chose on that observation. Pairing them
 per agent gives transitions; a trajectory is cut when the episode ends (terminated or truncated,
 with the final observation as bootstrap), when the worker reports the agent neither alive nor
-done (vanished: truncated, bootstrapping from its last observation), or when `horizon` steps
-accumulate (bootstrap from the next observation), or when the policy acting next is
-`version_span` or more versions newer than the trajectory's first step (also bootstrapping from
-the next observation): a learner drops trajectories acted more than its `--max-policy-lag`
-versions before its own, and a row whose env steps slowly (starved of CPU, or just slow) would
-otherwise collect a horizon of steps over that many versions. Half the learner's bound leaves
-the other half for what stepping may run ahead of the learner (the broker's credit window).
-A vanished agent, and a truncated row the
-worker marks in `no_final_obs` (an agent that left without an observation, an env that raised),
-has no observation after its last step: its bootstrap observation is that step's own, and the
+done (vanished: truncated, bootstrapping from its last observation), when `horizon` steps
+accumulate (bootstrap from the next observation), or when the policy acting next is its
+policy's span (`AgentBuffer.spans`) or more versions newer than the trajectory's first step
+(bootstrap from the next observation too). A learner drops trajectories acted more than its
+`--max-policy-lag` versions before its own, and a row whose env steps slowly (starved of CPU,
+or just slow) would otherwise collect a horizon of steps over that many versions; half the
+learner's bound is the span, leaving the other half for what stepping may run ahead of the
+learner (the broker's credit window). A vanished agent, and a truncated row the worker marks in
+`no_final_obs` (an agent that left without an observation, an env that raised), has no
+observation after its last step: its bootstrap observation is that step's own, and the
 trajectory says `bootstrap_from_last`. Closing a worker's trajectories (`WorkerTrack.close`)
 bootstraps from the observation that followed each one's last completed step: the last seen.
 Nothing here touches a socket or a counter: the assembler numbers, counts and sends what comes
@@ -138,7 +138,7 @@ class Completed:
 
     steps: int = 0
     vanished: int = 0
-    spanned: int = 0  # cut because the policy moved on `version_span` versions
+    spanned: int = 0  # cut because the policy moved on its span of versions
     trajectories: list[p.Trajectory] = field(default_factory=list)
 
 
@@ -184,6 +184,9 @@ class WorkerTrack:
         done = m.terminated | m.truncated
         spans = spans or {}
         next_versions = self.next_versions(m) if spans else None
+        # No row whose first step is newer than this can reach its span: most rows pay one
+        # compare.
+        floor = max(next_versions) - min(spans.values()) if next_versions else -1
         final_rows = (np.cumsum(done) - 1).tolist()
         # Python lists: indexing a numpy array row by row costs more than converting it once.
         ended, terminated, rewards = done.tolist(), m.terminated.tolist(), m.reward.tolist()
@@ -208,8 +211,8 @@ class WorkerTrack:
                                   bootstrap_from_last=True)
             elif agent.n >= horizon:
                 traj = agent.take(m.epoch, rows.take(m.obs, i))
-            elif next_versions is not None and agent.spans(next_versions[i],
-                                                           spans.get(agent.policy, 0)):
+            elif (next_versions is not None and agent.first_version <= floor
+                  and agent.spans(next_versions[i], spans.get(agent.policy, 0))):
                 out.spanned += 1
                 traj = agent.take(m.epoch, rows.take(m.obs, i))
             else:
@@ -240,8 +243,7 @@ class WorkerTrack:
         k = rows.count(m.obs)
         episodes = m.episode.tolist() if m.episode is not None else [-1] * k
         seeds = m.episode_seed.tolist() if m.episode_seed is not None else [-1] * k
-        versions = (m.policy_versions.tolist() if m.policy_versions is not None
-                    else [m.policy_version] * k)
+        versions = self.next_versions(m) or []
         alive = None if m.alive is None else m.alive.tolist()
         logps, values = m.logp.tolist(), m.value.tolist()
         for i, agent in enumerate(self.agents):

@@ -248,6 +248,7 @@ def test_after_a_stall_what_waits_is_read_before_a_hello_goes_out():
         w.deliver(b"", p.Reset(epoch=0, seq=1, options={}), now=T0)
         bench.out.take(p.StepResult)
         for seq in (2, 3):  # a stall, a STEP waiting; again after the broker spoke
+            assert stalled(0.2) == [], "a short stall, the hello not due: nothing postponed"
             assert stalled(3.0) == [], "the poll comes first"
             assert step(seq) == [seq]
         clock.t += worker.READ_FIRST_S

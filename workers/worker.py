@@ -300,8 +300,8 @@ class Worker(node.Process):
         run must never see happen because of timing). Once per hello: a loop late on every
         pass still says hello."""
         hello = self.timers["hello"]
-        if not self.hello_postponed:
-            hello.due, self.hello_postponed = max(hello.due, self.now + READ_FIRST_S), True
+        if not self.hello_postponed and hello.due < self.now + READ_FIRST_S:
+            hello.due, self.hello_postponed = self.now + READ_FIRST_S, True
 
     def heard(self, now: float) -> None:
         """The broker spoke: no hello and no busy heartbeat is due for an interval (and the
