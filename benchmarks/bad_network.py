@@ -179,11 +179,8 @@ def environments(bench: Bench) -> None:
             "PYTHONPATH": os.pathsep.join(paths), "STEPBUS_ENV": LEDGER_ENV,
             chaos_ledger.DIR_ENV: str(bench.work / "ledger")}
     (bench.work / "ledger").mkdir()
-    endpoints = {f"STEPBUS_{name}": f"tcp://{bench.hosts.address}:{7340 + i}"
-                 for i, name in enumerate(("CONTROLLER", "BROADCAST", "STEPS", "POLICY",
-                                           "EXPERIENCE", "TRAJECTORIES", "RECEIPTS"))}
-    bench.host_env, bench.worker_env = two_hosts.host_and_worker_envs(bench.work, env,
-                                                                      endpoints, keys=True)
+    bench.host_env, bench.worker_env = two_hosts.host_and_worker_envs(
+        bench.work, env, two_hosts.endpoint_vars(bench.hosts.address), keys=True)
 
 
 def start_pipeline(bench: Bench) -> None:

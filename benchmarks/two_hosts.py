@@ -28,11 +28,23 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from stepbus.bus import launch
+from stepbus.bus import launch, wiring
 
 CONSUME = "stepbus.trainer.consume:ConsumeOnly"
 ROLES_A = ("controller", "broker", "assembler", "trainer")
 STEPBUS = (sys.executable, "-m", "stepbus")
+
+
+def tcp_endpoints(address: str) -> dict[str, str]:
+    """Every endpoint of the run bound on `address` (ports from 7340, in wiring.ENDPOINTS'
+    order), by name."""
+    return {name: f"tcp://{address}:{7340 + i}" for i, name in enumerate(wiring.ENDPOINTS)}
+
+
+def endpoint_vars(address: str) -> dict[str, str]:
+    """The same, as the environment variables every process reads them from."""
+    return {wiring.ENDPOINTS[name].env_var: endpoint
+            for name, endpoint in tcp_endpoints(address).items()}
 
 
 def ip(*args: str) -> None:
@@ -127,10 +139,8 @@ def measure(label: str, args: argparse.Namespace, address: str, on_a: tuple[str,
     group = launch.Group(workdir)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STEPBUS_", "HONCHO_"))}
     env |= {"STEPBUS_LOG_LEVEL": "WARNING", "STEPBUS_RUNS_DIR": str(workdir / "runs")}
-    endpoints = {f"STEPBUS_{name}": f"tcp://{address}:{7340 + i}" for i, name in enumerate(
-        ("CONTROLLER", "BROADCAST", "STEPS", "POLICY", "EXPERIENCE", "TRAJECTORIES", "RECEIPTS"))}
     try:
-        host_env, worker_env = host_and_worker_envs(workdir, env, endpoints, keys)
+        host_env, worker_env = host_and_worker_envs(workdir, env, endpoint_vars(address), keys)
         for role in ROLES_A:
             flags = ("--algo", CONSUME, "--target-return", "0", "--batch-steps", "2048",
                      "--checkpoint-interval-s", "1") if role == "trainer" else ()

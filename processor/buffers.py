@@ -183,10 +183,7 @@ class WorkerTrack:
         spans too many versions (`spans`: the version span per policy; none: no such cut)."""
         done = m.terminated | m.truncated
         spans = spans or {}
-        next_versions = self.next_versions(m) if spans else None
-        # No row whose first step is newer than this can reach its span: most rows pay one
-        # compare.
-        floor = max(next_versions) - min(spans.values()) if next_versions else -1
+        floor = self.span_floor(m, spans)
         final_rows = (np.cumsum(done) - 1).tolist()
         # Python lists: indexing a numpy array row by row costs more than converting it once.
         ended, terminated, rewards = done.tolist(), m.terminated.tolist(), m.reward.tolist()
@@ -211,8 +208,8 @@ class WorkerTrack:
                                   bootstrap_from_last=True)
             elif agent.n >= horizon:
                 traj = agent.take(m.epoch, rows.take(m.obs, i))
-            elif (next_versions is not None and agent.first_version <= floor
-                  and agent.spans(next_versions[i], spans.get(agent.policy, 0))):
+            elif (floor is not None and agent.first_version <= floor
+                  and agent.spans(self.version_of(m, i), spans.get(agent.policy, 0))):
                 out.spanned += 1
                 traj = agent.take(m.epoch, rows.take(m.obs, i))
             else:
@@ -220,6 +217,21 @@ class WorkerTrack:
             if traj is not None:
                 out.trajectories.append(traj)
         return out
+
+    @staticmethod
+    def span_floor(m: p.Experience, spans: dict[str, int]) -> int | None:
+        """No trajectory whose first step is newer than this can reach its span on m's
+        actions (None: none can), so most rows cost one compare, not a version lookup."""
+        if not spans or m.action is None:
+            return None
+        versions = m.policy_versions
+        newest = int(versions.max()) if versions is not None and versions.size else m.policy_version
+        return newest - min(spans.values())
+
+    @staticmethod
+    def version_of(m: p.Experience, i: int) -> int:
+        """The version acting on m's observation `i`."""
+        return int(m.policy_versions[i]) if m.policy_versions is not None else m.policy_version
 
     @staticmethod
     def next_versions(m: p.Experience) -> list[int] | None:

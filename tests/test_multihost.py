@@ -17,8 +17,6 @@ from pathlib import Path
 import pytest
 from conftest import REPO, Cluster, wait_for
 
-from stepbus.bus import wiring
-
 sys.path.insert(0, str(REPO / "benchmarks"))
 import two_hosts as two_hosts_bench  # the namespaces, made in one place
 
@@ -39,8 +37,7 @@ def test_a_worker_on_another_host_needs_only_the_controller_address_and_keys(
         cluster: Cluster, two_hosts: tuple[tuple[str, ...], tuple[str, ...], str]):
     on_a, on_b, address = two_hosts
     # Host A binds its real address (not loopback): that is refused without keys.
-    cluster.endpoints = {name: f"tcp://{address}:{7340 + i}"
-                         for i, name in enumerate(wiring.ENDPOINTS)}
+    cluster.endpoints = two_hosts_bench.tcp_endpoints(address)
     # Started first, so its start-up overlaps the key commands: it is given no keys either way.
     refused = cluster.start("controller", env={}, prefix=on_a)
     keys, worker_keys = cluster.dir / "keys", cluster.dir / "worker-keys"
@@ -93,8 +90,7 @@ PARTITION_S = 3.0
 def test_a_worker_cut_off_behind_a_lossy_router_is_declared_lost_and_rejoins(
         cluster: Cluster, routed_hosts: two_hosts_bench.RoutedHosts):
     hosts = routed_hosts
-    cluster.endpoints = {name: f"tcp://{hosts.address}:{7340 + i}"
-                         for i, name in enumerate(wiring.ENDPOINTS)}
+    cluster.endpoints = two_hosts_bench.tcp_endpoints(hosts.address)
     keys, worker_keys = cluster.dir / "keys", cluster.dir / "worker-keys"
     assert cluster.cli("keys", "--dir", str(keys)).returncode == 0
     assert cluster.cli("keys", "--dir", str(worker_keys), "--client-of", str(keys)).returncode == 0
