@@ -46,7 +46,13 @@ from stepbus import normalize, policy
 from stepbus.bus import checks, node, policies, relay, rows, topology, wiring
 from stepbus.bus import protocol as p
 from stepbus.bus.barrier import ResetBarrier
-from stepbus.bus.credit import Credit, DueVersions, Weights
+from stepbus.bus.credit import (
+    STARVING_PATIENCE_S,
+    STEPS_BEYOND_HORIZON,
+    Credit,
+    DueVersions,
+    Weights,
+)
 from stepbus.bus.exits import SettingError
 from stepbus.bus.memory import Memory
 from stepbus.bus.topology import PortName, Role
@@ -59,6 +65,7 @@ from stepbus.policy import ModelConfig, Policy, State
 # the run state is in (one controller round trip); without a controller, after this grace.
 RUN_STATE_GRACE_S = 2 * node.HEARTBEAT_INTERVAL_S * node.LIVENESS_INTERVALS
 IDLE_RESET_S = 2 * node.HEARTBEAT_INTERVAL_S  # a worker idle this long while we wait: reset it
+EXPERIENCE_EVENTS = "experience_events"  # the experience socket's monitor: the assembler gone
 RATE_INTERVAL_S = 2.0  # steps_per_s is measured over this long
 MAX_AWAITING_SPEC = 64  # trainers answered once the first worker brings the spec; others retry
 
@@ -115,6 +122,7 @@ class BrokerCounts:
     shm_slots_forwarded: int = 0  # batches the assembler reads from the segment itself
     shm_rows_forwarded: int = 0  # batches whose rows we copied onto the socket
     shm_segments_removed: int = 0  # segments of dead workers removed
+    assembler_disconnects: int = 0  # the assembler's connection dropped (it died or was killed)
 
     def figures(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -386,6 +394,8 @@ class Broker(node.Process):
             self.log.debug("worker %s unreachable; waiting for its next hello", w.name)
 
     def reset_worker(self, w: Worker) -> None:
+        if w.in_flight:  # the reply awaited will not come: the steps acted for it are lost
+            self.may_have_lost(w.num_envs)
         if w.result is not None:  # its observation gets no action: it becomes a bootstrap
             self.forward(w, w.result, None)
             w.result = None
@@ -401,12 +411,26 @@ class Broker(node.Process):
         self.counts.shm_segments_removed += self.table.detach(w)
         self.count_rows()
         self.counts.workers_lost += 1
+        # its steps in flight and awaiting their rewards (its partial trajectories are sent on)
+        self.may_have_lost(w.num_envs * STEPS_BEYOND_HORIZON)
         self.barrier.worker_lost(w.name)
         if self.memory is not None:
             self.memory.drop(w.name)
         self.log.warning("worker %s %s; serving the others", w.name, why)
         self.send(PortName.EXPERIENCE, p.WorkerLost(worker=w.name, incarnation=w.incarnation,
                                              reason=why))
+
+    def may_have_lost(self, steps: int) -> None:
+        for slot in self.slots:
+            slot.credit.may_have_lost(steps)
+
+    def on_socket_event(self, port: str, event: int) -> None:
+        """The assembler's connection dropped (it died, or was killed frozen): every step it
+        held or was sent may be lost."""
+        if event == zmq.EVENT_DISCONNECTED:
+            self.counts.assembler_disconnects += 1
+            for slot in self.slots:
+                slot.credit.may_have_lost(slot.credit.outstanding())
 
     def count_rows(self) -> None:
         rows = self.table.rows_per_policy(len(self.slots))
@@ -491,9 +515,16 @@ class Broker(node.Process):
                 self.counts.weights_refused += 1
                 self.refuse("bad weights", problem, claims=msg.trainer)
                 return
+        unexplained = slot.credit.unexplained
         connected = slot.credit.report(msg.incarnation, msg.consumed_steps, msg.batch_steps,
                                        msg.starving, msg.checkpointed_steps, msg.run,
                                        now=self.now)
+        if slot.credit.unexplained > unexplained:
+            self.log.warning(
+                "trainer %s has starved for %.0fs with the credit window full (%d steps "
+                "outstanding) and no fault known to have lost steps: granting more; stepping "
+                "may run past its policy-lag bound", msg.trainer, STARVING_PATIENCE_S,
+                slot.credit.outstanding())
         if newer:
             slot.newest = msg.version
             if not self.cfg.deterministic:
@@ -695,6 +726,7 @@ class Broker(node.Process):
             "outstanding_steps": default.credit.outstanding(),
             "credit_window": default.credit.window(), "credit_topups": default.credit.topups,
             "credit_rebases": default.credit.rebases,
+            "credit_unexplained": default.credit.unexplained,
             "assembler_blocked": self.assembler_blocked, **self.rejects.figures(),
             **self.counts.figures(), "held_by": self.held_by}
         if self.memory is not None:
@@ -744,5 +776,9 @@ def open_broker(ctx: zmq.Context, cfg: Config, log: logging.Logger) -> node.Open
             p.WorkerHello, p.StepResult, p.Heartbeat, p.RemoteError), routed=True),
         PortName.POLICY: node.Port(sockets[PortName.POLICY], (p.TrainerHello, p.Weights),
                                    routed=True),
-        PortName.EXPERIENCE: node.Port(sockets[PortName.EXPERIENCE])}
-    return node.Opened(broker, ports, link)
+        PortName.EXPERIENCE: node.Port(sockets[PortName.EXPERIENCE]),
+        # an assembler gone: the steps it held may be lost, credit may be granted back for them
+        EXPERIENCE_EVENTS: node.Port(sockets[PortName.EXPERIENCE].get_monitor_socket(
+            zmq.EVENT_DISCONNECTED), monitor=True)}
+    return node.Opened(broker, ports, link,
+                       cleanup=sockets[PortName.EXPERIENCE].disable_monitor)

@@ -4,7 +4,13 @@ The broker steps at most `window()` env steps beyond what the trainer reports as
 each WEIGHTS message). That bounds policy lag and memory, and makes stepping pause, not drop,
 while no trainer is consuming. A trainer that says it starves while the window is full waits
 for steps that will never reach it (a restarted assembler lost them, or partial trajectories
-hold more than the window allowed for): a top-up lets stepping go on.
+hold more than the window allowed for): a top-up lets stepping go on. Only steps that a known
+fault can have lost (an assembler gone, a worker lost or reset) or that a fixed window leaves no
+room for are granted back at once: a trainer also starves while its steps are merely late (a
+frozen or loaded assembler, a new learner waiting for what the assembler sends it again), and
+credit granted for those would let stepping run past the policy-lag bound, the steps arriving
+after all, too old to learn from. Starving with no such cause is granted only after
+STARVING_PATIENCE_S, and said.
 
 A trainer counts the steps of the whole run: its checkpoint's count (every trajectory whose
 learning the checkpoint holds) plus what it took in since. So a new trainer incarnation (a
@@ -41,6 +47,11 @@ DETERMINISM_GIVE_UP_S = 5.0
 # longer makes, busy with an update of the steps it took in since (a slow update, or the serial
 # runner, where the broker waits while the learner learns, is not lost data).
 STARVING_CLAIM_FRESH_S = 1.0
+# A trainer that starves this long with the window full and no known fault to explain it gets a
+# top-up anyway (steps lost where the broker cannot see, such as a bad message the assembler
+# dropped). Longer than a frozen process lives under its supervisor (3 s of silence, then a
+# restart, whose lost steps are then known), so a freeze is waited out, not granted for.
+STARVING_PATIENCE_S = 5.0
 
 Weights = dict[str, np.ndarray]
 
@@ -70,6 +81,9 @@ class Credit:
     checkpointed: int = 0  # the count the current incarnation's newest checkpoint holds
     starving: bool = False  # what the trainer's latest WEIGHTS message said
     reported_at: float = 0.0  # when that message came
+    starving_since: float | None = None  # the window full and the trainer starving since then
+    lost: int = 0  # steps that known faults may have lost and top-ups have not yet granted
+    unexplained: int = 0  # top-ups granted after STARVING_PATIENCE_S with no known cause
     # A trainer reported more steps than we stepped beyond its scale and the top-ups: a
     # restarted broker's first trainer, a trainer of another run, or steps counted twice.
     rebases: int = 0
@@ -103,9 +117,24 @@ class Credit:
         self.checkpointed = checkpointed_steps
         if self.outstanding() < 0:
             self.settle_overshoot()
-        if starving and self.full():
-            self.top_up()
+        if not (starving and self.full()):
+            self.starving_since = None
+        elif self.starving_since is None:
+            self.starving_since = now
+        if self.starving_since is not None:
+            self.top_up(now)
         return connected
+
+    def may_have_lost(self, steps: int) -> None:
+        """A fault may have lost up to `steps` of the steps in flight: top-ups may grant that
+        many back (never more than are in flight)."""
+        self.lost = min(self.lost + steps, max(0, self.outstanding()))
+
+    def room_short(self) -> int:
+        """Steps a fixed window leaves no room for: partial trajectories in every row and a
+        batch to learn from (0 for the window sized from them)."""
+        need = (self.horizon + STEPS_BEYOND_HORIZON) * self.rows + self.batch_steps
+        return max(0, need - self.window() - self.granted)
 
     def connect(self, incarnation: str, consumed_steps: int, run: str = "") -> str:
         """A new trainer incarnation continues the last one's scale if it learns for the same
@@ -143,16 +172,26 @@ class Credit:
             self.start -= over - back
             self.rebases += 1
 
-    def top_up(self) -> None:
+    def top_up(self, now: float) -> int:
         """The trainer waits for data we think is in flight: it was lost (a restarted
         assembler) or is held in partial trajectories longer than we allowed for. Doubling, but
         never more than one window at a time: while the assembler holds intake, queues (not
-        stepping) would absorb the credit."""
+        stepping) would absorb the credit. Returns the grant (0: none due yet)."""
         grant = min(max(self.batch_steps, self.extra), self.window())
+        explained = self.lost + self.room_short()
+        if explained > 0:
+            grant = min(grant, explained)
+            self.lost -= min(self.lost, grant)
+        elif self.starving_since is not None and now - self.starving_since >= STARVING_PATIENCE_S:
+            self.starving_since = now  # the next one as much later
+            self.unexplained += 1
+        else:
+            return 0
         self.baseline += grant
         self.granted += grant
         self.extra = min(self.extra + grant, self.window())
         self.topups += 1
+        return grant
 
 
 @dataclass

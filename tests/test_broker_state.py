@@ -11,6 +11,7 @@ import types
 import gymnasium as gym
 import numpy as np
 import pytest
+import zmq
 from conftest import ManualClock
 
 from stepbus.bus import broker, node, worker_table
@@ -169,6 +170,32 @@ def test_a_starving_trainer_tops_up_a_full_window_and_the_grant_doubles():
         bench.tick()  # the reply that waited is stepped
     assert grants == [4, 8] and bench.figure("credit_topups") == 3
     assert bench.figure("stale_dropped") == 0
+
+
+def test_a_starving_trainer_gets_credit_at_once_only_for_steps_a_fault_may_have_lost():
+    """With the window sized for the partial trajectories, a trainer that starves while it
+    is full waits for steps that are late (a frozen assembler): granting credit for them would
+    let stepping run past its policy-lag bound. An assembler gone may have lost them all."""
+    bench = Bench()
+    w = bench.join("w0")
+    bench.deliver(b"t", weights(1, batch_steps=4))
+    for _ in range(100):
+        bench.answer(w)
+        bench.tick()
+        if not bench.steps_to(w):
+            break
+    window = bench.figure("credit_window")
+    assert window == 2 * 4 + 2 * 34 and bench.figure("outstanding_steps") == window
+    for _ in range(4):
+        bench.later(0.25)
+        bench.deliver(b"t", weights(1, starving=True, batch_steps=4))
+    assert bench.figure("credit_topups") == 0 and bench.steps_to(w) == [], "late, not lost"
+    bench.broker.on_socket_event(broker.EXPERIENCE_EVENTS, zmq.EVENT_DISCONNECTED)
+    assert bench.figure("assembler_disconnects") == 1
+    bench.deliver(b"t", weights(1, starving=True, batch_steps=4))
+    assert bench.figure("credit_topups") == 1 and bench.figure("credit_unexplained") == 0
+    bench.tick()
+    assert len(bench.steps_to(w)) == 1, "stepping goes on"
 
 
 def test_a_barrier_resets_every_worker_and_is_done_only_when_all_reset_counting_the_lost():

@@ -4,7 +4,7 @@ learners come and go."""
 
 from __future__ import annotations
 
-from stepbus.bus.credit import Credit
+from stepbus.bus.credit import STARVING_PATIENCE_S, Credit
 
 
 def reported(credit: Credit, incarnation: str, consumed: int, starving: bool = False) -> int:
@@ -96,6 +96,7 @@ def test_steps_taken_as_lost_by_a_top_up_that_arrive_after_all_are_taken_back_fi
     credit = Credit(max_steps_ahead=300)
     credit.report("l1", 0, 100, False, now=0.0)
     credit.produced = 300
+    credit.may_have_lost(300)  # an assembler gone with every step in flight
     assert reported(credit, "l1", 0, starving=True) == 200, "one batch granted"
     assert reported(credit, "l1", 250) == 0, "they came after all: the grant is taken back"
     assert credit.granted == 50 and credit.rebases == 0
@@ -103,3 +104,63 @@ def test_steps_taken_as_lost_by_a_top_up_that_arrive_after_all_are_taken_back_fi
     assert credit.rebases == 1
     credit.produced = 400
     assert reported(credit, "l1", 320) == 100
+
+
+def starving_at(credit: Credit, now: float, batch_steps: int = 100) -> int:
+    """A trainer's starving report at `now`: what it was granted."""
+    before = credit.outstanding()
+    credit.report("l1", 0, batch_steps, True, now=now)
+    return before - credit.outstanding()
+
+
+def test_steps_that_are_only_late_are_waited_for_not_granted() -> None:
+    """A frozen or loaded assembler, or a new learner waiting for what the assembler sends it
+    again: the trainer starves with the window full while its steps are on their way. Credit
+    granted for them would let stepping run that much further past the trainer, and the steps,
+    arriving after all, too old to learn from."""
+    credit = Credit(max_steps_ahead=300)
+    credit.report("l1", 0, 100, False, now=0.0)
+    credit.produced = 300
+    grants = [starving_at(credit, t) for t in (0.0, 0.25, 1.0, STARVING_PATIENCE_S - 0.1)]
+    assert grants == [0, 0, 0, 0] and credit.topups == 0
+    # Starving that long with no known fault: steps lost where the broker cannot see. Granted,
+    # counted, and the next grant only as long again after.
+    assert starving_at(credit, STARVING_PATIENCE_S) == 100 and credit.unexplained == 1
+    credit.produced += 100
+    assert starving_at(credit, STARVING_PATIENCE_S + 1) == 0
+    assert starving_at(credit, 2 * STARVING_PATIENCE_S) == 100 and credit.unexplained == 2
+    # A report that is not starving (its steps came) starts the patience again.
+    credit.produced += 100
+    credit.report("l1", 0, 100, False, now=2 * STARVING_PATIENCE_S + 1)
+    assert starving_at(credit, 3 * STARVING_PATIENCE_S) == 0
+
+
+def test_steps_a_fault_may_have_lost_are_granted_at_once_and_no_more() -> None:
+    credit = Credit(max_steps_ahead=300)
+    credit.report("l1", 0, 100, False, now=0.0)
+    credit.produced = 300
+    credit.may_have_lost(1000)
+    assert credit.lost == 300, "never more than are in flight"
+    grants = []
+    for _ in range(4):
+        grants.append(starving_at(credit, 0.0))
+        credit.produced += grants[-1]  # stepping goes on into the grant
+    assert grants == [100, 100, 100, 0], "what may have been lost, in steps of a batch or more"
+    assert credit.topups == 3 and credit.unexplained == 0
+    credit.may_have_lost(50)  # a worker lost: its steps in flight
+    assert starving_at(credit, 0.5) == 50
+
+
+def test_a_fixed_window_too_small_for_the_partial_trajectories_is_grown_at_once() -> None:
+    """--max-steps-ahead below what partial trajectories hold: the trainer starves by design,
+    and waiting would only stall the run."""
+    credit = Credit(max_steps_ahead=256, rows=8, horizon=500)
+    credit.report("l1", 0, 256, False, now=0.0)
+    credit.produced = 256
+    room = 8 * 502 + 256 - 256
+    granted = 0
+    for _ in range(40):
+        granted += starving_at(credit, 0.0, batch_steps=256)
+        credit.produced = 256 + granted
+    assert granted == room and credit.unexplained == 0
+    assert starving_at(credit, 1.0, batch_steps=256) == 0, "beyond that, waited for"
