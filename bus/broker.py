@@ -501,9 +501,12 @@ class Broker(node.Process):
 
     def on_weights(self, peer: bytes, msg: p.Weights) -> None:
         if not (1 <= msg.batch_steps <= checks.MAX_BATCH_STEPS and 0 <= msg.consumed_steps < 2**53
-                and 0 <= msg.version < 2**53):
+                and 0 <= msg.version < 2**53 and -1 <= msg.policy_lag < 2**53
+                and -1 <= msg.max_policy_lag < 2**53):
             self.refuse("bad weights", f"batch_steps {msg.batch_steps}, consumed_steps "
-                        f"{msg.consumed_steps}, version {msg.version}", claims=msg.trainer)
+                        f"{msg.consumed_steps}, version {msg.version}, policy_lag "
+                        f"{msg.policy_lag}, max_policy_lag {msg.max_policy_lag}",
+                        claims=msg.trainer)
             return
         slot = self.known_policy(msg.trainer, msg.policy)
         if slot is None:
@@ -519,6 +522,7 @@ class Broker(node.Process):
         connected = slot.credit.report(msg.incarnation, msg.consumed_steps, msg.batch_steps,
                                        msg.starving, msg.checkpointed_steps, msg.run,
                                        now=self.now)
+        slot.credit.steer(msg.policy_lag, msg.max_policy_lag)
         if slot.credit.unexplained > unexplained:
             self.log.warning(
                 "trainer %s has starved for %.0fs with the credit window full (%d steps "
@@ -727,6 +731,7 @@ class Broker(node.Process):
             "credit_window": default.credit.window(), "credit_topups": default.credit.topups,
             "credit_rebases": default.credit.rebases,
             "credit_unexplained": default.credit.unexplained,
+            "credit_braked": default.credit.braked,
             "assembler_blocked": self.assembler_blocked, **self.rejects.figures(),
             **self.counts.figures(), "held_by": self.held_by}
         if self.memory is not None:

@@ -84,6 +84,7 @@ class Credit:
     starving_since: float | None = None  # the window full and the trainer starving since then
     lost: int = 0  # steps that known faults may have lost and top-ups have not yet granted
     unexplained: int = 0  # top-ups granted after STARVING_PATIENCE_S with no known cause
+    braked: int = 0  # steps taken off the window while the trainer's data came near stale
     # A trainer reported more steps than we stepped beyond its scale and the top-ups: a
     # restarted broker's first trainer, a trainer of another run, or steps counted twice.
     rebases: int = 0
@@ -121,9 +122,34 @@ class Credit:
             self.starving_since = None
         elif self.starving_since is None:
             self.starving_since = now
-        if self.starving_since is not None:
+        if self.starving_since is None:
+            pass
+        elif self.braked:
+            self.release(self.batch_steps)
+        else:
             self.top_up(now)
         return connected
+
+    def steer(self, lag: int, bound: int) -> None:
+        """Step less far ahead while the oldest data the trainer took in since its last report
+        nears its staleness bound (`lag` versions of at most `bound`), further again once it
+        is well within it. The window counts what should be in flight; this corrects what
+        counts cannot see: credit granted for steps that came after all, a restarted broker
+        whose scale took the old one's steps still in flight for none."""
+        if lag < 0 or bound <= 0:
+            return
+        if lag > bound * 3 // 4:
+            room = self.window() + self.granted - self.batch_steps - self.braked
+            cut = min(self.batch_steps, max(0, room))
+            self.baseline -= cut
+            self.braked += cut
+        elif lag <= bound // 2:
+            self.release(self.batch_steps)
+
+    def release(self, steps: int) -> None:
+        back = min(self.braked, steps)
+        self.baseline += back
+        self.braked -= back
 
     def may_have_lost(self, steps: int) -> None:
         """A fault may have lost up to `steps` of the steps in flight: top-ups may grant that
@@ -154,7 +180,7 @@ class Credit:
             if self.trainer:
                 self.rebases += 1
             self.start = self.baseline = self.produced - consumed_steps
-            self.granted = 0
+            self.granted = self.braked = 0
         self.trainer, self.first_consumed, self.extra = incarnation, consumed_steps, 0
         self.run = run
         return "continues" if continues else "afresh"

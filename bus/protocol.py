@@ -73,11 +73,11 @@ import numpy as np
 from stepbus.bus import rows
 from stepbus.bus.rows import Obs
 
-PROTOCOL_VERSION = 12  # 2: RUN_STATE's horizon; 3: SpaceSpec's goal; 4: every Gymnasium space;
+PROTOCOL_VERSION = 13  # 2: RUN_STATE's horizon; 3: SpaceSpec's goal; 4: every Gymnasium space;
 # 5: vector envs (RESET's seeds, rows and modes, the relay's kinds); 6: WEIGHTS' checkpointed_steps;
 # 7: SpaceSpec's goal_note; 8: EVAL_RESULT; 9: env infos (RESET's infos, STEP_RESULT's);
 # 10: WEIGHTS' run; 11: trajectories' bootstrap_from_last, STEP_RESULT's no_final_obs;
-# 12: RECEIPT's max_policy_lag
+# 12: RECEIPT's max_policy_lag; 13: WEIGHTS' policy_lag and max_policy_lag
 
 # Decoding cost grows with the header's bytes and its lists and maps (each one allocated,
 # checked, freed), so both are bounded: any header, valid or not, decodes in at most 3 to 4
@@ -855,6 +855,11 @@ class Weights(Message):
     params: ArrayMap
     checkpointed_steps: int = 0
     run: str = ""  # the run directory's id: a successor that resumed the checkpoint shares it
+    # The oldest data taken in since the last version: its lag in versions (-1: none taken in),
+    # and the bound beyond which the trainer drops data as stale (-1: none said). The broker
+    # steps less far ahead while the lag nears the bound.
+    policy_lag: int = -1
+    max_policy_lag: int = -1
 
 
 @dataclass(frozen=True)

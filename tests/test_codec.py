@@ -570,7 +570,8 @@ RESET_VECTOR_FIELDS = {"rows": [], "seeds": [], "seeding": "episode", "autoreset
                        "worker": "", "infos": False}
 WEIGHT_FIELDS = {"trainer": "t", "incarnation": "i", "policy": "p", "version": 1,
                  "consumed_steps": 0, "batch_steps": 1, "starving": False,
-                 "checkpointed_steps": 0, "run": ""}
+                 "checkpointed_steps": 0, "run": "", "policy_lag": -1,
+                 "max_policy_lag": -1}
 TRAJ_FIELDS = {"agent": "a", "epoch": 0, "terminated": False, "truncated": False,
                "episode_return": None, "episode_length": None, "assembler": "", "seq": 0,
                "episode": -1, "episode_seed": -1, "episode_step": -1, "policy": "default",

@@ -164,3 +164,27 @@ def test_a_fixed_window_too_small_for_the_partial_trajectories_is_grown_at_once(
         credit.produced = 256 + granted
     assert granted == room and credit.unexplained == 0
     assert starving_at(credit, 1.0, batch_steps=256) == 0, "beyond that, waited for"
+
+
+def test_data_near_its_staleness_bound_takes_steps_off_the_window_until_well_within() -> None:
+    """What the counts cannot see (credit granted for steps that came after all, a restarted
+    broker's scale) the trainer's lag shows: beyond 3/4 of its bound a batch comes off the
+    window per report, back once the lag is within half of it."""
+    credit = Credit(max_steps_ahead=1000)
+    credit.report("l1", 0, 100, False, now=0.0)
+    credit.produced = 500
+    credit.steer(7, 8)
+    assert credit.braked == 100 and credit.outstanding() == 600
+    for lag, bound in ((6, 8), (5, 8), (-1, 8), (8, -1)):
+        credit.steer(lag, bound)
+        assert credit.braked == 100, "between half and 3/4 of the bound, or unknown: kept"
+    for _ in range(20):
+        credit.steer(9, 8)
+    assert credit.braked == 900, "never below a batch of room"
+    credit.steer(4, 8)
+    assert credit.braked == 800 and credit.outstanding() == 1300
+    # A trainer starving with the window full gets the withheld steps back first.
+    before = credit.topups
+    credit.produced = 600
+    credit.report("l1", 400, 100, True, now=1.0)
+    assert credit.braked == 700 and credit.topups == before

@@ -325,6 +325,7 @@ class Learner(node.Process):
         # Env steps of the run taken in: the checkpoint's, then every one taken in (the
         # broker's credit). What the checkpoint did not hold comes again and counts then.
         self.steps_taken = progress.env_steps
+        self.oldest_lag = -1  # of what was taken in since the last weights went out (-1: none)
         self.checkpointed_steps = progress.env_steps  # what the newest checkpoint holds
         self.counts, self.receipts, self.digest = Counts(), Receipts(), RunDigest()
         self.evaluation = Evaluations()  # what an evaluator said of our versions
@@ -410,14 +411,20 @@ class Learner(node.Process):
         elif self.done:
             self.settle(alone)  # counted, no longer learned from
             self.checkpoint_due()
-        elif int(t.policy_versions.min()) < self.progress.version - self.cfg.max_policy_lag:
+        elif (lag := self.lag_of(t)) > self.cfg.max_policy_lag:
             self.counts.stale_dropped += 1
+            self.oldest_lag = max(self.oldest_lag, lag)
             self.settle(alone)
             self.checkpoint_due()
         else:
+            self.oldest_lag = max(self.oldest_lag, lag)
             self.batch.add(t, alone.trajectories[0])
             if self.obs_norm is not None:
                 self.obs_norm.take_in(t)
+
+    def lag_of(self, t: p.Trajectory) -> int:
+        """Versions between the oldest policy that acted in `t` and ours."""
+        return self.progress.version - int(t.policy_versions.min())
 
     def learned_from(self, t: p.Trajectory) -> p.Trajectory:
         """A trajectory as the algorithm sees it: observations normalised with the statistics
@@ -559,7 +566,9 @@ class Learner(node.Process):
             trainer=self.name, incarnation=self.incarnation, policy=self.cfg.policy_name,
             version=self.progress.version, consumed_steps=self.steps_taken,
             batch_steps=self.cfg.ppo.batch_steps, starving=starving,
-            params=self.weights(), checkpointed_steps=self.checkpointed_steps, run=self.run)
+            params=self.weights(), checkpointed_steps=self.checkpointed_steps, run=self.run,
+            policy_lag=self.oldest_lag, max_policy_lag=self.cfg.max_policy_lag)
+        self.oldest_lag = -1
         self.send(PortName.POLICY, weights)
         if weights.version > self.evaluation.offered:
             self.evaluation.offered = weights.version
