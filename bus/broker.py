@@ -744,6 +744,8 @@ class Broker(node.Process):
                 figures[f"outstanding_steps_{slot.name}"] = slot.credit.outstanding()
                 figures[f"credit_window_{slot.name}"] = slot.credit.window()
                 figures[f"credit_topups_{slot.name}"] = slot.credit.topups
+                figures[f"credit_unexplained_{slot.name}"] = slot.credit.unexplained
+                figures[f"credit_braked_{slot.name}"] = slot.credit.braked
                 figures[f"credit_rebases_{slot.name}"] = slot.credit.rebases
         return figures
 

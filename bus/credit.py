@@ -48,9 +48,9 @@ DETERMINISM_GIVE_UP_S = 5.0
 # runner, where the broker waits while the learner learns, is not lost data).
 STARVING_CLAIM_FRESH_S = 1.0
 # A trainer that starves this long with the window full and no known fault to explain it gets a
-# top-up anyway (steps lost where the broker cannot see, such as a bad message the assembler
-# dropped). Longer than a frozen process lives under its supervisor (3 s of silence, then a
-# restart, whose lost steps are then known), so a freeze is waited out, not granted for.
+# top-up anyway (steps lost where the broker cannot see, such as a message the assembler
+# refused). A shorter freeze of the assembler (stopped, it holds its steps: they are late, not
+# lost) is waited out; credit granted for a longer one the lag brake (`steer`) takes back.
 STARVING_PATIENCE_S = 5.0
 
 Weights = dict[str, np.ndarray]
@@ -131,19 +131,20 @@ class Credit:
         return connected
 
     def steer(self, lag: int, bound: int) -> None:
-        """Step less far ahead while the oldest data the trainer took in since its last report
-        nears its staleness bound (`lag` versions of at most `bound`), further again once it
-        is well within it. The window counts what should be in flight; this corrects what
-        counts cannot see: credit granted for steps that came after all, a restarted broker
-        whose scale took the old one's steps still in flight for none."""
+        """Step less far ahead while the typical data the trainer takes in (`lag`, its median
+        policy lag since the last report) is over half its staleness bound (`bound`), further
+        again once it is within 3/8 of it. The window counts what should be in flight; this
+        corrects what counts cannot see: credit granted for steps that came after all, a
+        restarted broker whose scale took the old one's steps still in flight for none. At
+        most the grants and a batch come off: the partial trajectories need their room, or
+        the trainer starves."""
         if lag < 0 or bound <= 0:
             return
-        if lag > bound * 3 // 4:
-            room = self.window() + self.granted - self.batch_steps - self.braked
-            cut = min(self.batch_steps, max(0, room))
+        if lag > bound // 2:
+            cut = min(self.batch_steps, max(0, self.granted + self.batch_steps - self.braked))
             self.baseline -= cut
             self.braked += cut
-        elif lag <= bound // 2:
+        elif lag <= bound * 3 // 8:
             self.release(self.batch_steps)
 
     def release(self, steps: int) -> None:

@@ -855,9 +855,9 @@ class Weights(Message):
     params: ArrayMap
     checkpointed_steps: int = 0
     run: str = ""  # the run directory's id: a successor that resumed the checkpoint shares it
-    # The oldest data taken in since the last version: its lag in versions (-1: none taken in),
-    # and the bound beyond which the trainer drops data as stale (-1: none said). The broker
-    # steps less far ahead while the lag nears the bound.
+    # The median policy lag (versions) of the trajectories taken in since the last version (-1:
+    # none), and the bound beyond which the trainer drops them as stale (-1: none said). The
+    # broker steps less far ahead while the lag nears the bound.
     policy_lag: int = -1
     max_policy_lag: int = -1
 

@@ -325,7 +325,7 @@ class Learner(node.Process):
         # Env steps of the run taken in: the checkpoint's, then every one taken in (the
         # broker's credit). What the checkpoint did not hold comes again and counts then.
         self.steps_taken = progress.env_steps
-        self.oldest_lag = -1  # of what was taken in since the last weights went out (-1: none)
+        self.lags: list[int] = []  # of the trajectories taken in since the last weights went out
         self.checkpointed_steps = progress.env_steps  # what the newest checkpoint holds
         self.counts, self.receipts, self.digest = Counts(), Receipts(), RunDigest()
         self.evaluation = Evaluations()  # what an evaluator said of our versions
@@ -413,11 +413,11 @@ class Learner(node.Process):
             self.checkpoint_due()
         elif (lag := self.lag_of(t)) > self.cfg.max_policy_lag:
             self.counts.stale_dropped += 1
-            self.oldest_lag = max(self.oldest_lag, lag)
+            self.lags.append(lag)
             self.settle(alone)
             self.checkpoint_due()
         else:
-            self.oldest_lag = max(self.oldest_lag, lag)
+            self.lags.append(lag)
             self.batch.add(t, alone.trajectories[0])
             if self.obs_norm is not None:
                 self.obs_norm.take_in(t)
@@ -567,8 +567,9 @@ class Learner(node.Process):
             version=self.progress.version, consumed_steps=self.steps_taken,
             batch_steps=self.cfg.ppo.batch_steps, starving=starving,
             params=self.weights(), checkpointed_steps=self.checkpointed_steps, run=self.run,
-            policy_lag=self.oldest_lag, max_policy_lag=self.cfg.max_policy_lag)
-        self.oldest_lag = -1
+            policy_lag=int(np.median(self.lags)) if self.lags else -1,
+            max_policy_lag=self.cfg.max_policy_lag)
+        self.lags.clear()
         self.send(PortName.POLICY, weights)
         if weights.version > self.evaluation.offered:
             self.evaluation.offered = weights.version
