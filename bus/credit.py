@@ -84,7 +84,7 @@ class Credit:
     starving_since: float | None = None  # the window full and the trainer starving since then
     lost: int = 0  # steps that known faults may have lost and top-ups have not yet granted
     unexplained: int = 0  # top-ups granted after STARVING_PATIENCE_S with no known cause
-    braked: int = 0  # steps taken off the window while the trainer's data came near stale
+    braked: int = 0  # granted steps taken back while the trainer's data came near stale
     # A trainer reported more steps than we stepped beyond its scale and the top-ups: a
     # restarted broker's first trainer, a trainer of another run, or steps counted twice.
     rebases: int = 0
@@ -131,25 +131,22 @@ class Credit:
         return connected
 
     def steer(self, lag: int, bound: int) -> None:
-        """Step less far ahead while the typical data the trainer takes in (`lag`, its median
-        policy lag since the last report) is over half its staleness bound (`bound`), further
-        again once it is within 3/8 of it. The window counts what should be in flight; this
-        corrects what counts cannot see: credit granted for steps that came after all, a
-        restarted broker whose scale took the old one's steps still in flight for none. At
-        most the grants and a batch come off: the partial trajectories need their room, or
-        the trainer starves."""
-        if lag < 0 or bound <= 0:
-            return
-        if lag > bound // 2:
-            cut = min(self.batch_steps, max(0, self.granted + self.batch_steps - self.braked))
+        """Take credit that top-ups granted back, a batch per report, while the typical data
+        the trainer takes in (`lag`, its median policy lag since the last report) is over
+        half its staleness bound (`bound`): top-ups cannot tell lost steps from late ones,
+        and the lag shows steps that came after all. Given again, first, if the trainer
+        starves. Never more than was granted: the window itself is what the partial
+        trajectories and the trainer's batches need."""
+        if bound > 0 and lag > bound // 2:
+            cut = min(self.batch_steps, self.granted)
             self.baseline -= cut
+            self.granted -= cut
             self.braked += cut
-        elif lag <= bound * 3 // 8:
-            self.release(self.batch_steps)
 
     def release(self, steps: int) -> None:
         back = min(self.braked, steps)
         self.baseline += back
+        self.granted += back
         self.braked -= back
 
     def may_have_lost(self, steps: int) -> None:
