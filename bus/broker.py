@@ -344,7 +344,7 @@ class Broker(node.Process):
         if w is None or not w.expects(msg):
             self.counts.stale_dropped += 1
             return
-        w.last_seen, w.in_flight = self.now, False
+        w.last_seen, w.in_flight, w.stepping = self.now, False, False
         if msg.obs_slot != -1:  # the rows are in its segment: read them in place
             view = self.segment_rows(w, msg)
             if view is None:
@@ -394,12 +394,12 @@ class Broker(node.Process):
             self.log.debug("worker %s unreachable; waiting for its next hello", w.name)
 
     def reset_worker(self, w: Worker) -> None:
-        if w.in_flight:  # the reply awaited will not come: the steps acted for it are lost
-            self.may_have_lost(w.num_envs)
+        if w.stepping:  # the STEP's reply will not come: the steps acted for it are lost
+            self.may_have_lost(w, 1)
         if w.result is not None:  # its observation gets no action: it becomes a bootstrap
             self.forward(w, w.result, None)
             w.result = None
-        w.seq, w.in_flight = w.seq + 1, True
+        w.seq, w.in_flight, w.stepping = w.seq + 1, True, False
         if w.segment is not None:
             w.segment.mark()  # we map it: the worker may send slot numbers after this reset
         self.send_worker(w, p.Reset(epoch=self.barrier.epoch, seq=w.seq,
@@ -412,7 +412,7 @@ class Broker(node.Process):
         self.count_rows()
         self.counts.workers_lost += 1
         # its steps in flight and awaiting their rewards (its partial trajectories are sent on)
-        self.may_have_lost(w.num_envs * STEPS_BEYOND_HORIZON)
+        self.may_have_lost(w, STEPS_BEYOND_HORIZON)
         self.barrier.worker_lost(w.name)
         if self.memory is not None:
             self.memory.drop(w.name)
@@ -420,13 +420,19 @@ class Broker(node.Process):
         self.send(PortName.EXPERIENCE, p.WorkerLost(worker=w.name, incarnation=w.incarnation,
                                              reason=why))
 
-    def may_have_lost(self, steps: int) -> None:
-        for slot in self.slots:
-            slot.credit.may_have_lost(steps)
+    def may_have_lost(self, w: Worker, per_row: int) -> None:
+        """`per_row` steps of each of `w`'s rows may be lost: each policy may grant that many
+        of its rows' back."""
+        if len(self.slots) == 1:
+            self.slots[0].credit.may_have_lost(w.num_envs * per_row)
+            return
+        rows = np.bincount(w.row_policy, minlength=len(self.slots)).tolist()
+        for slot, n in zip(self.slots, rows, strict=True):
+            slot.credit.may_have_lost(n * per_row)
 
     def on_socket_event(self, port: str, event: int) -> None:
-        """The assembler's connection dropped (it died, or was killed frozen): every step it
-        held or was sent may be lost."""
+        """The assembler's connection dropped (it died): every step it held or was sent may
+        be lost."""
         if event == zmq.EVENT_DISCONNECTED:
             self.counts.assembler_disconnects += 1
             for slot in self.slots:
@@ -501,12 +507,9 @@ class Broker(node.Process):
 
     def on_weights(self, peer: bytes, msg: p.Weights) -> None:
         if not (1 <= msg.batch_steps <= checks.MAX_BATCH_STEPS and 0 <= msg.consumed_steps < 2**53
-                and 0 <= msg.version < 2**53 and -1 <= msg.policy_lag < 2**53
-                and -1 <= msg.max_policy_lag < 2**53):
+                and 0 <= msg.version < 2**53):
             self.refuse("bad weights", f"batch_steps {msg.batch_steps}, consumed_steps "
-                        f"{msg.consumed_steps}, version {msg.version}, policy_lag "
-                        f"{msg.policy_lag}, max_policy_lag {msg.max_policy_lag}",
-                        claims=msg.trainer)
+                        f"{msg.consumed_steps}, version {msg.version}", claims=msg.trainer)
             return
         slot = self.known_policy(msg.trainer, msg.policy)
         if slot is None:
@@ -522,13 +525,15 @@ class Broker(node.Process):
         connected = slot.credit.report(msg.incarnation, msg.consumed_steps, msg.batch_steps,
                                        msg.starving, msg.checkpointed_steps, msg.run,
                                        now=self.now)
-        slot.credit.steer(msg.policy_lag, msg.max_policy_lag)
-        if slot.credit.unexplained > unexplained:
+        if not msg.starving and 0 <= msg.policy_lag <= msg.max_policy_lag < 2**31:
+            slot.credit.steer(msg.policy_lag, msg.max_policy_lag)  # out of range: not known
+        if slot.credit.unexplained > unexplained and _power_of_two(slot.credit.unexplained):
             self.log.warning(
                 "trainer %s has starved for %.0fs with the credit window full (%d steps "
                 "outstanding) and no fault known to have lost steps: granting more; stepping "
-                "may run past its policy-lag bound", msg.trainer, STARVING_PATIENCE_S,
-                slot.credit.outstanding())
+                "may run past its policy-lag bound (%d such grants so far, said at powers of "
+                "two)", msg.trainer, STARVING_PATIENCE_S, slot.credit.outstanding(),
+                slot.credit.unexplained)
         if newer:
             slot.newest = msg.version
             if not self.cfg.deterministic:
@@ -668,7 +673,7 @@ class Broker(node.Process):
             if before is not None and after is not None and self.memory is not None:
                 self.memory.after_step(w.name, {k: v[start:end] for k, v in after.items()})
             self.count_steps(w, r)
-            w.seq, w.in_flight, w.result = r.seq + 1, True, None
+            w.seq, w.in_flight, w.stepping, w.result = r.seq + 1, True, True, None
             w.ready_since = w.sent_at = now
             self.send_worker(w, p.Step(epoch=self.barrier.epoch, seq=w.seq,
                                        policy_version=int(versions[start]),
@@ -772,6 +777,8 @@ def open_broker(ctx: zmq.Context, cfg: Config, log: logging.Logger) -> node.Open
                                binds={"steps": cfg.steps, "policy": cfg.policy})
     try:
         sockets = topology.open_role(ctx, Role.BROKER, topology.endpoints_of(cfg))
+        # an assembler gone: the steps it held may be lost, credit may be granted back for them
+        assembler_gone = sockets[PortName.EXPERIENCE].get_monitor_socket(zmq.EVENT_DISCONNECTED)
     except BaseException:
         link.close()
         raise
@@ -784,8 +791,10 @@ def open_broker(ctx: zmq.Context, cfg: Config, log: logging.Logger) -> node.Open
         PortName.POLICY: node.Port(sockets[PortName.POLICY], (p.TrainerHello, p.Weights),
                                    routed=True),
         PortName.EXPERIENCE: node.Port(sockets[PortName.EXPERIENCE]),
-        # an assembler gone: the steps it held may be lost, credit may be granted back for them
-        EXPERIENCE_EVENTS: node.Port(sockets[PortName.EXPERIENCE].get_monitor_socket(
-            zmq.EVENT_DISCONNECTED), monitor=True)}
+        EXPERIENCE_EVENTS: node.Port(assembler_gone, monitor=True)}
     return node.Opened(broker, ports, link,
                        cleanup=sockets[PortName.EXPERIENCE].disable_monitor)
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0

@@ -52,6 +52,10 @@ STARVING_CLAIM_FRESH_S = 1.0
 # refused). A shorter freeze of the assembler (stopped, it holds its steps: they are late, not
 # lost) is waited out; credit granted for a longer one the lag brake (`steer`) takes back.
 STARVING_PATIENCE_S = 5.0
+# The lag brake acts on this many reports in a row with the median lag over half the bound: the
+# old data a fault leaves in the pipeline ages a few versions for a moment (nothing to take
+# back then: the steps a killed assembler lost were lost), credit in excess ages them for good.
+STEER_REPORTS = 4
 
 Weights = dict[str, np.ndarray]
 
@@ -85,6 +89,7 @@ class Credit:
     lost: int = 0  # steps that known faults may have lost and top-ups have not yet granted
     unexplained: int = 0  # top-ups granted after STARVING_PATIENCE_S with no known cause
     braked: int = 0  # granted steps taken back while the trainer's data came near stale
+    lagging: int = 0  # reports in a row with the median lag over half the bound
     # A trainer reported more steps than we stepped beyond its scale and the top-ups: a
     # restarted broker's first trainer, a trainer of another run, or steps counted twice.
     rebases: int = 0
@@ -118,6 +123,7 @@ class Credit:
         self.checkpointed = checkpointed_steps
         if self.outstanding() < 0:
             self.settle_overshoot()
+        self.lost = min(self.lost, max(0, self.outstanding()))
         if not (starving and self.full()):
             self.starving_since = None
         elif self.starving_since is None:
@@ -131,13 +137,15 @@ class Credit:
         return connected
 
     def steer(self, lag: int, bound: int) -> None:
-        """Take credit that top-ups granted back, a batch per report, while the typical data
-        the trainer takes in (`lag`, its median policy lag since the last report) is over
-        half its staleness bound (`bound`): top-ups cannot tell lost steps from late ones,
-        and the lag shows steps that came after all. Given again, first, if the trainer
-        starves. Never more than was granted: the window itself is what the partial
-        trajectories and the trainer's batches need."""
-        if bound > 0 and lag > bound // 2:
+        """Take credit that top-ups granted back, a batch every STEER_REPORTS reports, while
+        the typical data the trainer takes in (`lag`, its median policy lag since the last
+        report) is over half its staleness bound (`bound`): top-ups cannot tell lost steps
+        from late ones, and the lag shows steps that came after all. Given again, first, if
+        the trainer starves. Never more than was granted: the window itself is what the
+        partial trajectories and the trainer's batches need."""
+        self.lagging = self.lagging + 1 if bound > 0 and lag > bound // 2 else 0
+        if self.lagging >= STEER_REPORTS:
+            self.lagging = 0
             cut = min(self.batch_steps, self.granted)
             self.baseline -= cut
             self.granted -= cut
@@ -178,7 +186,8 @@ class Credit:
             if self.trainer:
                 self.rebases += 1
             self.start = self.baseline = self.produced - consumed_steps
-            self.granted = self.braked = 0
+            self.granted = self.braked = self.lost = self.lagging = 0
+            self.starving_since = None
         self.trainer, self.first_consumed, self.extra = incarnation, consumed_steps, 0
         self.run = run
         return "continues" if continues else "afresh"

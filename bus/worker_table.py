@@ -35,6 +35,7 @@ class Worker:
     agents: list[str]  # a multi-agent env's possible agents ([] for Gymnasium envs)
     seq: int = 0  # the seq of the reply we expect next
     in_flight: bool = True  # a RESET or STEP was sent and its reply has not arrived
+    stepping: bool = False  # ... and it was a STEP: steps acted for it are counted produced
     result: p.StepResult | None = None  # a reply waiting for inference
     ready_since: float = 0.0
     sent_at: float = 0.0  # when its current STEP was sent

@@ -196,6 +196,11 @@ def test_a_starving_trainer_gets_credit_at_once_only_for_steps_a_fault_may_have_
     assert bench.figure("credit_topups") == 1 and bench.figure("credit_unexplained") == 0
     bench.tick()
     assert len(bench.steps_to(w)) == 1, "stepping goes on"
+    credit = bench.broker.slots[0].credit
+    lost = credit.lost
+    bench.join("w1")  # a worker joining (a reset with no step in flight) loses nothing
+    bench.join("w1", seq=1)  # nor one saying hello again while its reset is pending
+    assert credit.lost == lost
 
 
 def test_a_barrier_resets_every_worker_and_is_done_only_when_all_reset_counting_the_lost():

@@ -4,7 +4,7 @@ learners come and go."""
 
 from __future__ import annotations
 
-from stepbus.bus.credit import STARVING_PATIENCE_S, Credit
+from stepbus.bus.credit import STARVING_PATIENCE_S, STEER_REPORTS, Credit
 
 
 def reported(credit: Credit, incarnation: str, consumed: int, starving: bool = False) -> int:
@@ -168,8 +168,9 @@ def test_a_fixed_window_too_small_for_the_partial_trajectories_is_grown_at_once(
 
 def test_granted_credit_is_taken_back_while_the_data_comes_near_stale() -> None:
     """Top-ups cannot tell lost steps from late ones; the trainer's lag shows steps that came
-    after all. With its median over half the bound a batch of what was granted comes back
-    per report, never more than was granted, given again first if the trainer starves."""
+    after all. With its median over half the bound for STEER_REPORTS reports in a row a batch
+    of what was granted comes back, never more than was granted, given again first if the
+    trainer starves."""
     credit = Credit(max_steps_ahead=1000)
     credit.report("l1", 0, 100, False, now=0.0)
     credit.produced = 1000
@@ -184,7 +185,12 @@ def test_granted_credit_is_taken_back_while_the_data_comes_near_stale() -> None:
     for lag, bound in ((4, 8), (-1, 8), (9, -1)):
         credit.steer(lag, bound)
         assert credit.braked == 0, "within half the bound, or unknown: kept"
-    for _ in range(5):
+    for _ in range(3):
+        credit.steer(5, 8)
+    assert credit.braked == 0, "a few versions of old data (what a fault leaves): kept"
+    credit.steer(5, 8)
+    assert credit.braked == 100, "older for STEER_REPORTS reports in a row: a batch back"
+    for _ in range(4 * STEER_REPORTS):
         credit.steer(5, 8)
     assert credit.braked == 300 and credit.granted == 0 and credit.outstanding() == 1300
     credit.report("l1", 300, 100, True, now=2.0)  # starving: given again before any top-up

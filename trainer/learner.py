@@ -423,8 +423,9 @@ class Learner(node.Process):
                 self.obs_norm.take_in(t)
 
     def lag_of(self, t: p.Trajectory) -> int:
-        """Versions between the oldest policy that acted in `t` and ours."""
-        return self.progress.version - int(t.policy_versions.min())
+        """Versions between the oldest policy that acted in `t` and ours (0 for a newer one:
+        another learner's of the same policy, overlapping ours for a moment)."""
+        return max(0, self.progress.version - int(t.policy_versions.min()))
 
     def learned_from(self, t: p.Trajectory) -> p.Trajectory:
         """A trajectory as the algorithm sees it: observations normalised with the statistics
@@ -586,9 +587,10 @@ class Learner(node.Process):
         return params
 
     def republish(self, now: float) -> None:
-        """On a quiet link, weights again: a restarted broker gets them, and a stalled credit
-        window refills (not once solved: then nothing more is wanted). Changes nothing but the
-        broker's credit."""
+        """On a quiet link, weights again, marked starving (not once solved: then nothing more
+        is wanted): a restarted broker gets them, and a broker whose credit window is full may
+        grant more (at once for steps a fault it saw may have lost, otherwise after seconds of
+        it: bus/credit.py). Changes nothing but the broker's credit."""
         quiet_since = max(self.last_data, self.last_publish)
         if now >= quiet_since + QUIET_S:
             self.publish(starving=not self.done)
