@@ -4,13 +4,15 @@ The broker steps at most `window()` env steps beyond what the trainer reports as
 each WEIGHTS message). That bounds policy lag and memory, and makes stepping pause, not drop,
 while no trainer is consuming. A trainer that says it starves while the window is full waits
 for steps that will never reach it (a restarted assembler lost them, or partial trajectories
-hold more than the window allowed for): a top-up lets stepping go on. Only steps that a known
-fault can have lost (an assembler gone, a worker lost or reset) or that a fixed window leaves no
-room for are granted back at once: a trainer also starves while its steps are merely late (a
-frozen or loaded assembler, a new learner waiting for what the assembler sends it again), and
-credit granted for those would let stepping run past the policy-lag bound, the steps arriving
-after all, too old to learn from. Starving with no such cause is granted only after
-STARVING_PATIENCE_S, and said.
+hold more than the window allowed for): a top-up lets stepping go on. Steps that a known fault
+can have lost (an assembler gone, a worker lost or reset) are granted back as soon as the
+window is full, and those a fixed window leaves no room for once the trainer starves; other
+starving is not: a trainer also starves while its steps are merely late (a frozen or loaded
+assembler, a new learner waiting for what the assembler sends it again), and credit granted
+for those would let stepping run past the policy-lag bound, the steps arriving after all, too
+old to learn from.
+Starving with no such cause is granted only after STARVING_PATIENCE_S, and said. Credit
+granted for steps that came anyway the lag brake (`steer`) takes back.
 
 A trainer counts the steps of the whole run: its checkpoint's count (every trajectory whose
 learning the checkpoint holds) plus what it took in since. So a new trainer incarnation (a
@@ -124,11 +126,14 @@ class Credit:
         if self.outstanding() < 0:
             self.settle_overshoot()
         self.lost = min(self.lost, max(0, self.outstanding()))
-        if not (starving and self.full()):
+        full = self.full()
+        if not (starving and full):
             self.starving_since = None
         elif self.starving_since is None:
             self.starving_since = now
-        if self.starving_since is None:
+        if full and self.lost:
+            self.top_up(now)  # whether or not it starves yet: those steps will not come
+        elif self.starving_since is None:
             pass
         elif self.braked:
             self.release(self.batch_steps)
