@@ -92,6 +92,7 @@ class Credit:
     unexplained: int = 0  # top-ups granted after STARVING_PATIENCE_S with no known cause
     braked: int = 0  # granted steps taken back while the trainer's data came near stale
     lagging: int = 0  # reports in a row with the median lag over half the bound
+    leading: int = 0  # ... within 3/8 of it
     # A trainer reported more steps than we stepped beyond its scale and the top-ups: a
     # restarted broker's first trainer, a trainer of another run, or steps counted twice.
     rebases: int = 0
@@ -145,16 +146,25 @@ class Credit:
         """Take credit that top-ups granted back, a batch every STEER_REPORTS reports, while
         the typical data the trainer takes in (`lag`, its median policy lag since the last
         report) is over half its staleness bound (`bound`): top-ups cannot tell lost steps
-        from late ones, and the lag shows steps that came after all. Given again, first, if
-        the trainer starves. Never more than was granted: the window itself is what the
-        partial trajectories and the trainer's batches need."""
-        self.lagging = self.lagging + 1 if bound > 0 and lag > bound // 2 else 0
+        from late ones, and the lag shows steps that came after all. Given again while the
+        lag is within 3/8 of the bound (the old data a fault left in the pipeline has passed,
+        and the steps it lost were lost after all), and first if the trainer starves. Never
+        more than was granted: the window itself is what the partial trajectories and the
+        trainer's batches need."""
+        if bound <= 0 or lag < 0:
+            return
+        old, young = lag > bound // 2, lag <= bound * 3 // 8
+        self.lagging = self.lagging + 1 if old else 0
+        self.leading = self.leading + 1 if young else 0
         if self.lagging >= STEER_REPORTS:
             self.lagging = 0
             cut = min(self.batch_steps, self.granted)
             self.baseline -= cut
             self.granted -= cut
             self.braked += cut
+        elif self.leading >= STEER_REPORTS:
+            self.leading = 0
+            self.release(self.batch_steps)
 
     def release(self, steps: int) -> None:
         back = min(self.braked, steps)
@@ -191,7 +201,7 @@ class Credit:
             if self.trainer:
                 self.rebases += 1
             self.start = self.baseline = self.produced - consumed_steps
-            self.granted = self.braked = self.lost = self.lagging = 0
+            self.granted = self.braked = self.lost = self.lagging = self.leading = 0
             self.starving_since = None
         self.trainer, self.first_consumed, self.extra = incarnation, consumed_steps, 0
         self.run = run
