@@ -78,7 +78,10 @@ def test_an_env_that_keeps_raising_makes_its_worker_exit_1_with_one_line_saying_
             and line.endswith("worker exiting")), line
     assert out.count("raised RuntimeError: simulated broken build") == 11, "one line per error"
     assert "Traceback" not in out, "no traceback spam in the worker's own log"
-    # The controller logs each reported error with its traceback, at most once per error.
+    # The controller logs each reported error with its traceback, at most once per error: the
+    # last ones may reach its log after the worker has exited.
+    wait_for(lambda: "Traceback" in procs["controller"].output(), 30,
+             "the controller's log of the errors")
     assert 1 <= procs["controller"].output().count("Traceback") <= 11
     assert procs["broker"].popen.poll() is None, "the rest of the pipeline stays up"
 
