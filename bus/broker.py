@@ -525,8 +525,8 @@ class Broker(node.Process):
         connected = slot.credit.report(msg.incarnation, msg.consumed_steps, msg.batch_steps,
                                        msg.starving, msg.checkpointed_steps, msg.run,
                                        now=self.now)
-        if not msg.starving and 0 <= msg.policy_lag <= msg.max_policy_lag < 2**31:
-            slot.credit.steer(msg.policy_lag, msg.max_policy_lag)  # out of range: not known
+        if not msg.starving:  # a starving report's lag is of data that came before the wait
+            slot.credit.steer(msg.policy_lag, msg.max_policy_lag)
         if slot.credit.unexplained > unexplained and _power_of_two(slot.credit.unexplained):
             self.log.warning(
                 "trainer %s has starved for %.0fs with the credit window full (%d steps "

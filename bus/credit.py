@@ -10,9 +10,8 @@ window is full, and those a fixed window leaves no room for once the trainer sta
 starving is not: a trainer also starves while its steps are merely late (a frozen or loaded
 assembler, a new learner waiting for what the assembler sends it again), and credit granted
 for those would let stepping run past the policy-lag bound, the steps arriving after all, too
-old to learn from.
-Starving with no such cause is granted only after STARVING_PATIENCE_S, and said. Credit
-granted for steps that came anyway the lag brake (`steer`) takes back.
+old to learn from. Starving with no such cause is granted only after STARVING_PATIENCE_S, and
+said. Credit granted for steps that came anyway the lag brake (`steer`) takes back.
 
 A trainer counts the steps of the whole run: its checkpoint's count (every trajectory whose
 learning the checkpoint holds) plus what it took in since. So a new trainer incarnation (a
@@ -134,12 +133,11 @@ class Credit:
             self.starving_since = now
         if full and self.lost:
             self.top_up(now)  # whether or not it starves yet: those steps will not come
-        elif self.starving_since is None:
-            pass
-        elif self.braked:
-            self.release(self.batch_steps)
-        else:
-            self.top_up(now)
+        elif self.starving_since is not None:
+            if self.braked:
+                self.release(self.batch_steps)
+            else:
+                self.top_up(now)
         return connected
 
     def steer(self, lag: int, bound: int) -> None:
@@ -151,7 +149,7 @@ class Credit:
         and the steps it lost were lost after all), and first if the trainer starves. Never
         more than was granted: the window itself is what the partial trajectories and the
         trainer's batches need."""
-        if bound <= 0 or lag < 0:
+        if not (0 <= lag < 2**31 and 0 < bound < 2**31):  # not known (or not believable)
             return
         old, young = lag > bound // 2, lag <= bound * 3 // 8
         self.lagging = self.lagging + 1 if old else 0
@@ -220,11 +218,12 @@ class Credit:
             self.start -= over - back
             self.rebases += 1
 
-    def top_up(self, now: float) -> int:
+    def top_up(self, now: float) -> None:
         """The trainer waits for data we think is in flight: it was lost (a restarted
         assembler) or is held in partial trajectories longer than we allowed for. Doubling, but
         never more than one window at a time: while the assembler holds intake, queues (not
-        stepping) would absorb the credit. Returns the grant (0: none due yet)."""
+        stepping) would absorb the credit. Nothing yet for a cause not known before the
+        patience is over."""
         grant = min(max(self.batch_steps, self.extra), self.window())
         explained = self.lost + self.room_short()
         if explained > 0:
@@ -234,12 +233,11 @@ class Credit:
             self.starving_since = now  # the next one as much later
             self.unexplained += 1
         else:
-            return 0
+            return
         self.baseline += grant
         self.granted += grant
         self.extra = min(self.extra + grant, self.window())
         self.topups += 1
-        return grant
 
 
 @dataclass

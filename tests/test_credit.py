@@ -184,7 +184,7 @@ def test_granted_credit_is_taken_back_while_the_data_comes_near_stale() -> None:
         grants.append(starving_at(credit, t))
         credit.produced += grants[-1]
     assert grants == [100, 100, 100] and credit.granted == 300
-    for lag, bound in ((4, 8), (-1, 8), (9, -1)):
+    for lag, bound in ((4, 8), (-1, 8), (9, -1), (2**31, 8), (9, 2**31)):
         credit.steer(lag, bound)
         assert credit.braked == 0, "within half the bound, or unknown: kept"
     for _ in range(3):
@@ -192,6 +192,9 @@ def test_granted_credit_is_taken_back_while_the_data_comes_near_stale() -> None:
     assert credit.braked == 0, "a few versions of old data (what a fault leaves): kept"
     credit.steer(5, 8)
     assert credit.braked == 100, "older for STEER_REPORTS reports in a row: a batch back"
+    for _ in range(STEER_REPORTS):
+        credit.steer(9, 8)  # most of it dropped as stale: all the more reason
+    assert credit.braked == 200
     for _ in range(4 * STEER_REPORTS):
         credit.steer(5, 8)
     assert credit.braked == 300 and credit.granted == 0 and credit.outstanding() == 1300
