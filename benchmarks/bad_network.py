@@ -212,9 +212,10 @@ def start_pipeline(bench: Bench) -> None:
 def round_trip_ms(bench: Bench, count: int = 7) -> float:
     """The median time of a TCP connect from host B to the controller's port: one round
     trip (a lost SYN shows as a second or more, hence the median)."""
+    port = int(two_hosts.tcp_endpoints(bench.hosts.address)["controller"].rsplit(":", 1)[1])
     code = (f"import socket, time\nfor _ in range({count}):\n    t = time.monotonic()\n"
             "    try:\n"
-            f"        socket.create_connection(({bench.hosts.address!r}, 7340), 5).close()\n"
+            f"        socket.create_connection(({bench.hosts.address!r}, {port}), 5).close()\n"
             "    except OSError:\n        t = -1e9\n"
             "    print(time.monotonic() - t)\n")
     out = subprocess.run([*bench.hosts.on_b, sys.executable, "-c", code], capture_output=True,

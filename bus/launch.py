@@ -224,7 +224,9 @@ class Group:
             with open(log, "wb") as out:  # the child has its own copy
                 process = spawn(argv, env=child_env, stdout=out, stderr=subprocess.STDOUT,
                                 **popen)
-        child = Child(name or Path(argv[0]).name, process, log)
+        return self._keep(Child(name or Path(argv[0]).name, process, log))
+
+    def _keep(self, child: Child[Process]) -> Child[Process]:
         self.procs.append(child)
         return child
 
@@ -236,9 +238,7 @@ class Group:
         if self.forkserver is not None and not prefix and not popen:
             process = self.forkserver.start([role, *args], env=self._env(env),
                                             cwd=self.dir or Path.cwd(), log=log)
-            child = Child(name or role, process, log)
-            self.procs.append(child)
-            return child
+            return self._keep(Child(name or role, process, log))
         popen.setdefault("stdin", subprocess.DEVNULL)
         return self.start([*prefix, *role_command(role, *args)], name=name or role, log=log,
                           env=env, **popen)

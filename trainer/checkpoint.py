@@ -103,22 +103,29 @@ def progress_of(path: Path, text: str) -> dict[str, Any]:
 def load(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Any]]:
     """Params, optimiser state and progress. Raises CannotStart for a file that is not such a
     checkpoint."""
+    progress, arrays = _read_npz(path, arrays=True)
+    check_values(path, arrays)
+    params = {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("param/")}
+    optimizer = {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("optimizer/")}
+    return params, optimizer, progress
+
+
+def _read_npz(path: Path, *, arrays: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The progress record of an .npz checkpoint, and its arrays if `arrays` (copied out of
+    the file; else none are read). Raises CannotStart for a file that is no checkpoint."""
     check_file(path, "an .npz", own=b"PK\x03\x04")
     try:
         with np.load(path, allow_pickle=False) as data:
             if "meta" not in data.files:
                 refuse(path, "is not a stepbus checkpoint (no meta record)")
             meta = data["meta"].tobytes().decode()
-            arrays = {k: data[k].copy() for k in data.files if k != "meta"}
+            out = {k: data[k].copy() for k in data.files if k != "meta"} if arrays else {}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, UnicodeDecodeError) as exc:
         refuse(path, f"is not a readable .npz ({type(exc).__name__}: {exc})"[:300])
     record = progress_of(path, meta)
     if not isinstance(record.get("progress"), dict):
         refuse(path, "has no progress record")
-    check_values(path, arrays)
-    params = {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("param/")}
-    optimizer = {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("optimizer/")}
-    return params, optimizer, record["progress"]
+    return record["progress"], out
 
 
 def progress_only(path: Path) -> dict[str, Any]:
@@ -135,17 +142,7 @@ def progress_only(path: Path) -> dict[str, Any]:
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
             refuse(path, f"is not a readable safetensors file ({exc})"[:300])
         return progress_of(path, meta.get("progress", "{}"))
-    check_file(path, "an .npz", own=b"PK\x03\x04")
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            if "meta" not in data.files:
-                refuse(path, "is not a stepbus checkpoint (no meta record)")
-            record = progress_of(path, data["meta"].tobytes().decode())
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, UnicodeDecodeError) as exc:
-        refuse(path, f"is not a readable .npz ({type(exc).__name__}: {exc})"[:300])
-    if not isinstance(record.get("progress"), dict):
-        refuse(path, "has no progress record")
-    return record["progress"]
+    return _read_npz(path, arrays=False)[0]
 
 
 def check_values(path: Path, arrays: dict[str, np.ndarray]) -> None:
