@@ -8,6 +8,7 @@ has no such figure. `--json` keeps every figure, for scripts.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -132,31 +133,61 @@ def watch(fetch: Callable[[], dict], interval_s: float, *, json_lines: bool,
     """Refresh until Ctrl-C (exit 0). The first fetch raises if the controller is unreachable;
     later misses are shown in place and retried, since a controller may be restarting.
     With --json, one JSON document per line instead of a redrawn screen."""
-    first = True
+    with Interrupted() as ctrl_c:
+        first = True
+        try:
+            while not ctrl_c.seen:
+                frame(fetch, interval_s, json_lines, out, first=first)
+                first = False
+                time.sleep(interval_s)
+        except KeyboardInterrupt:
+            pass
+    if not json_lines:
+        out.write("\n")
+    out.flush()
+    return 0
+
+
+def frame(fetch: Callable[[], dict], interval_s: float, json_lines: bool, out: TextIO, *,
+          first: bool) -> None:
+    """One refresh: a JSON line, or the screen redrawn over the last frame line by line (so it
+    does not flicker)."""
+    stamp = time.strftime("%H:%M:%S")
     try:
-        while True:
-            stamp = time.strftime("%H:%M:%S")
-            try:
-                status = fetch()
-                text = as_json(status) if json_lines else table(status)
-            except Unreachable as exc:
-                if first:
-                    raise
-                text = json.dumps({"error": str(exc)}) if json_lines else f"stepbus: {exc}"
-            if json_lines:
-                out.write(text + "\n")
-            else:  # redraw over the last frame line by line, so it does not flicker
-                screen = [f"every {interval_s:g}s at {stamp}; Ctrl-C to stop", *text.splitlines()]
-                out.write((CLEAR_SCREEN if first else "") + HOME
-                          + "".join(line + CLEAR_LINE + "\n" for line in screen) + CLEAR_BELOW)
-            first = False
-            out.flush()
-            time.sleep(interval_s)
-    except KeyboardInterrupt:
-        if not json_lines:
-            out.write("\n")
-        out.flush()
-        return 0
+        status = fetch()
+        text = as_json(status) if json_lines else table(status)
+    except Unreachable as exc:
+        if first:
+            raise
+        text = json.dumps({"error": str(exc)}) if json_lines else f"stepbus: {exc}"
+    if json_lines:
+        out.write(text + "\n")
+    else:
+        screen = [f"every {interval_s:g}s at {stamp}; Ctrl-C to stop", *text.splitlines()]
+        out.write((CLEAR_SCREEN if first else "") + HOME
+                  + "".join(line + CLEAR_LINE + "\n" for line in screen) + CLEAR_BELOW)
+    out.flush()
+
+
+class Interrupted:
+    """Ctrl-C as KeyboardInterrupt, and as a flag the watch loop reads between frames: once,
+    a watch went on redrawing after Ctrl-C (the exception never reached its loop; where it was
+    lost was not found), and whatever swallows the exception, the flag ends the watch after
+    the frame in flight."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __enter__(self) -> Interrupted:
+        self._handler = signal.signal(signal.SIGINT, self._take)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGINT, self._handler)
+
+    def _take(self, signum: int, frame: Any) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
 
 
 class Unreachable(Exception):

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import re
 import signal
 import threading
@@ -132,6 +134,29 @@ def test_status_watch_redraws_in_place_and_ctrl_c_exits_0(cluster: Cluster):
     assert all("every 0.2s at" in f and "ROLE" in f and "controller" in f for f in frames)
     docs = [json.loads(line) for line in lines.output().splitlines() if line]
     assert len(docs) >= 3 and all(d["processes"][0]["role"] == "controller" for d in docs)
+
+
+def test_a_watch_whose_ctrl_c_is_swallowed_mid_frame_still_exits_0_after_that_frame():
+    """Code inside a frame (ZeroMQ's C calls, say) that loses the KeyboardInterrupt must not
+    keep the watch redrawing: it ends once the frame is drawn."""
+    calls = []
+
+    def fetch() -> dict:
+        calls.append(1)
+        assert len(calls) <= 3, "the watch went on after Ctrl-C"
+        if len(calls) == 2:
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)  # the signal lands here, and is swallowed below
+            except KeyboardInterrupt:
+                pass
+        return {"run_id": "r", "epoch": 0, "processes": []}
+
+    before = signal.getsignal(signal.SIGINT)
+    out = io.StringIO()
+    assert status.watch(fetch, 0.01, json_lines=True, out=out) == 0
+    assert len(calls) == 2 and len(out.getvalue().splitlines()) == 2
+    assert signal.getsignal(signal.SIGINT) is before, "the caller's handler is back"
 
 
 def test_status_exits_2_naming_the_address_when_no_controller_answers(cluster: Cluster):
