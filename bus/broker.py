@@ -243,6 +243,8 @@ class Broker(node.Process):
         rng = np.random.default_rng(cfg.seed)
         self.slots = [PolicySlot(name, rng, cfg.max_steps_ahead, cfg.models)
                       for name in policies.policy_names(rules)]
+        for slot in self.slots:  # deterministic mode places due versions on the credit scale
+            slot.credit.rescales = not cfg.deterministic
         self.by_name = {slot.name: slot for slot in self.slots}
         self.table = WorkerTable(rules, list(self.by_name))
         self.barrier = ResetBarrier()
@@ -737,6 +739,7 @@ class Broker(node.Process):
             "credit_rebases": default.credit.rebases,
             "credit_unexplained": default.credit.unexplained,
             "credit_braked": default.credit.braked,
+            "credit_rescaled": default.credit.rescaled,
             "assembler_blocked": self.assembler_blocked, **self.rejects.figures(),
             **self.counts.figures(), "held_by": self.held_by}
         if self.memory is not None:
@@ -751,6 +754,7 @@ class Broker(node.Process):
                 figures[f"credit_topups_{slot.name}"] = slot.credit.topups
                 figures[f"credit_unexplained_{slot.name}"] = slot.credit.unexplained
                 figures[f"credit_braked_{slot.name}"] = slot.credit.braked
+                figures[f"credit_rescaled_{slot.name}"] = slot.credit.rescaled
                 figures[f"credit_rebases_{slot.name}"] = slot.credit.rebases
         return figures
 

@@ -21,6 +21,14 @@ again, and they count once, when the successor takes them in. Counting afresh at
 incarnation instead would take everything still in flight as received, and the resent data on
 top, so stepping would run that far past the window for the rest of the run.
 
+A restarted broker has the converse problem: the first trainer it hears is mid-run, and the
+steps the dead broker left in flight (in the assembler, on their way to the trainer) count as
+received when they arrive, though we never stepped them, so our scale takes that many of our
+own steps in flight for received and stepping runs as far past the window, for good. We cannot
+tell those steps from ours, so the lag brake rescales instead: while the trainer's median lag
+stays over half its bound, it moves the scale by a batch, up to one window (what the dead
+broker could have had in flight), until the lag is back within 3/8 of the bound.
+
 Deterministic mode acts at each step count S with the newest policy version the trainer made
 from at most S - window steps; `DueVersions` keeps the versions received and not yet due.
 """
@@ -90,6 +98,12 @@ class Credit:
     lost: int = 0  # steps that known faults may have lost and top-ups have not yet granted
     unexplained: int = 0  # top-ups granted after STARVING_PATIENCE_S with no known cause
     braked: int = 0  # granted steps taken back while the trainer's data came near stale
+    # A restarted broker's allowance for the dead one's steps in flight (module docstring):
+    # open while `inherited` (its first trainer was mid-run), `rescaled` of it used; never
+    # where the scale must stay put (deterministic mode places due versions on it).
+    rescales: bool = True
+    inherited: bool = False
+    rescaled: int = 0
     lagging: int = 0  # reports in a row with the median lag over half the bound
     leading: int = 0  # ... within 3/8 of it
     # A trainer reported more steps than we stepped beyond its scale and the top-ups: a
@@ -147,8 +161,8 @@ class Credit:
         from late ones, and the lag shows steps that came after all. Given again while the
         lag is within 3/8 of the bound (the old data a fault left in the pipeline has passed,
         and the steps it lost were lost after all), and first if the trainer starves. Never
-        more than was granted: the window itself is what the partial trajectories and the
-        trainer's batches need."""
+        more than was granted (the window itself is what the partial trajectories and the
+        trainer's batches need), but for a restarted broker's rescale (`rescale`)."""
         if not (0 <= lag < 2**31 and 0 < bound < 2**31):  # not known (or not believable)
             return
         old, young = lag > bound // 2, lag <= bound * 3 // 8
@@ -160,9 +174,21 @@ class Credit:
             self.baseline -= cut
             self.granted -= cut
             self.braked += cut
+            if not cut and self.inherited:
+                self.rescale()
         elif self.leading >= STEER_REPORTS:
             self.leading = 0
+            self.inherited = False  # what the dead broker left in flight has passed
             self.release(self.batch_steps)
+
+    def rescale(self) -> None:
+        """Take a batch of the steps a dead broker left in flight as ours (module docstring):
+        our scale moves, as a rebase's does, never by more than a window in all."""
+        move = max(0, min(self.batch_steps, self.window() - self.rescaled))
+        self.start -= move
+        self.baseline -= move
+        self.rescaled += move
+        self.inherited = self.rescaled < self.window()
 
     def release(self, steps: int) -> None:
         back = min(self.braked, steps)
@@ -198,6 +224,8 @@ class Credit:
         if not continues:
             if self.trainer:
                 self.rebases += 1
+            # Our first trainer, mid-run: we are a restarted broker (module docstring).
+            self.inherited = self.rescales and not self.trainer and consumed_steps > 0
             self.start = self.baseline = self.produced - consumed_steps
             self.granted = self.braked = self.lost = self.lagging = self.leading = 0
             self.starving_since = None

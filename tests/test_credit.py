@@ -203,3 +203,51 @@ def test_granted_credit_is_taken_back_while_the_data_comes_near_stale() -> None:
     assert credit.braked == 200 and credit.granted == 100
     credit.report("l1", 200, 100, True, now=2.0)  # starving: given again before any top-up
     assert credit.braked == 100 and credit.granted == 200 and credit.topups == 3
+
+
+def test_a_restarted_broker_takes_the_dead_ones_steps_in_flight_as_its_own_while_lag_says_so(
+        ) -> None:
+    """A restarted broker's first trainer is mid-run; the steps the dead broker left in flight
+    then arrive and count as received though we never stepped them: our scale takes as many of
+    our own in flight for received. The lag shows it; the brake moves the scale a batch at a
+    time, at most a window in all, and stops once the lag is back."""
+    credit = Credit(rows=8)  # a window of 2 x 100 + (32 + 2) x 8 = 472 steps
+    assert credit.report("l1", 50_000, 100, False, now=0.0) == "afresh"
+    credit.produced = 472
+    assert credit.full()
+    credit.report("l1", 50_000 + 472, 100, False, now=0.1)  # 300 of them the dead broker's
+    assert credit.outstanding() == 0, "what the trainer took in, ours or not"
+    for _ in range(STEER_REPORTS):
+        credit.steer(6, 8)
+    assert credit.rescaled == 100 and credit.outstanding() == 100 and credit.braked == 0
+    for _ in range(20 * STEER_REPORTS):
+        credit.steer(9, 8)
+    assert credit.rescaled == 472 and credit.outstanding() == 472, "never more than a window"
+    assert not credit.inherited
+
+    fresh = Credit(rows=8)
+    fresh.report("l1", 0, 100, False, now=0.0)  # a run's start: nothing was in flight
+    fresh.produced = 472
+    fresh.report("l1", 472, 100, False, now=0.1)
+    for _ in range(4 * STEER_REPORTS):
+        fresh.steer(9, 8)
+    assert fresh.rescaled == 0 and fresh.outstanding() == 0
+
+    settled = Credit(rows=8)
+    settled.report("l1", 50_000, 100, False, now=0.0)
+    for lag in (3, 3, 3, 3, 9, 9, 9, 9):  # the dead broker's steps passed: lag is ours
+        settled.steer(lag, 8)
+    assert settled.rescaled == 0 and not settled.inherited
+
+    again = Credit(rows=8)
+    again.report("l1", 0, 100, False, now=0.0)
+    again.report("l2", 9_000, 100, False, now=0.1)  # not our first trainer: no dead broker's
+    for _ in range(STEER_REPORTS):
+        again.steer(9, 8)
+    assert again.rescaled == 0
+
+    deterministic = Credit(rows=8, rescales=False)
+    deterministic.report("l1", 50_000, 100, False, now=0.0)
+    for _ in range(STEER_REPORTS):
+        deterministic.steer(9, 8)
+    assert deterministic.rescaled == 0, "its due versions sit on the scale"
