@@ -26,8 +26,9 @@ steps the dead broker left in flight (in the assembler, on their way to the trai
 received when they arrive, though we never stepped them, so our scale takes that many of our
 own steps in flight for received and stepping runs as far past the window, for good. We cannot
 tell those steps from ours, so the lag brake rescales instead: while the trainer's median lag
-stays over half its bound, it moves the scale by a batch, up to one window (what the dead
-broker could have had in flight), until the lag is back within 3/8 of the bound.
+stays over half its bound in the first INHERIT_S after our first report, it moves the scale by
+a batch, up to one window (what the dead broker could have had in flight), until the lag is
+back within 3/8 of the bound.
 
 Deterministic mode acts at each step count S with the newest policy version the trainer made
 from at most S - window steps; `DueVersions` keeps the versions received and not yet due.
@@ -61,6 +62,10 @@ STARVING_CLAIM_FRESH_S = 1.0
 # refused). A shorter freeze of the assembler (stopped, it holds its steps: they are late, not
 # lost) is waited out; credit granted for a longer one the lag brake (`steer`) takes back.
 STARVING_PATIENCE_S = 5.0
+# A restarted broker may take the dead one's steps in flight as its own this long after its
+# first trainer's report: they reach the trainer within seconds, and a lag that comes later
+# has other causes, which must never move the scale.
+INHERIT_S = 15.0
 # The lag brake acts on this many reports in a row with the median lag over half the bound: the
 # old data a fault leaves in the pipeline ages a few versions for a moment (nothing to take
 # back then: the steps a killed assembler lost were lost), credit in excess ages them for good.
@@ -99,10 +104,10 @@ class Credit:
     unexplained: int = 0  # top-ups granted after STARVING_PATIENCE_S with no known cause
     braked: int = 0  # granted steps taken back while the trainer's data came near stale
     # A restarted broker's allowance for the dead one's steps in flight (module docstring):
-    # open while `inherited` (its first trainer was mid-run), `rescaled` of it used; never
+    # open until `inherit_until` (its first trainer was mid-run), `rescaled` of it used; never
     # where the scale must stay put (deterministic mode places due versions on it).
     rescales: bool = True
-    inherited: bool = False
+    inherit_until: float = 0.0
     rescaled: int = 0
     lagging: int = 0  # reports in a row with the median lag over half the bound
     leading: int = 0  # ... within 3/8 of it
@@ -133,7 +138,10 @@ class Credit:
         not heard before was connected ("continues", "afresh"; "" for a known one)."""
         connected = ""
         if incarnation != self.trainer:
+            first = not self.trainer
             connected = self.connect(incarnation, consumed_steps, run)
+            if first and consumed_steps > 0 and self.rescales:  # we are a restarted broker
+                self.inherit_until = now + INHERIT_S
         self.consumed, self.batch_steps, self.starving = consumed_steps, batch_steps, starving
         self.reported_at = now
         self.checkpointed = checkpointed_steps
@@ -174,12 +182,17 @@ class Credit:
             self.baseline -= cut
             self.granted -= cut
             self.braked += cut
-            if not cut and self.inherited:
+            if not cut and self.inheriting():
                 self.rescale()
         elif self.leading >= STEER_REPORTS:
             self.leading = 0
-            self.inherited = False  # what the dead broker left in flight has passed
+            if self.rescaled:  # the lag is back: the rescale is done
+                self.inherit_until = 0.0
             self.release(self.batch_steps)
+
+    def inheriting(self) -> bool:
+        """Whether a restarted broker may still take the dead one's steps as its own."""
+        return self.reported_at < self.inherit_until
 
     def rescale(self) -> None:
         """Take a batch of the steps a dead broker left in flight as ours (module docstring):
@@ -188,7 +201,8 @@ class Credit:
         self.start -= move
         self.baseline -= move
         self.rescaled += move
-        self.inherited = self.rescaled < self.window()
+        if self.rescaled >= self.window():
+            self.inherit_until = 0.0
 
     def release(self, steps: int) -> None:
         back = min(self.braked, steps)
@@ -224,8 +238,6 @@ class Credit:
         if not continues:
             if self.trainer:
                 self.rebases += 1
-            # Our first trainer, mid-run: we are a restarted broker (module docstring).
-            self.inherited = self.rescales and not self.trainer and consumed_steps > 0
             self.start = self.baseline = self.produced - consumed_steps
             self.granted = self.braked = self.lost = self.lagging = self.leading = 0
             self.starving_since = None
