@@ -28,7 +28,8 @@ own steps in flight for received and stepping runs as far past the window, for g
 tell those steps from ours, so the lag brake rescales instead: while the trainer's median lag
 stays over half its bound in the first INHERIT_S after our first report, it moves the scale by
 a batch, up to one window (what the dead broker could have had in flight), until the lag is
-back within 3/8 of the bound.
+back within 3/8 of the bound, a new trainer incarnation connects, or the trainer starves (then
+the rescale went too far, and a batch of it is given back before any top-up).
 
 Deterministic mode acts at each step count S with the newest policy version the trainer made
 from at most S - window steps; `DueVersions` keeps the versions received and not yet due.
@@ -104,11 +105,13 @@ class Credit:
     unexplained: int = 0  # top-ups granted after STARVING_PATIENCE_S with no known cause
     braked: int = 0  # granted steps taken back while the trainer's data came near stale
     # A restarted broker's allowance for the dead one's steps in flight (module docstring):
-    # open until `inherit_until` (its first trainer was mid-run), `rescaled` of it used; never
-    # where the scale must stay put (deterministic mode places due versions on it).
+    # open until `inherit_until` (its first trainer was mid-run); `rescaled` steps taken as
+    # ours in all, `rescale_held` of them not given back; never where the scale must stay put
+    # (deterministic mode places due versions on it).
     rescales: bool = True
     inherit_until: float = 0.0
     rescaled: int = 0
+    rescale_held: int = 0
     lagging: int = 0  # reports in a row with the median lag over half the bound
     leading: int = 0  # ... within 3/8 of it
     # A trainer reported more steps than we stepped beyond its scale and the top-ups: a
@@ -140,8 +143,10 @@ class Credit:
         if incarnation != self.trainer:
             first = not self.trainer
             connected = self.connect(incarnation, consumed_steps, run)
-            if first and consumed_steps > 0 and self.rescales:  # we are a restarted broker
-                self.inherit_until = now + INHERIT_S
+            # Our first trainer, mid-run: we are a restarted broker. Any later incarnation (a
+            # swap, a kill) ages data for a moment itself: the allowance closes.
+            restarted = first and consumed_steps > 0 and self.rescales
+            self.inherit_until = now + INHERIT_S if restarted else 0.0
         self.consumed, self.batch_steps, self.starving = consumed_steps, batch_steps, starving
         self.reported_at = now
         self.checkpointed = checkpointed_steps
@@ -158,6 +163,8 @@ class Credit:
         elif self.starving_since is not None:
             if self.braked:
                 self.release(self.batch_steps)
+            elif self.rescale_held:
+                self.unrescale(self.batch_steps)
             else:
                 self.top_up(now)
         return connected
@@ -197,12 +204,23 @@ class Credit:
     def rescale(self) -> None:
         """Take a batch of the steps a dead broker left in flight as ours (module docstring):
         our scale moves, as a rebase's does, never by more than a window in all."""
-        move = max(0, min(self.batch_steps, self.window() - self.rescaled))
+        move = max(0, min(self.batch_steps, self.window() - self.rescale_held))
         self.start -= move
         self.baseline -= move
         self.rescaled += move
-        if self.rescaled >= self.window():
+        self.rescale_held += move
+        if self.rescale_held >= self.window():
             self.inherit_until = 0.0
+
+    def unrescale(self, steps: int) -> None:
+        """The trainer starves with the window full: the rescale went too far (the lag it
+        acted on was still falling, or was not the dead broker's): give a batch of it back
+        before any top-up, and take no more."""
+        back = min(self.rescale_held, steps)
+        self.start += back
+        self.baseline += back
+        self.rescale_held -= back
+        self.inherit_until = 0.0
 
     def release(self, steps: int) -> None:
         back = min(self.braked, steps)

@@ -622,3 +622,10 @@ def test_a_hello_claiming_a_huge_box_observation_is_refused_before_any_model_is_
     assert bench.broker.figures()["spec_refused"] == 1 and bench.broker.spec is None
     bench.join("w0")
     assert bench.broker.spec == SPEC
+
+
+def test_only_a_broker_that_is_not_deterministic_may_rescale_its_credit() -> None:
+    """A restarted broker may take the dead one's steps in flight as its own (bus/credit.py);
+    deterministic mode places due versions on the credit scale, which must stay put."""
+    assert all(s.credit.rescales for s in Bench().broker.slots)
+    assert not any(s.credit.rescales for s in Bench(deterministic=True).broker.slots)

@@ -255,6 +255,25 @@ def test_a_restarted_broker_takes_the_dead_ones_steps_in_flight_as_its_own_while
         again.steer(9, 8)
     assert again.rescaled == 0
 
+    swapped = Credit(rows=8)
+    swapped.report("l1", 50_000, 100, False, now=0.0)
+    assert swapped.report("l2", 50_000, 100, False, now=1.0) == "continues"
+    for _ in range(STEER_REPORTS):  # a swap ages data for a moment itself
+        swapped.steer(9, 8)
+    assert swapped.rescaled == 0
+
+    starved = Credit(rows=8)
+    starved.report("l1", 50_000, 100, False, now=0.0)
+    for _ in range(3 * STEER_REPORTS):
+        starved.steer(9, 8)
+    assert starved.rescale_held == 300
+    starved.produced = starved.window() - 300  # the window is full
+    starved.report("l1", 50_000, 100, True, now=1.0)  # and the trainer starves: too far
+    assert starved.rescale_held == 200 and starved.topups == 0, "given back before a top-up"
+    for _ in range(STEER_REPORTS):
+        starved.steer(9, 8)
+    assert starved.rescale_held == 200 and starved.rescaled == 300, "and taken no more"
+
     deterministic = Credit(rows=8, rescales=False)
     deterministic.report("l1", 50_000, 100, False, now=0.0)
     for _ in range(STEER_REPORTS):
