@@ -114,6 +114,7 @@ class Credit:
     rescale_held: int = 0
     lagging: int = 0  # reports in a row with the median lag over half the bound
     leading: int = 0  # ... within 3/8 of it
+    below: int = 0  # ... within a quarter of it (a rescale that went too far shows so)
     # A trainer reported more steps than we stepped beyond its scale and the top-ups: a
     # restarted broker's first trainer, a trainer of another run, or steps counted twice.
     rebases: int = 0
@@ -180,9 +181,13 @@ class Credit:
         trainer's batches need), but for a restarted broker's rescale (`rescale`)."""
         if not (0 <= lag < 2**31 and 0 < bound < 2**31):  # not known (or not believable)
             return
-        old, young = lag > bound // 2, lag <= bound * 3 // 8
+        old, young, low = lag > bound // 2, lag <= bound * 3 // 8, lag <= bound // 4
         self.lagging = self.lagging + 1 if old else 0
         self.leading = self.leading + 1 if young else 0
+        self.below = self.below + 1 if low and self.rescale_held else 0
+        if self.below >= 2 * STEER_REPORTS:  # it went too far: stepping waits on the window
+            self.below = 0
+            self.unrescale(self.batch_steps)
         if self.lagging >= STEER_REPORTS:
             self.lagging = 0
             cut = min(self.batch_steps, self.granted)
@@ -213,9 +218,11 @@ class Credit:
             self.inherit_until = 0.0
 
     def unrescale(self, steps: int) -> None:
-        """The trainer starves with the window full: the rescale went too far (the lag it
-        acted on was still falling, or was not the dead broker's): give a batch of it back
-        before any top-up, and take no more."""
+        """The rescale went too far (the lag it acted on was still falling, or was not the
+        dead broker's): the trainer starves with the window full, or the median lag stays
+        within a quarter of the bound for twice STEER_REPORTS reports (over a soak's hour,
+        2 of 11 restarted brokers stepped at 60% of the others' rate so, the window full
+        and the lag at 2 instead of 3): give a batch of it back, and take no more."""
         back = min(self.rescale_held, steps)
         self.start += back
         self.baseline += back

@@ -274,6 +274,24 @@ def test_a_restarted_broker_takes_the_dead_ones_steps_in_flight_as_its_own_while
         starved.steer(9, 8)
     assert starved.rescale_held == 200 and starved.rescaled == 300, "and taken no more"
 
+    tight = Credit(rows=8)
+    tight.report("l1", 50_000, 100, False, now=0.0)
+    for _ in range(3 * STEER_REPORTS):
+        tight.steer(9, 8)
+    for _ in range(2 * STEER_REPORTS - 1):
+        tight.steer(2, 8)
+    assert tight.rescale_held == 300, "a median lag of 2 now and then is a healthy run's"
+    tight.steer(3, 8)
+    for _ in range(2 * STEER_REPORTS):
+        tight.steer(2, 8)  # the window too tight: stepping waits on it, data comes young
+    assert tight.rescale_held == 200 and not tight.inheriting()
+    for _ in range(4 * STEER_REPORTS):
+        tight.steer(1, 8)
+    assert tight.rescale_held == 0, "never more than it took"
+    for _ in range(2 * STEER_REPORTS):
+        tight.steer(1, 8)
+    assert tight.outstanding() == 0 and tight.rescaled == 300
+
     deterministic = Credit(rows=8, rescales=False)
     deterministic.report("l1", 50_000, 100, False, now=0.0)
     for _ in range(STEER_REPORTS):
