@@ -205,95 +205,92 @@ def test_granted_credit_is_taken_back_while_the_data_comes_near_stale() -> None:
     assert credit.braked == 100 and credit.granted == 200 and credit.topups == 3
 
 
+def restarted() -> Credit:
+    """A broker whose first trainer is mid-run; a window of 2 x 100 + (32 + 2) x 8 = 472."""
+    credit = Credit(rows=8)
+    assert credit.report("l1", 50_000, 100, False, now=0.0) == "afresh"
+    return credit
+
+
+def steer(credit: Credit, lag: int, reports: int) -> None:
+    for _ in range(reports):
+        credit.steer(lag, 8)
+
+
 def test_a_restarted_broker_takes_the_dead_ones_steps_in_flight_as_its_own_while_lag_says_so(
         ) -> None:
     """A restarted broker's first trainer is mid-run; the steps the dead broker left in flight
     then arrive and count as received though we never stepped them: our scale takes as many of
     our own in flight for received. The lag shows it; the brake moves the scale a batch at a
-    time, at most a window in all, in the first INHERIT_S only, and stops once the lag is
-    back."""
-    credit = Credit(rows=8)  # a window of 2 x 100 + (32 + 2) x 8 = 472 steps
-    assert credit.report("l1", 50_000, 100, False, now=0.0) == "afresh"
+    time, at most a window in all."""
+    credit = restarted()
     credit.produced = 472
     assert credit.full()
     credit.report("l1", 50_000 + 472, 100, False, now=0.1)  # some of them the dead broker's
     assert credit.outstanding() == 0, "what the trainer took in, ours or not"
-    for _ in range(STEER_REPORTS):
-        credit.steer(6, 8)
+    steer(credit, 6, STEER_REPORTS)
     assert credit.rescaled == 100 and credit.outstanding() == 100 and credit.braked == 0
-    for _ in range(20 * STEER_REPORTS):
-        credit.steer(9, 8)
+    steer(credit, 9, 20 * STEER_REPORTS)
     assert credit.rescaled == 472 and credit.outstanding() == 472, "never more than a window"
     assert not credit.inheriting()
 
-    back = Credit(rows=8)
-    back.report("l1", 50_000, 100, False, now=0.0)
-    for lag in (3,) * STEER_REPORTS + (9,) * STEER_REPORTS:  # young before: not over yet
-        back.steer(lag, 8)
+
+def test_a_rescale_ends_once_the_lag_is_back_and_never_starts_late() -> None:
+    back = restarted()
+    steer(back, 3, STEER_REPORTS)  # young before any rescale: not over yet
+    steer(back, 9, STEER_REPORTS)
     assert back.rescaled == 100
-    for lag in (3,) * STEER_REPORTS + (9,) * STEER_REPORTS:  # back after a rescale: done
-        back.steer(lag, 8)
+    steer(back, 3, STEER_REPORTS)  # back after a rescale: done
+    steer(back, 9, STEER_REPORTS)
     assert back.rescaled == 100 and not back.inheriting()
 
-    late = Credit(rows=8)
-    late.report("l1", 50_000, 100, False, now=0.0)
+    late = restarted()
     late.report("l1", 50_000, 100, False, now=INHERIT_S)  # a lag this late has other causes
-    for _ in range(STEER_REPORTS):
-        late.steer(9, 8)
+    steer(late, 9, STEER_REPORTS)
     assert late.rescaled == 0
 
+
+def test_only_a_restarted_broker_rescales_and_not_across_a_new_learner_nor_deterministic(
+        ) -> None:
     fresh = Credit(rows=8)
     fresh.report("l1", 0, 100, False, now=0.0)  # a run's start: nothing was in flight
-    for _ in range(STEER_REPORTS):
-        fresh.steer(9, 8)
+    steer(fresh, 9, STEER_REPORTS)
     assert fresh.rescaled == 0
 
     again = Credit(rows=8)
     again.report("l1", 0, 100, False, now=0.0)
     again.report("l2", 9_000, 100, False, now=0.1)  # not our first trainer: no dead broker's
-    for _ in range(STEER_REPORTS):
-        again.steer(9, 8)
+    steer(again, 9, STEER_REPORTS)
     assert again.rescaled == 0
 
-    swapped = Credit(rows=8)
-    swapped.report("l1", 50_000, 100, False, now=0.0)
+    swapped = restarted()
     assert swapped.report("l2", 50_000, 100, False, now=1.0) == "continues"
-    for _ in range(STEER_REPORTS):  # a swap ages data for a moment itself
-        swapped.steer(9, 8)
+    steer(swapped, 9, STEER_REPORTS)  # a swap ages data for a moment itself
     assert swapped.rescaled == 0
 
-    starved = Credit(rows=8)
-    starved.report("l1", 50_000, 100, False, now=0.0)
-    for _ in range(3 * STEER_REPORTS):
-        starved.steer(9, 8)
+    deterministic = Credit(rows=8, rescales=False)
+    deterministic.report("l1", 50_000, 100, False, now=0.0)
+    steer(deterministic, 9, STEER_REPORTS)
+    assert deterministic.rescaled == 0, "its due versions sit on the scale"
+
+
+def test_a_rescale_that_went_too_far_is_given_back_a_batch_at_a_time() -> None:
+    starved = restarted()
+    steer(starved, 9, 3 * STEER_REPORTS)
     assert starved.rescale_held == 300
     starved.produced = starved.window() - 300  # the window is full
     starved.report("l1", 50_000, 100, True, now=1.0)  # and the trainer starves: too far
     assert starved.rescale_held == 200 and starved.topups == 0, "given back before a top-up"
-    for _ in range(STEER_REPORTS):
-        starved.steer(9, 8)
+    steer(starved, 9, STEER_REPORTS)
     assert starved.rescale_held == 200 and starved.rescaled == 300, "and taken no more"
 
-    tight = Credit(rows=8)
-    tight.report("l1", 50_000, 100, False, now=0.0)
-    for _ in range(3 * STEER_REPORTS):
-        tight.steer(9, 8)
-    for _ in range(2 * STEER_REPORTS - 1):
-        tight.steer(2, 8)
+    tight = restarted()
+    steer(tight, 9, 3 * STEER_REPORTS)
+    steer(tight, 2, 2 * STEER_REPORTS - 1)
     assert tight.rescale_held == 300, "a median lag of 2 now and then is a healthy run's"
     tight.steer(3, 8)
-    for _ in range(2 * STEER_REPORTS):
-        tight.steer(2, 8)  # the window too tight: stepping waits on it, data comes young
+    steer(tight, 2, 2 * STEER_REPORTS)  # the window too tight: stepping waits on it
     assert tight.rescale_held == 200 and not tight.inheriting()
-    for _ in range(4 * STEER_REPORTS):
-        tight.steer(1, 8)
-    assert tight.rescale_held == 0, "never more than it took"
-    for _ in range(2 * STEER_REPORTS):
-        tight.steer(1, 8)
-    assert tight.outstanding() == 0 and tight.rescaled == 300
-
-    deterministic = Credit(rows=8, rescales=False)
-    deterministic.report("l1", 50_000, 100, False, now=0.0)
-    for _ in range(STEER_REPORTS):
-        deterministic.steer(9, 8)
-    assert deterministic.rescaled == 0, "its due versions sit on the scale"
+    steer(tight, 1, 6 * STEER_REPORTS)
+    assert tight.rescale_held == 0 and tight.outstanding() == 0, "never more than it took"
+    assert tight.rescaled == 300
