@@ -146,9 +146,12 @@ class ForkServer:
     `launch`'s docstring on PR_SET_PDEATHSIG). `start` returns a `Forked`, which answers as
     much of `subprocess.Popen` as `launch.Child` and its users need."""
 
-    def __init__(self, env: Mapping[str, str] | None = None) -> None:
-        self.process = launch.spawn([sys.executable, "-m", "stepbus.bus.forkserver"],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    def __init__(self, env: Mapping[str, str] | None = None,
+                 process: subprocess.Popen[bytes] | None = None) -> None:
+        """`process`: a server already started (a test's stand-in for one)."""
+        self.process = process or launch.spawn(
+            [sys.executable, "-m", "stepbus.bus.forkserver"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, env=env)
         self._request_lock = threading.Lock()
         self._changed = threading.Condition()
         self._started: list[int] = []
@@ -162,6 +165,11 @@ class ForkServer:
             message = json.loads(line)
             with self._changed:
                 if "pid" in message:
+                    # A pid the kernel handed out again: its last holder's exit came before
+                    # this reply (the server reaps before it forks), so it is not this child's.
+                    # Dropped here, in the stream's order: a child that exits at once has its
+                    # own exit read right after, maybe before `start` takes its pid.
+                    self._exits.pop(message["pid"], None)
                     self._started.append(message["pid"])
                 else:
                     self._exits[message["exit"]] = message["code"]
@@ -187,9 +195,6 @@ class ForkServer:
                     self.process.kill()
                     raise OSError("the fork server did not start the process")
                 pid = self._started.pop(0)
-                # A pid the kernel handed out again: the exit of its last holder (reported
-                # before the pid could be reused) is not this child's.
-                self._exits.pop(pid, None)
         return Forked(self, pid, [sys.executable, "-m", "stepbus", *argv])
 
     def returncode(self, pid: int, timeout: float | None) -> int | None:

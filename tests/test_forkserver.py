@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +49,25 @@ def test_a_setting_error_is_its_exit_2_and_its_line_in_the_log(server: ForkServe
                            env=launch.environment({}))
     assert bad.wait(30) == 2
     assert "notanendpoint" in bad.output() and "Traceback" not in bad.output()
+
+
+def test_a_child_whose_exit_is_read_before_its_start_returns_keeps_its_exit_code() -> None:
+    """A child that exits at once (a setting error) may have its exit read right after its
+    pid, before `start` takes the pid: that exit is its own, not a reused pid's last
+    holder's (taken for one, it left the child's wait hanging until its timeout)."""
+    replies, server_out = os.pipe()
+    os.write(server_out, b'{"exit": 7, "code": 0}\n{"pid": 7}\n{"exit": 7, "code": 2}\n')
+    os.close(server_out)
+    stand_in = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    try:
+        with open(replies, "rb") as stream:
+            stand_in.stdout = stream
+            forks = ForkServer(process=stand_in)
+            wait_for(lambda: forks._gone, 10, "the replies read")
+            child = forks.start(["broker"], env={}, cwd="/", log=None)
+    finally:
+        forks.close()
+    assert child.pid == 7 and child.wait(0) == 2, "its own exit, not the last holder's"
 
 
 def test_a_forked_role_has_its_own_session_directory_environment_and_path(
