@@ -28,8 +28,9 @@ own steps in flight for received and stepping runs as far past the window, for g
 tell those steps from ours, so the lag brake rescales instead: while the trainer's median lag
 stays over half its bound in the first INHERIT_S after our first report, it moves the scale by
 a batch, up to one window (what the dead broker could have had in flight), until the lag is
-back within 3/8 of the bound, a new trainer incarnation connects, or the trainer starves (then
-the rescale went too far, and a batch of it is given back before any top-up).
+back within 3/8 of the bound or a new trainer incarnation connects. A rescale that went too
+far (the trainer starves with the window full, or its lag stays within a quarter of the bound)
+is given back a batch at a time.
 
 Deterministic mode acts at each step count S with the newest policy version the trainer made
 from at most S - window steps; `DueVersions` keeps the versions received and not yet due.
@@ -220,9 +221,9 @@ class Credit:
     def unrescale(self, steps: int) -> None:
         """The rescale went too far (the lag it acted on was still falling, or was not the
         dead broker's): the trainer starves with the window full, or the median lag stays
-        within a quarter of the bound for twice STEER_REPORTS reports (over a soak's hour,
-        2 of 11 restarted brokers stepped at 60% of the others' rate so, the window full
-        and the lag at 2 instead of 3): give a batch of it back, and take no more."""
+        within a quarter of the bound for twice STEER_REPORTS reports (a window made too
+        tight holds stepping back: measured, 60% of the rate, the lag at 2 instead of 3):
+        give a batch of it back, and take no more."""
         back = min(self.rescale_held, steps)
         self.start += back
         self.baseline += back
