@@ -46,6 +46,7 @@ class Slot:
     member: p.Member
     offset: int
     asked: bool = False  # a RESET or STEP is out and its result not in
+    resetting: bool = False  # ... a RESET: its result is a first one
     result: p.StepResult | None = None  # the answer not yet handed to the caller
     obs: p.Obs | None = None  # its latest observations, as they travel
 
@@ -245,7 +246,7 @@ class BusVectorEnv(VectorEnv):
 
     # -- waiting on workers
     def ask(self, slot: Slot, msg: p.Message) -> None:
-        slot.asked = True
+        slot.asked, slot.resetting = True, isinstance(msg, p.Reset)
         self.link.send(msg)
 
     def collect(self, slots: Sequence[Slot]) -> None:
@@ -265,7 +266,9 @@ class BusVectorEnv(VectorEnv):
             raise
         if isinstance(msg, p.StepResult):
             slot = self.slot_of(msg.worker)
-            if slot is not None and slot.asked:
+            # A STEP's result still on its way when a worker was lost and the env attached
+            # again is not the answer to the RESET that followed (nor the other way round).
+            if slot is not None and slot.asked and msg.first == slot.resetting:
                 slot.asked, slot.result = False, msg
         elif isinstance(msg, p.WorkerLost):
             slot = self.slot_of(msg.worker)
