@@ -139,14 +139,16 @@ class PolicySlot:
     spaces; weights that come before them are held until then."""
 
     def __init__(self, name: str, rng: np.random.Generator, max_steps_ahead: int,
-                 model: policy.ModelConfig | None = None) -> None:
+                 model: policy.ModelConfig | None = None, *, deterministic: bool = False
+                 ) -> None:
         self.name, self.rng = name, rng
         self.model = model or policy.ModelConfig(model=policy.DEFAULT)
         self.policy: Policy | None = None
         self.early: tuple[Weights, int] | None = None  # weights that came before the spaces
         self.refused = ""  # why the newest weights were refused ("": they were not)
         self.newest = -1  # the newest version received (deterministic mode: maybe not yet due)
-        self.credit = Credit(max_steps_ahead)
+        # deterministic mode places due versions on the credit scale: it must not rescale
+        self.credit = Credit(max_steps_ahead, rescales=not deterministic)
         self.due = DueVersions()
         # The weights acted with, and those before them: what to go back to should the
         # current ones fail on observations their trial step did not cover.
@@ -241,10 +243,9 @@ class Broker(node.Process):
         super().__init__(ports, log, clock=clock)
         self.cfg, self.rules = cfg, rules
         rng = np.random.default_rng(cfg.seed)
-        self.slots = [PolicySlot(name, rng, cfg.max_steps_ahead, cfg.models)
+        self.slots = [PolicySlot(name, rng, cfg.max_steps_ahead, cfg.models,
+                                 deterministic=cfg.deterministic)
                       for name in policies.policy_names(rules)]
-        for slot in self.slots:  # deterministic mode places due versions on the credit scale
-            slot.credit.rescales = not cfg.deterministic
         self.by_name = {slot.name: slot for slot in self.slots}
         self.table = WorkerTable(rules, list(self.by_name))
         self.barrier = ResetBarrier()

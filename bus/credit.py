@@ -211,8 +211,7 @@ class Credit:
         """Take a batch of the steps a dead broker left in flight as ours (module docstring):
         our scale moves, as a rebase's does, never by more than a window in all."""
         move = max(0, min(self.batch_steps, self.window() - self.rescale_held))
-        self.start -= move
-        self.baseline -= move
+        self.shift(-move)
         self.rescaled += move
         self.rescale_held += move
         if self.rescale_held >= self.window():
@@ -225,8 +224,7 @@ class Credit:
         tight holds stepping back: measured, 60% of the rate, the lag at 2 instead of 3):
         give a batch of it back, and take no more."""
         back = min(self.rescale_held, steps)
-        self.start += back
-        self.baseline += back
+        self.shift(back)
         self.rescale_held -= back
         self.inherit_until = 0.0
 
@@ -280,9 +278,13 @@ class Credit:
         self.baseline -= back
         self.granted -= back
         if over > back:
-            self.baseline -= over - back
-            self.start -= over - back
+            self.shift(back - over)
             self.rebases += 1
+
+    def shift(self, steps: int) -> None:
+        """Move our whole scale (top-ups' grants kept): outstanding falls by `steps`."""
+        self.start += steps
+        self.baseline += steps
 
     def top_up(self, now: float) -> None:
         """The trainer waits for data we think is in flight: it was lost (a restarted
