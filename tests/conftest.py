@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
+import fcntl
 import json
 import os
 import re
@@ -154,6 +156,45 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
         if failed is not None and failed.failed:
             print(c.dump())
         shutil.rmtree(c.dir, ignore_errors=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class SolvedRun:
+    """What `stepbus run` printed and left when it solved CartPole."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    runs_dir: Path
+
+
+@pytest.fixture(scope="session")
+def solved_cartpole(tmp_path_factory: pytest.TempPathFactory) -> SolvedRun:
+    """`stepbus run` (CartPole to its threshold, seed 0) in a fresh interpreter, once for the
+    whole session: the first test to ask runs it while any other xdist worker asking waits on
+    the lock, and both read what it left. Tests that need a solved run share it (a solve is
+    the suite's most expensive step), and each checks its own claim on it."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # one directory for every worker of this session
+    with (shared / "solved-cartpole.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        record = shared / "solved-cartpole.json"
+        if not record.exists():
+            cwd = shared / "solved-cartpole"
+            cwd.mkdir()
+            env = {k: v for k, v in os.environ.items() if not k.startswith("STEPBUS_")}
+            try:
+                res = subprocess.run([sys.executable, "-m", "stepbus", "run",
+                                      "--max-env-steps", "300000"], capture_output=True,
+                                     text=True, timeout=240, cwd=cwd, env=env)
+                said = {"returncode": res.returncode, "stdout": res.stdout,
+                        "stderr": res.stderr}
+            except subprocess.TimeoutExpired:  # every test that shares it fails, saying so
+                said = {"returncode": -1, "stdout": "", "stderr": "no exit within 240 s"}
+            record.write_text(json.dumps({**said, "runs_dir": str(cwd / "runs")}))
+    fields = json.loads(record.read_text())
+    return SolvedRun(**{**fields, "runs_dir": Path(fields["runs_dir"])})
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import TESTS_DIR
+from conftest import TESTS_DIR, SolvedRun
 
 from stepbus import cli, serial
 
@@ -20,14 +20,13 @@ def _environ() -> dict[str, str]:
     return env
 
 
-def test_stepbus_run_solves_cartpole_in_one_process_and_exits_0(tmp_path: Path) -> None:
-    res = subprocess.run([sys.executable, "-m", "stepbus", "run", "--max-env-steps", "300000"],
-                         capture_output=True, text=True, timeout=240, cwd=tmp_path,
-                         env=_environ())
+def test_stepbus_run_solves_cartpole_in_one_process_and_exits_0(
+        solved_cartpole: SolvedRun) -> None:
+    res = solved_cartpole
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "solved: mean return" in res.stdout, res.stdout[-3000:]
     assert "Traceback" not in res.stdout + res.stderr
-    (run_dir,) = [d for d in (tmp_path / "runs").iterdir() if d.name != "latest"]
+    (run_dir,) = [d for d in res.runs_dir.iterdir() if d.name != "latest"]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["mean_return"] >= 475
 

@@ -13,7 +13,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import space_envs
-from conftest import serial_run
+from conftest import SolvedRun, serial_run
 from test_cnn_pixels import FindTheBlock
 
 import stepbus
@@ -41,9 +41,10 @@ def play(policy: stepbus.TrainedPolicy, env: gym.Env, episodes: int) -> list[flo
     return returns
 
 
-def test_a_solved_cartpole_run_plays_its_env_in_a_plain_gymnasium_loop(tmp_path: Path) -> None:
-    serial_run(tmp_path, "--seed", "0", "--target-return", "475")
-    policy = stepbus.load_policy(tmp_path / "latest")
+def test_a_solved_cartpole_run_plays_its_env_in_a_plain_gymnasium_loop(
+        solved_cartpole: SolvedRun) -> None:
+    assert solved_cartpole.returncode == 0, solved_cartpole.stderr[-3000:]
+    policy = stepbus.load_policy(solved_cartpole.runs_dir / "latest")
     assert policy.model == "mlp" and policy.policy_version > 0 and not policy.recurrent
     assert policy.config["env"] == "CartPole-v1" and policy.run_dir is not None
     assert policy.observation_space.shape == (4,) and policy.action_space == gym.spaces.Discrete(2)
