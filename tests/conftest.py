@@ -310,12 +310,6 @@ def act_as_trainer(cluster: Cluster, obs_dim: int) -> tuple[zmq.Socket, Trajecto
     return trainer, TrajectoryInbox(cluster.socket(zmq.PULL, cluster.endpoints["trajectories"]))
 
 
-def status_rows(cluster: Cluster) -> list[dict]:
-    """`stepbus status --json` rows ([] if the controller does not answer)."""
-    res = cluster.cli("status", "--json", "--timeout", "2")
-    return json.loads(res.stdout)["processes"] if res.returncode == 0 else []
-
-
 def recv_message(sock: zmq.Socket, timeout: float = 5.0) -> p.Message:
     """The next message on a socket, or an assertion error after `timeout` seconds."""
     if not sock.poll(int(timeout * 1000)):

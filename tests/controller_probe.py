@@ -17,9 +17,14 @@ from stepbus.bus import protocol as p
 
 def status_rows(cluster: Cluster, timeout: float = 2.0, keys: str = "") -> list[dict]:
     """The rows `stepbus status --json` prints, sorted as it does, or [] if the controller
-    does not answer within `timeout` (as conftest.status_rows); `keys`: as --keys."""
+    does not answer within `timeout`; `keys`: as --keys."""
+    return status_at(cluster.endpoints["controller"], timeout, keys)
+
+
+def status_at(controller: str, timeout: float = 2.0, keys: str = "") -> list[dict]:
+    """As status_rows, of the controller at `controller` (a run the test did not start)."""
     try:
-        reply = cli._ask(cluster.endpoints["controller"], p.StatusRequest(), timeout, keys)
+        reply = cli._ask(controller, p.StatusRequest(), timeout, keys)
     except status_view.Unreachable:
         return []
     assert isinstance(reply, p.StatusReply), reply

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import pickle
 import signal
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 import zmq
 from conftest import EVERY_UPDATE, Cluster, send_message, wait_for
+from controller_probe import status_rows
 
 from stepbus.bus import node, topology
 from stepbus.bus import protocol as p
@@ -117,9 +117,7 @@ def test_hostile_messages_on_every_bound_socket_are_refused_and_learning_goes_on
     well_formed_lies(cluster)
 
     def rejected_by_role() -> dict[str, dict]:
-        status = cluster.cli("status", "--json", "--timeout", "2")
-        rows = json.loads(status.stdout)["processes"] if status.returncode == 0 else []
-        return {r["role"]: r for r in rows}
+        return {r["role"]: r for r in status_rows(cluster)}
 
     rows = wait_for(lambda: (r := rejected_by_role()) and all(
         r.get(role, {}).get("rejected", 0) > 0 for role in ("controller", "broker", "assembler"))

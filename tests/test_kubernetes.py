@@ -18,7 +18,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import REPO, Cluster, status_rows, wait_for
+from conftest import REPO, Cluster, wait_for
+from controller_probe import status_rows
 from test_readme import command_flags
 
 from stepbus.bus import wiring

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, wait_for
+from controller_probe import status_at
 
 SBATCH = REPO / "deploy" / "slurm" / "stepbus.sbatch"
 WORKERS_SBATCH = REPO / "deploy" / "slurm" / "stepbus-workers.sbatch"
@@ -156,16 +157,13 @@ def processes_in(submit_dir: Path) -> list[int]:
 
 
 def status(job_dir: Path, keys: Path | None = None) -> list[dict]:
-    """`stepbus status --json` rows of the run ([] while its controller does not answer)."""
+    """`stepbus status --json` rows of the run ([] while its controller does not answer),
+    asked from this process: the tests poll it every half second."""
     endpoints = job_dir / "endpoints.env"
     if not endpoints.exists():
         return []
     controller = endpoints.read_text().split("=", 1)[1].strip()
-    res = subprocess.run([str(Path(sys.executable).parent / "stepbus"), "status", "--json",
-                          "--timeout", "2", "--controller", controller,
-                          "--keys", str(keys or job_dir / "keys")],
-                         capture_output=True, text=True, timeout=15)
-    return json.loads(res.stdout)["processes"] if res.returncode == 0 else []
+    return status_at(controller, 2.0, str(keys or job_dir / "keys"))
 
 
 def stepping_workers(job_dir: Path) -> set[str]:

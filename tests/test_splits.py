@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-from conftest import EVERY_UPDATE, Cluster, serial_run, status_rows, wait_for
+from conftest import EVERY_UPDATE, Cluster, serial_run, wait_for
+from controller_probe import status_rows
 
 from stepbus.bus import node
 from stepbus.bus import protocol as p

@@ -9,29 +9,11 @@ import signal
 import subprocess
 import time
 
-import zmq
-from conftest import Cluster, honcho, never_taken_in, send_message, wait_for
-
-from stepbus.bus import protocol as p
+from conftest import Cluster, honcho, never_taken_in, wait_for
+from controller_probe import status_rows
 
 # Long enough a run that five kills fit in it, short enough to end soon after.
 RUN = "0 --max-updates 150"
-
-
-def status_rows(cluster: Cluster) -> list[dict]:
-    """The controller's status rows, asked in-process ([] if it does not answer in 1 s): a
-    `stepbus status` command would cost a Python start-up per look."""
-    sock = cluster.socket(zmq.DEALER, cluster.endpoints["controller"])
-    try:
-        send_message(sock, p.StatusRequest())
-        deadline = time.monotonic() + 1.0
-        while sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
-            reply = p.decode(sock.recv_multipart(copy=False), max_header_bytes=64 << 20)
-            if isinstance(reply, p.StatusReply):
-                return reply.processes
-        return []
-    finally:
-        sock.close()
 
 
 def role_rows(cluster: Cluster, role: str) -> list[dict]:
