@@ -11,7 +11,6 @@ import signal
 import threading
 import time
 
-import conftest
 import zmq
 from conftest import EVERY_UPDATE, Cluster, act_as_trainer, send_message, wait_for
 from controller_probe import status_rows
@@ -34,6 +33,12 @@ def parse_table(text: str) -> tuple[str, list[dict[str, str]]]:
     return head, rows
 
 
+def command_rows(cluster: Cluster) -> list[dict]:
+    """The rows `stepbus status --json` prints ([] if the controller does not answer)."""
+    res = cluster.cli("status", "--json", "--timeout", "2")
+    return json.loads(res.stdout)["processes"] if res.returncode == 0 else []
+
+
 def test_status_shows_every_live_process_with_rates_queues_versions_and_lag(cluster: Cluster):
     cluster.start_all(trainer_args=("--target-return", "0", *EVERY_UPDATE), workers=2)
     wait_for(lambda: len(cluster.metrics()) >= 3, 60, "training under way")
@@ -49,7 +54,7 @@ def test_status_shows_every_live_process_with_rates_queues_versions_and_lag(clus
     # Polled in-process (a Python start-up per look otherwise), then read as `stepbus status
     # --json` prints it.
     wait_for(lambda: settled(status_rows(cluster)), 30, "rates and lags in every row")
-    rows = wait_for(lambda: settled(conftest.status_rows(cluster)), 30,
+    rows = wait_for(lambda: settled(command_rows(cluster)), 30,
                     "rates and lags in every row of stepbus status --json")
     for row in rows:
         assert {"role", "name", "host", "pid", "uptime_s", "last_heartbeat_s"} <= row.keys()
