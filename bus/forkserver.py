@@ -2,7 +2,8 @@
 (numpy, pyzmq, msgpack, gymnasium and stepbus's process modules) and forks a child for each
 role asked of it, so a role starts in milliseconds instead of spending 0.3-0.5 s of CPU on
 imports. For whoever starts many short-lived pipelines on few cores (the test suite starts
-hundreds); `launch.Group(forkserver=...)` uses it for `start_role`.
+hundreds) or many vector envs (`stepbus.vector.make(..., context="forkserver")`);
+`launch.Group(forkserver=...)` uses it for `start_role`.
 
 Each child is a real process of its own, as `python -m stepbus ROLE` would be: its own session
 and process group, the environment, working directory, stdin (/dev/null) and log it was given,
@@ -22,6 +23,7 @@ ends when its stdin closes.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -213,6 +215,23 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+_SHARED: list[ForkServer] = []
+_SHARED_LOCK = threading.Lock()
+
+
+def shared() -> ForkServer:
+    """This process's own fork server, started on first use (from the calling thread, which
+    should outlive the processes it starts) and ended at exit: what `stepbus.vector.make(...,
+    context="forkserver")` and the test suite's clusters start their roles from."""
+    with _SHARED_LOCK:
+        if not _SHARED or _SHARED[0].process.poll() is not None:  # none yet, or killed
+            if _SHARED:
+                atexit.unregister(_SHARED.pop().close)
+            _SHARED.append(ForkServer())
+            atexit.register(_SHARED[0].close)
+        return _SHARED[0]
 
 
 class Forked:

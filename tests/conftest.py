@@ -23,7 +23,7 @@ import pluggy
 import pytest
 import zmq
 
-from stepbus.bus import launch, topology, wiring
+from stepbus.bus import forkserver, launch, topology, wiring
 from stepbus.bus import protocol as p
 from stepbus.bus.forkserver import ForkServer
 from stepbus.models import mlp
@@ -40,23 +40,13 @@ EVERY_UPDATE = ("--metrics-interval-s", "0")
 Proc = launch.Child  # a process a test started: name, popen, pid, output, wait, signal
 
 
-_FORKSERVER: list[ForkServer] = []  # this test process's, started by its first Cluster
-
-
 def shared_forkserver() -> ForkServer | None:
-    """Where a Cluster forks its roles from: one fork server per test process (each role then
+    """Where a Cluster forks its roles from: this test process's fork server (each role then
     starts in milliseconds, not 0.3-0.5 s of imports), or None with STEPBUS_TEST_FORKSERVER=0
     (every role a fresh interpreter, as a Procfile line starts it)."""
     if os.environ.get("STEPBUS_TEST_FORKSERVER", "1") == "0":
         return None
-    if not _FORKSERVER:
-        _FORKSERVER.append(ForkServer())
-    return _FORKSERVER[0]
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    for server in _FORKSERVER:
-        server.close()
+    return forkserver.shared()
 
 
 class Cluster:

@@ -18,6 +18,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv, VectorEnv
 from vector_envs import Count, Made
 
 import stepbus.vector as sv
+from stepbus.bus import forkserver
 
 MODES = [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED]
 
@@ -211,18 +212,28 @@ def test_every_space_is_batched_as_gymnasium_batches_it(make: Made, factory: str
     assert "final_obs" in got[space_envs.LENGTH][-1]
 
 
+@pytest.mark.parametrize("context", [None, "forkserver"])
 def test_a_module_env_in_the_callers_working_directory_is_found_by_the_workers(
-        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, context: str | None) -> None:
     """The workers run in a private directory; `make("mine:make", ...)` from the directory
-    holding mine.py works as `stepbus worker --env mine:make` does there."""
-    (tmp_path / "mine_vec.py").write_text(
+    holding mine.py works as `stepbus worker --env mine:make` does there, whether the workers
+    are fresh interpreters or forked from a server started elsewhere."""
+    (tmp_path / f"mine_vec_{context}.py").write_text(
         "import gymnasium as gym\n\n\ndef make():\n    return gym.make('CartPole-v1')\n")
+    if context == "forkserver":
+        forkserver.shared()  # running already, started from another directory
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delenv("PYTHONPATH", raising=False)
-    envs = sv.make("mine_vec:make", 2)
+    envs = sv.make(f"mine_vec_{context}:make", 2, context=context)
     try:
         obs, _ = envs.reset(seed=0)
         assert obs.shape == (2, 4)
     finally:
         envs.close()
+
+
+def test_an_unknown_start_context_is_refused_naming_it_before_anything_starts() -> None:
+    with pytest.raises(ValueError, match="context must be None, \"spawn\" or \"forkserver\", "
+                                         "not 'fork'"):
+        sv.make("CartPole-v1", 2, context="fork")

@@ -17,13 +17,15 @@ Made = Callable[..., sv.BusVectorEnv]
 
 
 def closing_make(monkeypatch: pytest.MonkeyPatch) -> Iterator[Made]:
-    """A test's `stepbus.vector.make` (workers can import this module): every env it made is
+    """A test's `stepbus.vector.make` (workers can import this module), its processes forked
+    from the test process's fork server unless the test says otherwise: every env it made is
     closed after the test, and none of their processes is left running."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])))
     made: list[sv.BusVectorEnv] = []
 
     def factory(*args: Any, **kwargs: Any) -> sv.BusVectorEnv:
+        kwargs.setdefault("context", "forkserver")  # the suite makes dozens
         made.append(sv.make(*args, **kwargs))
         return made[-1]
 

@@ -15,8 +15,9 @@ from typing import Any
 import gymnasium as gym
 from gymnasium.vector import AutoresetMode
 
+from stepbus.bus import forkserver, wiring
 from stepbus.bus import protocol as p
-from stepbus.bus import wiring
+from stepbus.bus.launch import RoleStarter
 from stepbus.vector.env import ATTACH_TIMEOUT_S, BusVectorEnv
 from stepbus.vector.launch import Launched, worker_sizes
 from stepbus.vector.link import BrokerLost, BusError, Link, WorkerLost, discover
@@ -31,27 +32,34 @@ RemoteFailure = p.RemoteFailure  # an env raised in `call`: its type and message
 def make(env: str, num_envs: int, workers: int = 1, *,
          autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
          batch_size: int | None = None, attach_timeout_s: float = ATTACH_TIMEOUT_S,
-         infos: bool = True, **worker_options: Any) -> BusVectorEnv:
+         infos: bool = True, context: str | None = None,
+         **worker_options: Any) -> BusVectorEnv:
     """A vector env of `num_envs` copies of `env` (a Gymnasium id or `module:callable`, as
     `stepbus worker --env` takes) in `workers` worker processes, with its own controller and
     relaying broker; `close()` stops them all.
 
     Args:
         infos: the envs' infos travel (False: none, and the workers pay nothing for them).
+        context: how the processes start, as AsyncVectorEnv's `context`: None or "spawn", a
+            fresh interpreter each (0.3-0.5 s of CPU on imports apiece); "forkserver", forked
+            from a server this process starts on first use and keeps until it exits, which
+            has imported stepbus already (a make after the first starts in milliseconds).
         worker_options: more `stepbus worker` flags, e.g. `max_env_restarts_per_minute=3`,
             or `episode_statistics=True` for each env's `infos["episode"]`.
 
     Raises:
         BusError: the processes did not come up within `attach_timeout_s` (their output is
             in the message); none is left running.
+        ValueError: a `context` other than those above.
     """
     sizes = worker_sizes(num_envs, workers)
+    starter = _starter(context)
     probe = make_env(env)  # the exact spaces to report (bounds do not travel)
     try:
         single = (probe.observation_space, probe.action_space)
     finally:
         probe.close()
-    launched = Launched(env, sizes, worker_options)
+    launched = Launched(env, sizes, worker_options, starter)
     link = None
     try:
         link = Link(launched.endpoints["vector"])
@@ -107,6 +115,14 @@ def make_sb3(env: str, num_envs: int, workers: int = 1, **options: Any) -> Any:
         raise ValueError(f"SB3 resets within the step: autoreset_mode must be SameStep, "
                          f"not {mode.value}")
     return sb3.VecEnv(make(env, num_envs, workers, autoreset_mode=mode, **options))
+
+
+def _starter(context: str | None) -> RoleStarter | None:
+    if context in (None, "spawn"):
+        return None
+    if context == "forkserver":
+        return forkserver.shared()
+    raise ValueError(f'context must be None, "spawn" or "forkserver", not {context!r}')
 
 
 def _close_all(link: Link | None, launched: Launched) -> None:

@@ -46,11 +46,13 @@ def flags(options: dict[str, object]) -> list[str]:
 class Launched:
     """The processes of one `make`: started at once, stopped by `stop()` (idempotent)."""
 
-    def __init__(self, env: str, sizes: list[int], options: dict[str, object]) -> None:
+    def __init__(self, env: str, sizes: list[int], options: dict[str, object],
+                 forkserver: launch.RoleStarter | None = None) -> None:
+        """`forkserver`: where the processes are forked from (None: an interpreter each)."""
         self.dir = Path(tempfile.mkdtemp(prefix="sbv-"))  # ipc paths must stay short
         self.endpoints = {name: f"ipc://{self.dir}/{name}"
                           for name in ("controller", "broadcast", "steps", "vector")}
-        self.group = launch.Group(self.dir)
+        self.group = launch.Group(self.dir, forkserver=forkserver)
         atexit.register(self.stop)
         try:
             self.start("controller")
