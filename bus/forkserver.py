@@ -16,9 +16,9 @@ not by an environment tag; and the server makes no thread and no ZeroMQ context 
 forks (a forked copy of a threaded process may deadlock).
 
 Protocol: JSON lines. The starter writes `{"argv": [...], "env": {...}, "cwd": ..., "log":
-...}` to the server's stdin and reads `{"pid": N}` for it; whenever a child ends, the server
-writes `{"exit": N, "code": C}` (C as `Popen.returncode`: negative for a signal). The server
-ends when its stdin closes.
+..., "err": ...}` to the server's stdin and reads `{"pid": N}` for it; whenever a child ends,
+the server writes `{"exit": N, "code": C}` (C as `Popen.returncode`: negative for a signal).
+The server ends when its stdin closes.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def _become(request: dict[str, Any], server_fds: tuple[int, int], server: int) -
         os.close(fd)
     os.setsid()
     launch.die_with_parent(server)  # a server already gone is caught: the child leaves
-    _redirect(request.get("log"))
+    _redirect(request.get("log"), request.get("err"))
     # The server's own PYTHONPATH entries are judged from its directory, before the chdir.
     _set_path(os.environ.get("PYTHONPATH", ""), request["env"].get("PYTHONPATH", ""),
               request["cwd"])
@@ -126,14 +126,16 @@ def _set_path(server_pythonpath: str, pythonpath: str, cwd: str) -> None:
     sys.path[:] = [os.path.abspath(cwd), *map(os.path.normpath, theirs), *rest]
 
 
-def _redirect(log: str | None) -> None:
-    """stdin from /dev/null, stdout and stderr to `log` (or /dev/null), written through."""
+def _redirect(log: str | None, err: str | None) -> None:
+    """stdin from /dev/null, stdout to `log` (or /dev/null) and stderr there too, or to `err`
+    if given, written through."""
     null = os.open(os.devnull, os.O_RDWR)
     out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if log else null
+    errors = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if err else out
     os.dup2(null, 0)
     os.dup2(out, 1)
-    os.dup2(out, 2)
-    for fd in {null, out}:
+    os.dup2(errors, 2)
+    for fd in {null, out, errors}:
         os.close(fd)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, ValueError):
@@ -181,11 +183,12 @@ class ForkServer:
             self._changed.notify_all()
 
     def start(self, argv: Sequence[str], *, env: Mapping[str, str], cwd: str | os.PathLike[str],
-              log: Path | None) -> Forked:
-        """`python -m stepbus ARGV` as a child of the server. Raises OSError if the server
-        is gone or does not answer."""
+              log: Path | None, err: Path | None = None) -> Forked:
+        """`python -m stepbus ARGV` as a child of the server, its output to `log` (its stderr
+        to `err` if given). Raises OSError if the server is gone or does not answer."""
         request = {"argv": list(argv), "env": dict(env), "cwd": os.fspath(cwd),
-                   "log": None if log is None else os.fspath(log)}
+                   "log": None if log is None else os.fspath(log),
+                   "err": None if err is None else os.fspath(err)}
         with self._request_lock:
             assert self.process.stdin is not None
             self.process.stdin.write(json.dumps(request).encode() + b"\n")

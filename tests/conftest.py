@@ -57,6 +57,7 @@ class Cluster:
         self.dir = Path(tempfile.mkdtemp(prefix="sb-"))
         self.endpoints = {name: f"ipc://{self.dir}/{name}" for name in wiring.ENDPOINTS}
         self.group = launch.Group(self.dir, forkserver=shared_forkserver())
+        self.commands = 0  # `cli` commands run, which name their output files
 
     @property
     def procs(self) -> list[Proc]:
@@ -97,8 +98,22 @@ class Cluster:
         return topology.stand_in(kind, endpoint, bind=bind)
 
     def cli(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "stepbus", *args], capture_output=True,
-                              text=True, env=self.env(), cwd=self.dir, timeout=timeout)
+        """`stepbus ARGS` as a user runs it, what it printed on each stream and its exit code:
+        forked from the fork server when there is one (a Python start-up saved per command)."""
+        argv = [sys.executable, "-m", "stepbus", *args]
+        server = shared_forkserver()
+        if server is None:
+            return subprocess.run(argv, capture_output=True, text=True, env=self.env(),
+                                  cwd=self.dir, timeout=timeout)
+        self.commands += 1
+        out, err = (self.dir / f"command{self.commands}.{s}" for s in ("out", "err"))
+        command = server.start(args, env=self.env(), cwd=self.dir, log=out, err=err)
+        try:
+            code = command.wait(timeout)
+        except subprocess.TimeoutExpired:
+            command.kill()
+            raise
+        return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
 
     def metrics(self) -> list[dict[str, Any]]:
         path = self.runs_dir / "latest" / "metrics.jsonl"  # the trainer links the newest run

@@ -51,6 +51,20 @@ def test_a_setting_error_is_its_exit_2_and_its_line_in_the_log(server: ForkServe
     assert "notanendpoint" in bad.output() and "Traceback" not in bad.output()
 
 
+def test_a_command_s_two_streams_go_to_two_files_when_asked(server: ForkServer,
+                                                             short_dir: Path) -> None:
+    """As `subprocess.run(capture_output=True)` keeps them apart: what a command prints on
+    stdout in one file, its error line in the other."""
+    out, err = short_dir / "out", short_dir / "err"
+    ok = server.start(["keys", "--dir", str(short_dir / "keys")], env=launch.environment({}),
+                      cwd=short_dir, log=out, err=err)
+    assert ok.wait(30) == 0 and "client.key" in out.read_text() and err.read_text() == ""
+    bad = server.start(["status", "--controller", "nowhere"], env=launch.environment({}),
+                       cwd=short_dir, log=out, err=err)
+    assert bad.wait(30) == 2 and out.read_text() == ""
+    assert "nowhere" in err.read_text() and "Traceback" not in err.read_text()
+
+
 def test_a_child_whose_exit_is_read_before_its_start_returns_keeps_its_exit_code() -> None:
     """A child that exits at once (a setting error) may have its exit read right after its
     pid, before `start` takes the pid: that exit is its own, not a reused pid's last
