@@ -27,6 +27,7 @@ import atexit
 import contextlib
 import json
 import os
+import queue
 import select
 import signal
 import subprocess
@@ -208,6 +209,10 @@ class ForkServer:
             self._changed.wait_for(lambda: pid in self._exits or self._gone, timeout)
             return self._exits.get(pid, SERVER_GONE if self._gone else None)
 
+    def alive(self) -> bool:
+        """Whether it still starts processes (not killed, not given up on)."""
+        return not self._gone and self.process.poll() is None
+
     def close(self) -> None:
         """End the server (its children get SIGTERM) and wait for it."""
         with contextlib.suppress(OSError, ValueError):
@@ -225,16 +230,37 @@ _SHARED_LOCK = threading.Lock()
 
 
 def shared() -> ForkServer:
-    """This process's own fork server, started on first use (from the calling thread, which
-    should outlive the processes it starts) and ended at exit: what `stepbus.vector.make(...,
-    context="forkserver")` and the test suite's clusters start their roles from."""
+    """This process's own fork server, started on first use and again if it died, ended at
+    exit: what `stepbus.vector.make(..., context="forkserver")` and the test suite's clusters
+    start their roles from."""
     with _SHARED_LOCK:
-        if not _SHARED or _SHARED[0].process.poll() is not None:  # none yet, or killed
+        if not _SHARED or not _SHARED[0].alive():
             if _SHARED:
                 atexit.unregister(_SHARED.pop().close)
-            _SHARED.append(ForkServer())
+            _SHARED.append(started_from_keeper())
             atexit.register(_SHARED[0].close)
         return _SHARED[0]
+
+
+def started_from_keeper() -> ForkServer:
+    """A server started from a daemon thread that lives as long as this process: the kernel
+    ends a child when the thread that started it exits (PR_SET_PDEATHSIG), and whoever asks
+    first may be a short-lived thread."""
+    started: queue.Queue[ForkServer | BaseException] = queue.Queue()
+
+    def keep() -> None:
+        try:
+            started.put(ForkServer())
+        except BaseException as exc:  # said in the asking thread
+            started.put(exc)
+            return
+        threading.Event().wait()  # for ever: the server's parent thread
+
+    threading.Thread(target=keep, daemon=True, name="forkserver-keeper").start()
+    server = started.get()
+    if isinstance(server, BaseException):
+        raise server
+    return server
 
 
 class Forked:

@@ -112,7 +112,8 @@ class Cluster:
             code = command.wait(timeout)
         except subprocess.TimeoutExpired:
             command.kill()
-            raise
+            raise subprocess.TimeoutExpired(argv, timeout, out.read_text(),
+                                            err.read_text()) from None
         return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
 
     def metrics(self) -> list[dict[str, Any]]:
@@ -173,33 +174,41 @@ class SolvedRun:
     runs_dir: Path
 
 
+SOLVE_TIMEOUT_S = 90  # under the suite's 120 s per test, which counts a fixture's setup
+
+
 @pytest.fixture(scope="session")
-def solved_cartpole(tmp_path_factory: pytest.TempPathFactory) -> SolvedRun:
+def solved_cartpole(request: pytest.FixtureRequest,
+                    tmp_path_factory: pytest.TempPathFactory) -> SolvedRun:
     """`stepbus run` (CartPole to its threshold, seed 0) in a fresh interpreter, once for the
     whole session: the first test to ask runs it while any other xdist worker asking waits on
     the lock, and both read what it left. Tests that need a solved run share it (a solve is
     the suite's most expensive step), and each checks its own claim on it."""
     shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    if hasattr(request.config, "workerinput"):
         shared = shared.parent  # one directory for every worker of this session
     with (shared / "solved-cartpole.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         record = shared / "solved-cartpole.json"
         if not record.exists():
             cwd = shared / "solved-cartpole"
+            shutil.rmtree(cwd, ignore_errors=True)  # a solve interrupted before its record
             cwd.mkdir()
-            env = {k: v for k, v in os.environ.items() if not k.startswith("STEPBUS_")}
-            try:
-                res = subprocess.run([sys.executable, "-m", "stepbus", "run",
-                                      "--max-env-steps", "300000"], capture_output=True,
-                                     text=True, timeout=240, cwd=cwd, env=env)
-                said = {"returncode": res.returncode, "stdout": res.stdout,
-                        "stderr": res.stderr}
-            except subprocess.TimeoutExpired:  # every test that shares it fails, saying so
-                said = {"returncode": -1, "stdout": "", "stderr": "no exit within 240 s"}
-            record.write_text(json.dumps({**said, "runs_dir": str(cwd / "runs")}))
+            record.write_text(json.dumps({**_solve(cwd), "runs_dir": str(cwd / "runs")}))
     fields = json.loads(record.read_text())
     return SolvedRun(**{**fields, "runs_dir": Path(fields["runs_dir"])})
+
+
+def _solve(cwd: Path) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPBUS_")}
+    try:
+        res = subprocess.run([sys.executable, "-m", "stepbus", "run", "--max-env-steps",
+                              "300000"], capture_output=True, text=True,
+                             timeout=SOLVE_TIMEOUT_S, cwd=cwd, env=env)
+    except subprocess.TimeoutExpired:  # every test that shares it fails, saying so
+        return {"returncode": -1, "stdout": "",
+                "stderr": f"no exit within {SOLVE_TIMEOUT_S} s"}
+    return {"returncode": res.returncode, "stdout": res.stdout, "stderr": res.stderr}
 
 
 def pytest_configure(config: pytest.Config) -> None:

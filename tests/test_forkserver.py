@@ -9,13 +9,14 @@ import os
 import signal
 import subprocess
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import wait_for
 
-from stepbus.bus import launch
+from stepbus.bus import forkserver, launch
 from stepbus.bus.forkserver import ForkServer
 
 
@@ -121,3 +122,23 @@ def test_no_child_outlives_the_server(short_dir: Path) -> None:
     wait_for(lambda: (short_dir / "controller").exists(), 30, "the controller's socket")
     forks.close()
     wait_for(lambda: not alive(controller.pid), 10, "the controller to end with its server")
+
+
+def test_the_shared_server_outlives_the_thread_that_asked_and_is_started_again_once_dead(
+        short_dir: Path) -> None:
+    asked: list[ForkServer] = []
+    thread = threading.Thread(target=lambda: asked.append(forkserver.started_from_keeper()))
+    thread.start()
+    thread.join(30)
+    try:
+        child = asked[0].start(["keys", "--dir", str(short_dir / "keys")],
+                               env=launch.environment({}), cwd=short_dir, log=None)
+        assert child.wait(30) == 0, "its parent is the keeper thread, not the one that ended"
+    finally:
+        asked[0].close()
+    first = forkserver.shared()
+    assert forkserver.shared() is first
+    first.process.kill()
+    first.process.wait(10)
+    again = forkserver.shared()
+    assert again is not first and again.alive()

@@ -9,7 +9,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import pytest
-from conftest import TESTS_DIR
+from conftest import TESTS_DIR, shared_forkserver
 
 import stepbus.vector as sv
 
@@ -25,7 +25,8 @@ def closing_make(monkeypatch: pytest.MonkeyPatch) -> Iterator[Made]:
     made: list[sv.BusVectorEnv] = []
 
     def factory(*args: Any, **kwargs: Any) -> sv.BusVectorEnv:
-        kwargs.setdefault("context", "forkserver")  # the suite makes dozens
+        # The suite makes dozens: forked, unless STEPBUS_TEST_FORKSERVER=0 says otherwise.
+        kwargs.setdefault("context", "forkserver" if shared_forkserver() else "spawn")
         made.append(sv.make(*args, **kwargs))
         return made[-1]
 

@@ -40,10 +40,11 @@ def make(env: str, num_envs: int, workers: int = 1, *,
 
     Args:
         infos: the envs' infos travel (False: none, and the workers pay nothing for them).
-        context: how the processes start, as AsyncVectorEnv's `context`: None or "spawn", a
-            fresh interpreter each (0.3-0.5 s of CPU on imports apiece); "forkserver", forked
-            from a server this process starts on first use and keeps until it exits, which
-            has imported stepbus already (a make after the first starts in milliseconds).
+        context: how the processes start (named after AsyncVectorEnv's start methods): None
+            or "spawn", a fresh interpreter each (0.3-0.5 s of CPU on imports apiece);
+            "forkserver", forked from a server this process starts on first use and keeps
+            until it exits, which has imported stepbus already (a make after the first starts
+            in milliseconds; see docs/vector.md for what that means for the environment).
         worker_options: more `stepbus worker` flags, e.g. `max_env_restarts_per_minute=3`,
             or `episode_statistics=True` for each env's `infos["episode"]`.
 
