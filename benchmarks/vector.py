@@ -1,15 +1,16 @@
 """stepbus as a vector env: env steps per second against gymnasium's AsyncVectorEnv, and SB3's
 PPO solving CartPole-v1 on `stepbus.vector.sb3.VecEnv`.
 
-    python benchmarks/vector.py [--num-envs 8 32] [--seconds 5] [--env ID ...] [--sb3]
+    python benchmarks/vector.py [--num-envs 8 32] [--seconds 5] [--env ID ...] [--workers 2 4]
+                                [--sb3]
 
 Throughput: each `--env` (default CartPole-v1, and stepbus.workers.bench_envs:heavy_tailed,
 whose steps cost 1 ms of CPU, 10 ms one time in ten) with random actions drawn beforehand (no
 policy), for each num_envs: gymnasium's SyncVectorEnv (one process), AsyncVectorEnv (one
-process per env, observations in shared memory), and
-`stepbus.vector.make(..., workers=2)` stepped in lockstep (`step`) and asynchronously
-(`send`/`recv` with batch_size num_envs / 2: one worker's envs while the other steps); where
-`envpool` is installed and has the env, EnvPool the same two ways (its C++ thread pool). Each
+process per env, observations in shared memory), and `stepbus.vector.make(..., workers=W)` for
+each `--workers` W (default 2) stepped in lockstep (`step`) and asynchronously (`send`/`recv`
+with batch_size num_envs / 2: whichever envs are ready); where `envpool` is installed and has
+the env, EnvPool the same two ways (its C++ thread pool). Each
 figure is env steps (batch rows) per second of wall time over `--seconds`, after a warm-up; all
 run in one invocation, one after the other, so load changes hit them alike.
 
@@ -113,7 +114,21 @@ def envpool_makers(env: str, num_envs: int) -> list[tuple[str, Callable[[], Any]
                 env, num_envs=num_envs, batch_size=num_envs // 2), envpool_async)]
 
 
-def throughput(env: str, num_envs: int, seconds: float) -> list[dict[str, Any]]:
+def stepbus_makers(env: str, num_envs: int, workers: list[int]
+                   ) -> list[tuple[str, Callable[[], Any], Callable[..., float]]]:
+    """stepbus's vector env with each worker count, in lockstep and by send/recv."""
+    makers: list[tuple[str, Callable[[], Any], Callable[..., float]]] = []
+    for w in workers:
+        makers += [(f"stepbus.vector lockstep, {w} workers",
+                    functools.partial(sv.make, env, num_envs, workers=w), lockstep),
+                   (f"stepbus.vector send/recv, {w} workers",
+                    functools.partial(sv.make, env, num_envs, workers=w,
+                                      batch_size=num_envs // 2), async_steps)]
+    return makers
+
+
+def throughput(env: str, num_envs: int, seconds: float,
+               workers: list[int]) -> list[dict[str, Any]]:
     probe = make_env(env)
     probe.action_space.seed(0)
     actions = np.array([[probe.action_space.sample() for _ in range(num_envs)]
@@ -123,10 +138,7 @@ def throughput(env: str, num_envs: int, seconds: float) -> list[dict[str, Any]]:
     makers: list[tuple[str, Callable[[], Any], Callable[..., float]]] = [
         ("SyncVectorEnv", lambda: gym.vector.SyncVectorEnv(fns), lockstep),
         ("AsyncVectorEnv", lambda: gym.vector.AsyncVectorEnv(fns, shared_memory=True), lockstep),
-        ("stepbus.vector lockstep, 2 workers",
-         lambda: sv.make(env, num_envs, workers=2), lockstep),
-        ("stepbus.vector send/recv, 2 workers",
-         lambda: sv.make(env, num_envs, workers=2, batch_size=num_envs // 2), async_steps),
+        *stepbus_makers(env, num_envs, [w for w in workers if w <= num_envs]),
         *envpool_makers(env, num_envs),
     ]
     out = []
@@ -205,13 +217,15 @@ def main() -> int:
     parser.add_argument("--env", nargs="+",
                         default=["CartPole-v1", "stepbus.workers.bench_envs:heavy_tailed"])
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--workers", type=int, nargs="+", default=[2],
+                        help="stepbus's worker counts (each at most num_envs)")
     parser.add_argument("--sb3", action="store_true", help="also SB3 PPO to a solve")
     parser.add_argument("--sb3-only", action="store_true", help="only SB3 PPO to a solve")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if not args.sb3_only:
         rows = [r for env in args.env for n in args.num_envs
-                for r in throughput(env, n, args.seconds)]
+                for r in throughput(env, n, args.seconds, args.workers)]
         for r in rows:
             base = next(q["env_steps_per_s"] for q in rows if q["system"] == "AsyncVectorEnv"
                         and q["env"] == r["env"] and q["num_envs"] == r["num_envs"])
