@@ -139,7 +139,7 @@ class ScriptedLink(link.Link):
 def test_a_step_result_still_on_its_way_is_not_taken_for_the_reset_that_follows() -> None:
     """A STEP's result that was in flight when another worker was lost reaches the env after
     it attached again and sent its RESET: it must be dropped, not handed back as the reset's
-    observations (seen once in CI: rows of a `reset(seed=3)` unlike the first's)."""
+    observations (which gave rows of a `reset(seed=3)` unlike another `reset(seed=3)`'s)."""
     spec = envs.space_spec(gym.make("CartPole-v1"))
     members = [p.Member(name=n, incarnation="i", rows=2, agents=0) for n in ("w0", "w1")]
 
