@@ -104,6 +104,14 @@ def test_the_readme_installs_and_tests_exactly_as_ci_does():
         missing = [c for c in ci if _normal(c) not in readme_commands]
         assert missing == [], (f"the README's Quickstart must run what .ci/run runs under "
                                f"'# README: {marker}'; add {missing} to it")
+    # and the other way: every install and test step of the second command is marked in CI
+    ci_commands = {_normal(c) for marker in ("install", "test") for c in _ci_commands(marker)}
+    second = next(line for line in block.splitlines() if "pytest" in line)
+    steps = [_normal(part) for part in second.split("&&")
+             if not part.strip().startswith(("python3 -m venv", "."))]
+    unmarked = [s for s in steps if s not in ci_commands and s != "mypy"]
+    assert unmarked == [], (f"{unmarked} from the README's test command run in .ci/run under no "
+                            "'# README:' marker (or not at all)")
 
 
 def config_env_vars(cls: type) -> set[str]:
