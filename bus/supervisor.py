@@ -349,6 +349,9 @@ class Supervisor(node.Process):
     def child_started(self, now: float) -> None:
         """A hook for subclasses: a child was just started."""
 
+    def child_beating(self, now: float) -> None:
+        """A hook for subclasses: the child beat for the first time (its start-up is done)."""
+
     def could_not_start(self, exc: Exception, now: float) -> None:
         """Starting a child failed (fork or exec): a quick death, with the same back-off."""
         self.counts.last_error = f"cannot start: {type(exc).__name__}: {exc}"[:LAST_ERROR_CHARS]
@@ -371,9 +374,12 @@ class Supervisor(node.Process):
         if run.beats is not None:
             with contextlib.suppress(BlockingIOError):
                 if os.read(run.beats, 4096):
-                    if run.last_beat is None and not self.leaving:  # out of its start-up grace
+                    first = run.last_beat is None
+                    if first and not self.leaving:  # out of its start-up grace
                         self.at("silence", now + SILENT_S, self.check_silence)
                     run.last_beat = now
+                    if first:
+                        self.child_beating(now)
         if (code := run.popen.poll()) is not None:
             self.pass_stderr(run, final=True)
             self.child_exited(run, code, now)

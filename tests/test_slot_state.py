@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from conftest import ManualClock
@@ -22,11 +23,19 @@ from stepbus.trainer import slot
 T0 = 1000.0
 EXITS_3 = "import sys; sys.exit(3)"
 EXITS_0 = "import sys; sys.exit(0)"
-# Beats once, then sleeps; with --bad among its flags it exits 5 at once (a refused setting).
+# Beats once, then sleeps; with --bad among its flags it exits 5 at once (a refused setting);
+# with --slow FILE it waits for FILE before it goes on (a start-up slower than the probation:
+# imports from a cold disk), with --slow-bad FILE it then exits 2 without a beat.
 LEARNER = """
 import os, sys, time
 if "--bad" in sys.argv:
     sys.exit(5)
+for flag in ("--slow", "--slow-bad"):
+    if flag in sys.argv:
+        while not os.path.exists(sys.argv[sys.argv.index(flag) + 1]):
+            time.sleep(0.01)
+if "--slow-bad" in sys.argv:
+    sys.exit(2)
 os.write(int(os.environ["STEPBUS_SLOT_BEAT_FD"]), b".")
 time.sleep(60)
 """
@@ -182,6 +191,7 @@ def test_a_swap_stops_the_learner_starts_one_with_the_new_flags_and_replies_afte
     second = bench.learner().popen.pid
     assert second != first and bench.learner().popen.args[-2:] == ["--lr", "0.2"]
     assert "0.1" not in bench.learner().popen.args, "a swapped flag's earlier value goes"
+    bench.wait_beat(1.3)
     bench.at(1.2 + slot.PROBATION_S - 0.1)
     assert bench.replies() == []
     bench.at(1.2 + slot.PROBATION_S)
@@ -251,6 +261,43 @@ def test_a_swapped_in_learner_that_exits_in_probation_is_reverted_and_a_refused_
         ok=False, detail="learner flags refused: unrecognized arguments: --no-such-flag 1")]
     refused.at(2.0)
     assert refused.learner().popen.pid == pid and refused.learner().popen.poll() is None
+
+
+def test_a_swapped_in_learner_still_starting_when_its_probation_ends_is_proven_at_its_first_beat(
+        benches: list[Bench], tmp_path: Path):
+    """A start-up slower than the probation (imports from a cold disk): the swap is proven
+    only once the new learner beats, so a setting it refuses late (exit 2) still reverts the
+    swap instead of ending the slot, and with it the run."""
+    bench = Bench(LEARNER)
+    benches.append(bench)
+    bench.at(0.0)
+    go = tmp_path / "go"
+    bench.slot.deliver(b"", p.TrainerSwap(slot="", args=["--slow-bad", str(go)]), now=T0 + 1)
+    bench.wait_exit(1.1)
+    bench.at(1.1)
+    bench.at(1.1 + slot.PROBATION_S + 1)
+    assert bench.replies() == [] and bench.slot.figures()["state"] == "swapping"
+    go.touch()
+    assert bench.wait_exit(1.1 + slot.PROBATION_S + 2) == 2
+    (reply,) = bench.replies()
+    assert isinstance(reply, p.Reply) and not reply.ok and "exit code 2" in reply.detail
+    assert bench.slot.stop_reason == "" and bench.slot.counts.deaths == 0, "not given up on"
+    assert bench.slot.swaps_reverted == 1
+
+    slow = Bench(LEARNER)
+    benches.append(slow)
+    slow.at(0.0)
+    ready = tmp_path / "ready"
+    slow.slot.deliver(b"", p.TrainerSwap(slot="", args=["--slow", str(ready)]), now=T0 + 1)
+    slow.wait_exit(1.1)
+    slow.at(1.1)
+    slow.at(1.1 + slot.PROBATION_S + 1)
+    assert slow.replies() == []
+    ready.touch()
+    slow.wait_beat(1.1 + slot.PROBATION_S + 2)
+    assert slow.replies() == [p.Reply(
+        ok=True, detail=f"learner pid {slow.learner().popen.pid} running with --slow {ready}")]
+    assert slow.slot.swaps == 1
 
 
 def test_on_shutdown_the_learner_gets_sigterm_then_sigkill_after_the_grace_and_the_loop_ends(

@@ -27,7 +27,9 @@ from stepbus.bus.supervisor import Running
 from stepbus.bus.topology import PortName
 from stepbus.trainer import learner, resume
 
-PROBATION_S = 3.0  # a swapped-in learner that exits this early refused its settings: revert
+# A swapped-in learner that exits before it has run this long and beaten once (its imports
+# and setting checks done, however slow its start) refused its settings: revert.
+PROBATION_S = 3.0
 
 
 @dataclass
@@ -72,7 +74,7 @@ class Slot(supervisor.Supervisor):
 
     def exited_unasked(self, ended: Running, code: int, now: float, asked: bool) -> None:
         """A learner stopped for a swap makes way for the new one; a swapped-in one that
-        exits in probation refused its settings; any other exit (0 too: a learner that left
+        exits before it is proven refused its settings; any other exit (0 too: a learner that left
         by itself may be followed by a shutdown) is a death, restarted from the checkpoint."""
         if asked:
             self.at("restart", now, self.start_child)  # the swap's new learner
@@ -101,9 +103,15 @@ class Slot(supervisor.Supervisor):
         else:
             self.at("restart", self.now, self.start_child)  # new settings deserve a fresh try
 
+    def child_beating(self, now: float) -> None:
+        if self.swap is not None and self.swap.started and "probation" not in self.timers:
+            self.swap_proven(now)  # its probation ran out while it was still starting
+
     def swap_proven(self, now: float) -> None:
         if self.swap is None or not self.swap.started:
             return
+        if self.running is None or self.running.last_beat is None:
+            return  # still starting (a slow import): proven at its first beat, or reverted
         self.swaps += 1
         self.reply(True, f"learner pid {self.learner_pid()} running with {self.settings()}")
         self.swap = None
