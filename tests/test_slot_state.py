@@ -263,40 +263,38 @@ def test_a_swapped_in_learner_that_exits_in_probation_is_reverted_and_a_refused_
     assert refused.learner().popen.pid == pid and refused.learner().popen.poll() is None
 
 
+def swapped_in_slowly(benches: list[Bench], flag: str, go: Path) -> Bench:
+    """A slot whose swapped-in learner (`flag` FILE) is still starting 1 s after its
+    probation ran out: not proven yet."""
+    bench = Bench(LEARNER)
+    benches.append(bench)
+    bench.at(0.0)
+    bench.slot.deliver(b"", p.TrainerSwap(slot="", args=[flag, str(go)]), now=T0 + 1)
+    bench.wait_exit(1.1)
+    bench.at(1.1)
+    bench.at(1.1 + slot.PROBATION_S + 1)
+    assert bench.replies() == [] and bench.slot.figures()["state"] == "swapping"
+    return bench
+
+
 def test_a_swapped_in_learner_still_starting_when_its_probation_ends_is_proven_at_its_first_beat(
         benches: list[Bench], tmp_path: Path):
     """A start-up slower than the probation (imports from a cold disk): the swap is proven
     only once the new learner beats, so a setting it refuses late (exit 2) still reverts the
     swap instead of ending the slot, and with it the run."""
-    bench = Bench(LEARNER)
-    benches.append(bench)
-    bench.at(0.0)
-    go = tmp_path / "go"
-    bench.slot.deliver(b"", p.TrainerSwap(slot="", args=["--slow-bad", str(go)]), now=T0 + 1)
-    bench.wait_exit(1.1)
-    bench.at(1.1)
-    bench.at(1.1 + slot.PROBATION_S + 1)
-    assert bench.replies() == [] and bench.slot.figures()["state"] == "swapping"
-    go.touch()
-    assert bench.wait_exit(1.1 + slot.PROBATION_S + 2) == 2
-    (reply,) = bench.replies()
+    refusing = swapped_in_slowly(benches, "--slow-bad", tmp_path / "go")
+    (tmp_path / "go").touch()
+    assert refusing.wait_exit(1.1 + slot.PROBATION_S + 2) == 2
+    (reply,) = refusing.replies()
     assert isinstance(reply, p.Reply) and not reply.ok and "exit code 2" in reply.detail
-    assert bench.slot.stop_reason == "" and bench.slot.counts.deaths == 0, "not given up on"
-    assert bench.slot.swaps_reverted == 1
+    assert refusing.slot.stop_reason == "" and refusing.slot.counts.deaths == 0, "not given up"
+    assert refusing.slot.swaps_reverted == 1
 
-    slow = Bench(LEARNER)
-    benches.append(slow)
-    slow.at(0.0)
-    ready = tmp_path / "ready"
-    slow.slot.deliver(b"", p.TrainerSwap(slot="", args=["--slow", str(ready)]), now=T0 + 1)
-    slow.wait_exit(1.1)
-    slow.at(1.1)
-    slow.at(1.1 + slot.PROBATION_S + 1)
-    assert slow.replies() == []
-    ready.touch()
+    slow = swapped_in_slowly(benches, "--slow", tmp_path / "ready")
+    (tmp_path / "ready").touch()
     slow.wait_beat(1.1 + slot.PROBATION_S + 2)
-    assert slow.replies() == [p.Reply(
-        ok=True, detail=f"learner pid {slow.learner().popen.pid} running with --slow {ready}")]
+    assert slow.replies() == [p.Reply(ok=True, detail=(
+        f"learner pid {slow.learner().popen.pid} running with --slow {tmp_path / 'ready'}"))]
     assert slow.slot.swaps == 1
 
 
