@@ -350,7 +350,8 @@ class Supervisor(node.Process):
         """A hook for subclasses: a child was just started."""
 
     def child_beating(self, now: float) -> None:
-        """A hook for subclasses: the child beat for the first time (its start-up is done)."""
+        """A hook for subclasses: the child beat for the first time (out of its start-up grace;
+        a learner beats once its imports and first setting checks are done)."""
 
     def could_not_start(self, exc: Exception, now: float) -> None:
         """Starting a child failed (fork or exec): a quick death, with the same back-off."""

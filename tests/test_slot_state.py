@@ -16,7 +16,7 @@ import pytest
 from conftest import ManualClock
 
 from stepbus import cli
-from stepbus.bus import node, supervisor
+from stepbus.bus import controller, node, supervisor
 from stepbus.bus import protocol as p
 from stepbus.trainer import slot
 
@@ -215,7 +215,7 @@ def test_a_swap_under_way_when_the_run_ends_is_answered_as_the_slot_leaves(
     bench.slot.deliver(b"", p.Shutdown(reason="stepbus shutdown"), now=T0 + 2)
     assert bench.replies() == [p.Reply(ok=True, detail=(
         f"learner pid {second} ran with --lr 0.2 until the slot stopped (stepbus "
-        f"shutdown), before its {slot.PROBATION_S:g}s probation ended"))]
+        f"shutdown), before it was proven"))]
     assert bench.slot.swaps == 1
     bench.at(2.0 + slot.PROBATION_S)
     assert bench.replies() == [], "one answer"
@@ -296,6 +296,16 @@ def test_a_swapped_in_learner_still_starting_when_its_probation_ends_is_proven_a
     assert slow.replies() == [p.Reply(ok=True, detail=(
         f"learner pid {slow.learner().popen.pid} running with --slow {tmp_path / 'ready'}"))]
     assert slow.slot.swaps == 1
+
+    # One that never beats is answered all the same, START_WAIT_S after its start: before the
+    # controller gives up on the swap and answers it itself (its SWAP_TIMEOUT_S).
+    stuck = swapped_in_slowly(benches, "--slow", tmp_path / "never")
+    stuck.at(1.1 + slot.START_WAIT_S - 0.1)
+    assert stuck.replies() == []
+    stuck.at(1.1 + slot.START_WAIT_S)
+    [reply] = stuck.replies()
+    assert isinstance(reply, p.Reply) and reply.ok and stuck.slot.swaps == 1
+    assert slot.START_WAIT_S + supervisor.STOP_GRACE_S < controller.SWAP_TIMEOUT_S
 
 
 def test_on_shutdown_the_learner_gets_sigterm_then_sigkill_after_the_grace_and_the_loop_ends(

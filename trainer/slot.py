@@ -28,8 +28,12 @@ from stepbus.bus.topology import PortName
 from stepbus.trainer import learner, resume
 
 # A swapped-in learner that exits before it has run this long and beaten once (its imports
-# and setting checks done, however slow its start) refused its settings: revert.
+# and first setting checks done) refused its settings: revert. One still starting when this
+# ran out is proven at its first beat, or START_WAIT_S after its start, whichever comes first:
+# the controller answers `stepbus trainer swap` itself after its SWAP_TIMEOUT_S, and the old
+# learner's stop may take STOP_GRACE_S of that (tests/test_slot_state.py keeps them apart).
 PROBATION_S = 3.0
+START_WAIT_S = 20.0
 
 
 @dataclass
@@ -38,11 +42,12 @@ class Swap:
 
     previous_args: list[str]
     started: float = 0.0  # when the new learner was started (0: the old one is still stopping)
+    served: bool = False  # the new learner ran PROBATION_S: proven at its first beat
 
 
 class Slot(supervisor.Supervisor):
     """A supervisor of learners that also swaps them. Sends its swap replies on "controller";
-    the "probation" timer says a swapped-in learner proved itself."""
+    the "probation" timer says a swapped-in learner ran long enough to prove itself."""
 
     role = "slot"
     noun = "learner"
@@ -70,7 +75,7 @@ class Slot(supervisor.Supervisor):
     def child_started(self, now: float) -> None:
         if self.swap is not None and not self.swap.started:
             self.swap.started = now
-            self.at("probation", now + PROBATION_S, self.swap_proven)
+            self.at("probation", now + PROBATION_S, self.probation_over)
 
     def exited_unasked(self, ended: Running, code: int, now: float, asked: bool) -> None:
         """A learner stopped for a swap makes way for the new one; a swapped-in one that
@@ -103,15 +108,23 @@ class Slot(supervisor.Supervisor):
         else:
             self.at("restart", self.now, self.start_child)  # new settings deserve a fresh try
 
+    def probation_over(self, now: float) -> None:
+        if self.swap is None or not self.swap.started:
+            return
+        self.swap.served = True
+        if self.running is not None and self.running.last_beat is None:  # a slow start
+            self.at("probation", self.swap.started + START_WAIT_S, self.swap_proven)
+        else:
+            self.swap_proven(now)
+
     def child_beating(self, now: float) -> None:
-        if self.swap is not None and self.swap.started and "probation" not in self.timers:
+        if self.swap is not None and self.swap.served:
             self.swap_proven(now)  # its probation ran out while it was still starting
 
     def swap_proven(self, now: float) -> None:
         if self.swap is None or not self.swap.started:
             return
-        if self.running is None or self.running.last_beat is None:
-            return  # still starting (a slow import): proven at its first beat, or reverted
+        self.cancel("probation")
         self.swaps += 1
         self.reply(True, f"learner pid {self.learner_pid()} running with {self.settings()}")
         self.swap = None
@@ -155,8 +168,7 @@ class Slot(supervisor.Supervisor):
         if started:
             self.swaps += 1
             self.reply(True, f"learner pid {self.learner_pid()} ran with {self.settings()} until "
-                             f"the slot stopped ({reason}), before its {PROBATION_S:g}s "
-                             "probation ended")
+                             f"the slot stopped ({reason}), before it was proven")
         else:
             self.reply(False, f"the slot stopped ({reason}) before the new learner started")
 
