@@ -51,6 +51,7 @@ STOP_GRACE_S = 4.0  # then SIGKILL; honcho's own SIGKILL comes 5 s after its SIG
 SHUTDOWN_WAIT_S = 20.0  # a child told of a shutdown gets this long to leave before SIGTERM
 STARTUP_GRACE_S = 30.0  # before its first beat (imports, a slow disk), a child is not frozen
 SILENT_S = 3.0  # after it: this long without a beat, and a beating child is frozen
+STARTED = b"!"  # a beating child that says so once: past its start-up (its settings taken)
 NO_PIDFD_LOOK_S = 0.05  # without a pidfd to wake on its exit, look at the child this often
 LAST_ERROR_CHARS = 300  # of the child's last stderr line, kept as its last error
 
@@ -129,6 +130,7 @@ class Running:
     stderr: int  # read end of the child's stderr
     beats: int | None = None
     last_beat: float | None = None
+    said_started: bool = False  # it wrote STARTED
     killed_frozen: bool = False  # SIGKILLed for falling silent: how its death is told
     pidfd: int | None = None  # readable when the process exits (Linux), so no polling
     partial: bytes = b""  # the stderr line still being written
@@ -349,9 +351,9 @@ class Supervisor(node.Process):
     def child_started(self, now: float) -> None:
         """A hook for subclasses: a child was just started."""
 
-    def child_beating(self, now: float) -> None:
-        """A hook for subclasses: the child beat for the first time (out of its start-up grace;
-        a learner beats once its imports and first setting checks are done)."""
+    def child_said_started(self, now: float) -> None:
+        """A hook for subclasses: the child wrote STARTED (a learner does once its settings,
+        model and checkpoint are taken and it starts learning)."""
 
     def could_not_start(self, exc: Exception, now: float) -> None:
         """Starting a child failed (fork or exec): a quick death, with the same back-off."""
@@ -374,13 +376,13 @@ class Supervisor(node.Process):
         self.pass_stderr(run)
         if run.beats is not None:
             with contextlib.suppress(BlockingIOError):
-                if os.read(run.beats, 4096):
-                    first = run.last_beat is None
-                    if first and not self.leaving:  # out of its start-up grace
+                if beats := os.read(run.beats, 4096):
+                    if run.last_beat is None and not self.leaving:  # out of its start-up grace
                         self.at("silence", now + SILENT_S, self.check_silence)
                     run.last_beat = now
-                    if first:
-                        self.child_beating(now)
+                    if STARTED in beats and not run.said_started:
+                        run.said_started = True
+                        self.child_said_started(now)
         if (code := run.popen.poll()) is not None:
             self.pass_stderr(run, final=True)
             self.child_exited(run, code, now)

@@ -23,20 +23,25 @@ from stepbus.trainer import slot
 T0 = 1000.0
 EXITS_3 = "import sys; sys.exit(3)"
 EXITS_0 = "import sys; sys.exit(0)"
-# Beats once, then sleeps; with --bad among its flags it exits 5 at once (a refused setting);
-# with --slow FILE it waits for FILE before it goes on (a start-up slower than the probation:
-# imports from a cold disk), with --slow-bad FILE it then exits 2 without a beat.
+# Beats once, saying it started, then sleeps; with --bad among its flags it exits 5 at once (a
+# refused setting); with --slow FILE it waits for FILE before it goes on (a start-up slower
+# than the probation: imports from a cold disk), with --slow-bad FILE it then exits 2 without
+# a beat, and with --late-bad FILE it beats first (its setup running), then exits 2 without
+# saying it started (a checkpoint that does not fit the new model).
 LEARNER = """
 import os, sys, time
+beats = int(os.environ["STEPBUS_SLOT_BEAT_FD"])
 if "--bad" in sys.argv:
     sys.exit(5)
-for flag in ("--slow", "--slow-bad"):
+if "--late-bad" in sys.argv:
+    os.write(beats, b".")
+for flag in ("--slow", "--slow-bad", "--late-bad"):
     if flag in sys.argv:
         while not os.path.exists(sys.argv[sys.argv.index(flag) + 1]):
             time.sleep(0.01)
-if "--slow-bad" in sys.argv:
+if "--slow-bad" in sys.argv or "--late-bad" in sys.argv:
     sys.exit(2)
-os.write(int(os.environ["STEPBUS_SLOT_BEAT_FD"]), b".")
+os.write(beats, b".!")
 time.sleep(60)
 """
 # Beats once it ignores SIGTERM, then sleeps: only SIGKILL ends it.
@@ -282,13 +287,17 @@ def test_a_swapped_in_learner_still_starting_when_its_probation_ends_is_proven_a
     """A start-up slower than the probation (imports from a cold disk): the swap is proven
     only once the new learner beats, so a setting it refuses late (exit 2) still reverts the
     swap instead of ending the slot, and with it the run."""
-    refusing = swapped_in_slowly(benches, "--slow-bad", tmp_path / "go")
-    (tmp_path / "go").touch()
-    assert refusing.wait_exit(1.1 + slot.PROBATION_S + 2) == 2
-    (reply,) = refusing.replies()
-    assert isinstance(reply, p.Reply) and not reply.ok and "exit code 2" in reply.detail
-    assert refusing.slot.stop_reason == "" and refusing.slot.counts.deaths == 0, "not given up"
-    assert refusing.slot.swaps_reverted == 1
+    for flag in ("--slow-bad", "--late-bad"):  # refused before its first beat, or after it
+        refusing = swapped_in_slowly(benches, flag, tmp_path / flag)
+        if flag == "--late-bad":
+            refusing.wait_beat(1.1 + slot.PROBATION_S + 1.5)
+            assert refusing.replies() == [], "beating, but not started: not proven"
+        (tmp_path / flag).touch()
+        assert refusing.wait_exit(1.1 + slot.PROBATION_S + 2) == 2
+        (reply,) = refusing.replies()
+        assert isinstance(reply, p.Reply) and not reply.ok and "exit code 2" in reply.detail
+        assert refusing.slot.stop_reason == "" and refusing.slot.counts.deaths == 0, flag
+        assert refusing.slot.swaps_reverted == 1
 
     slow = swapped_in_slowly(benches, "--slow", tmp_path / "ready")
     (tmp_path / "ready").touch()

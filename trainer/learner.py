@@ -342,6 +342,7 @@ class Learner(node.Process):
             self.solve(done)
         self.checkpoint(self.now)
         self.publish()
+        self.slot.started(self.now)  # what a trainer slot proves a swapped-in learner by
 
     def done_already(self) -> str:
         """Why a resumed run has no more to do ("": it goes on): a limit it reached, or the

@@ -27,9 +27,9 @@ from stepbus.bus.supervisor import Running
 from stepbus.bus.topology import PortName
 from stepbus.trainer import learner, resume
 
-# A swapped-in learner that exits before it has run this long and beaten once (its imports
-# and first setting checks done) refused its settings: revert. One still starting when this
-# ran out is proven at its first beat, or START_WAIT_S after its start, whichever comes first:
+# A swapped-in learner that exits before it has run this long and said it started (its
+# settings, model and checkpoint taken) refused its settings: revert. One still starting when
+# this ran out is proven once it says so, or START_WAIT_S after its start, whichever is first:
 # the controller answers `stepbus trainer swap` itself after its SWAP_TIMEOUT_S, and the old
 # learner's stop may take STOP_GRACE_S of that (tests/test_slot_state.py keeps them apart).
 PROBATION_S = 3.0
@@ -42,7 +42,7 @@ class Swap:
 
     previous_args: list[str]
     started: float = 0.0  # when the new learner was started (0: the old one is still stopping)
-    served: bool = False  # the new learner ran PROBATION_S: proven at its first beat
+    served: bool = False  # the new learner ran PROBATION_S: proven once it says it started
 
 
 class Slot(supervisor.Supervisor):
@@ -112,12 +112,12 @@ class Slot(supervisor.Supervisor):
         if self.swap is None or not self.swap.started:
             return
         self.swap.served = True
-        if self.running is not None and self.running.last_beat is None:  # a slow start
+        if self.running is not None and not self.running.said_started:  # a slow start
             self.at("probation", self.swap.started + START_WAIT_S, self.swap_proven)
         else:
             self.swap_proven(now)
 
-    def child_beating(self, now: float) -> None:
+    def child_said_started(self, now: float) -> None:
         if self.swap is not None and self.swap.served:
             self.swap_proven(now)  # its probation ran out while it was still starting
 
