@@ -97,7 +97,7 @@ class VersionHistory:
 
 
 LIVENESS_S = node.LIVENESS_S
-SWAP_TIMEOUT_S = 30.0  # a slot stops its learner (<= 4 s) and watches the new one (3 s)
+SWAP_TIMEOUT_S = 30.0  # a slot stops its learner (<= 4 s), watches the new one (3-20 s)
 ADOPT_RUN_S = 5.0  # a restarted controller takes the run id its peers report this long after start
 # A run id as one is taken from a peer: what `run_id` makes, or the name of a run directory a
 # learner resumes; safe in a path either way (no separator, no leading dot).

@@ -111,8 +111,8 @@ SWAP_HELP = ("replace the learner in the running trainer slot: the current learn
              "checkpoints and exits, a new one resumes the checkpoint with the slot's flags, "
              "these in place of any value they set again (any `stepbus learner` flag, e.g. "
              "--lr 3e-4 or --algo module:Class); a new learner that exits before it has run 3 s "
-             "and started learning (a slow start is waited for up to 20 s) is replaced by one "
-             "with the previous flags")
+             "and taken its settings, model and checkpoint (a slow start is waited for up to "
+             "20 s) is replaced by one with the previous flags")
 
 
 def _flag(name: str) -> str:

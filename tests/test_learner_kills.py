@@ -111,7 +111,8 @@ def lag(rows: list[dict]) -> tuple[float, float, int]:
 
 
 def swap(cluster: Cluster, *flags: str) -> subprocess.Popen:
-    """`stepbus trainer swap FLAGS`, which answers once the new learner has run 3 s."""
+    """`stepbus trainer swap FLAGS`, which answers once the new learner has run 3 s and
+    started."""
     return subprocess.Popen([sys.executable, "-m", "stepbus", "trainer", "swap", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=cluster.env(), cwd=cluster.dir)

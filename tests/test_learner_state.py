@@ -4,9 +4,11 @@ learner in a real pipeline is test_pipeline's, test_receipts' and test_trainer_s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
+import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -18,11 +20,12 @@ from conftest import ManualClock
 from scripted_algos import CurriculumPPO
 
 from stepbus import cli, clidoc
-from stepbus.bus import node
+from stepbus.bus import node, supervisor
 from stepbus.bus import protocol as p
 from stepbus.trainer import checkpoint, learner, ppo
 from stepbus.trainer.algorithm import CannotStart
 from stepbus.trainer.model import Model
+from stepbus.trainer.slot_beat import SlotBeat
 from stepbus.workers import envs
 
 SPEC = envs.space_spec(gym.make("CartPole-v1"))
@@ -57,7 +60,8 @@ class Bench:
 
     def __init__(self, run_dir: Path, *, newest_version: int = 0,
                  algo_class: type = ppo.PPO, incarnation: str = "i1",
-                 spaces: p.SpaceSpec = SPEC, **cfg: object) -> None:
+                 spaces: p.SpaceSpec = SPEC, slot: SlotBeat | None = None,
+                 **cfg: object) -> None:
         """A learner of the run in `run_dir`, resuming its checkpoint if there is one;
         checkpointing and recording after every update unless `checkpoint_interval_s` and
         `metrics_interval_s` say otherwise. The workers declared `spaces` (CartPole's:
@@ -80,7 +84,8 @@ class Bench:
         self.learner = learner.Learner(
             self.cfg, model, progress, run_dir, self.out,
             logging.getLogger("test.learner"), name="t0", incarnation=incarnation,
-            newest_version=newest_version, env=spec, clock=self.clock, run=run_dir.name)
+            newest_version=newest_version, env=spec, clock=self.clock, run=run_dir.name,
+            slot=slot)
 
     def deliver(self, *msgs: p.Message) -> None:
         """Each message as the loop hands it over, then the loop's tick until it has no more
@@ -554,3 +559,40 @@ def test_a_stale_trajectory_is_receipted_once_the_checkpoint_counts_it(tmp_path:
     b.later(0.0)  # the loop's next pass
     assert [r.learned.tolist() for r in b.receipts()] == [[0]]
     b.learner.metrics.close()
+
+
+def test_a_learner_tells_its_slot_it_started_once_it_has_its_settings_model_and_checkpoint(
+        tmp_path: Path) -> None:
+    """What the trainer slot proves a swapped-in learner by (trainer/slot.py): STARTED on the
+    beat pipe as the learner takes over from its setup, with ordinary beats after it."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)  # nothing written: BlockingIOError, not a hang
+    try:
+        bench = Bench(tmp_path, slot=SlotBeat(write_end))
+        assert os.read(read_end, 64) == supervisor.STARTED
+        bench.later(node.HEARTBEAT_INTERVAL_S)
+        assert os.read(read_end, 64) == b"."
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_started_waits_for_room_in_a_full_pipe_and_goes_with_the_next_beat() -> None:
+    read_end, write_end = os.pipe()
+    try:
+        beat = SlotBeat(write_end)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                os.write(write_end, b"." * 4096)
+        beat.started(1.0)  # no room: kept for the next beat
+        os.set_blocking(read_end, False)
+        with contextlib.suppress(BlockingIOError):
+            while os.read(read_end, 1 << 16):
+                pass
+        beat.beat(1.0 + node.HEARTBEAT_INTERVAL_S)
+        assert os.read(read_end, 64) == supervisor.STARTED
+        beat.beat(1.0 + 2 * node.HEARTBEAT_INTERVAL_S)
+        assert os.read(read_end, 64) == b"."
+    finally:
+        os.close(read_end)
+        os.close(write_end)

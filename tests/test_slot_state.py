@@ -314,6 +314,8 @@ def test_a_swapped_in_learner_still_starting_when_its_probation_ends_is_proven_a
     stuck.at(1.1 + slot.START_WAIT_S)
     [reply] = stuck.replies()
     assert isinstance(reply, p.Reply) and reply.ok and stuck.slot.swaps == 1
+    assert reply.detail.endswith(f"not started after {slot.START_WAIT_S:g}s (a setting it "
+                                 "refuses now ends the run)"), reply.detail
     assert slot.START_WAIT_S + supervisor.STOP_GRACE_S < controller.SWAP_TIMEOUT_S
 
 

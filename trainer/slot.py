@@ -126,7 +126,9 @@ class Slot(supervisor.Supervisor):
             return
         self.cancel("probation")
         self.swaps += 1
-        self.reply(True, f"learner pid {self.learner_pid()} running with {self.settings()}")
+        late = "" if self.running is None or self.running.said_started else (
+            f", not started after {START_WAIT_S:g}s (a setting it refuses now ends the run)")
+        self.reply(True, f"learner pid {self.learner_pid()} running with {self.settings()}{late}")
         self.swap = None
 
     def revert_swap(self, ran: float, code: int, now: float) -> None:
