@@ -353,7 +353,7 @@ class Supervisor(node.Process):
 
     def child_said_started(self, now: float) -> None:
         """A hook for subclasses: the child wrote STARTED (a learner does once its settings,
-        model and checkpoint are taken and it starts learning)."""
+        model and checkpoint are taken)."""
 
     def could_not_start(self, exc: Exception, now: float) -> None:
         """Starting a child failed (fork or exec): a quick death, with the same back-off."""

@@ -282,11 +282,12 @@ def swapped_in_slowly(benches: list[Bench], flag: str, go: Path) -> Bench:
     return bench
 
 
-def test_a_swapped_in_learner_still_starting_when_its_probation_ends_is_proven_at_its_first_beat(
+def test_a_swapped_in_learner_still_starting_when_its_probation_ends_is_proven_once_started(
         benches: list[Bench], tmp_path: Path):
-    """A start-up slower than the probation (imports from a cold disk): the swap is proven
-    only once the new learner beats, so a setting it refuses late (exit 2) still reverts the
-    swap instead of ending the slot, and with it the run."""
+    """A start-up slower than the probation (imports from a cold disk, checks once the
+    spaces arrive): the swap is proven only once the new learner says it started, so a
+    setting it refuses late (exit 2) still reverts the swap instead of ending the slot, and
+    with it the run."""
     for flag in ("--slow-bad", "--late-bad"):  # refused before its first beat, or after it
         refusing = swapped_in_slowly(benches, flag, tmp_path / flag)
         if flag == "--late-bad":
