@@ -11,6 +11,7 @@ import math
 import os
 import signal
 import socket as pysocket
+import stat
 import struct
 import sys
 import time
@@ -268,6 +269,68 @@ def events_of(sock: zmq.Socket) -> int:
     return sock.getsockopt(_EVENTS)  # type: ignore[return-value]
 
 
+# A supervised process's pipe to its supervisor (bus/supervisor.py): the environment variable
+# that names its write end, and the byte a process writes once, past its start-up.
+BEAT_FD_ENV = "STEPBUS_BEAT_FD"
+STARTED = b"!"
+
+
+class SupervisorBeat:
+    """A process's side of its supervisor's watch: a byte on a pipe every heartbeat interval,
+    written by its loop and by whatever else heartbeats for it (a worker's long env call, a
+    learner's long update), so the supervisor can kill a process that froze; and a broken pipe
+    when the supervisor is gone."""
+
+    def __init__(self, fd: int | None = None) -> None:
+        """`fd` None: not supervised (a bare `stepbus broker`, a test, the serial runner)."""
+        self.fd = fd
+        self.gone = False
+        self._next = 0.0
+        self._byte = b"."  # STARTED once `started` is called, until it is written
+        if self.fd is not None:
+            try:
+                os.set_blocking(self.fd, False)
+            except OSError:
+                self.fd = None  # not started by a supervisor after all
+
+    @classmethod
+    def from_env(cls) -> SupervisorBeat:
+        """The pipe BEAT_FD_ENV names, taken out of the environment so that no process this
+        one starts writes to whatever that number is in it; only a pipe is taken."""
+        fd = os.environ.pop(BEAT_FD_ENV, "")
+        if not fd.isdigit():
+            return cls()
+        try:
+            is_pipe = stat.S_ISFIFO(os.fstat(int(fd)).st_mode)
+        except OSError:
+            is_pipe = False
+        return cls(int(fd) if is_pipe else None)
+
+    def started(self, now: float) -> None:
+        """Past the start-up: settings, model and checkpoint taken (the trainer slot proves a
+        swap by it); said with the next beat, which is now."""
+        self._byte, self._next = STARTED, 0.0
+        self.beat(now)
+
+    def beat(self, now: float) -> None:
+        if self.fd is None or now < self._next:
+            return
+        self._next = now + HEARTBEAT_INTERVAL_S
+        try:
+            os.write(self.fd, self._byte)
+            self._byte = b"."
+        except BlockingIOError:
+            pass  # the supervisor has not read the last ones yet: it is alive
+        except OSError:
+            self.gone = True
+
+
+@functools.cache
+def supervisor_beat() -> SupervisorBeat:
+    """This OS process's beat to its supervisor: one pipe, whichever loops and links run in it."""
+    return SupervisorBeat.from_env()
+
+
 class ControllerLink:
     """A process's link to the controller: heartbeats (which register it), run state replies,
     and broadcasts. The heartbeat reply carries the run state, so a broadcast missed by a late
@@ -299,7 +362,9 @@ class ControllerLink:
              leaving: bool = False, interval: float = HEARTBEAT_INTERVAL_S) -> float:
         """Send a heartbeat if one is due; returns the time of the next one, `interval` on.
         `figures` is called only when a beat goes out (loops call this on every wake-up);
-        without it, the last figures function given is used."""
+        without it, the last figures function given is used. The supervisor hears a beat too:
+        every heartbeat outside the loop (a long env call, a long update) comes through here."""
+        supervisor_beat().beat(now)
         if figures is not None:
             self._figures = figures
         if now >= self._last_beat + interval or leaving:
@@ -807,6 +872,7 @@ class Loop:
             return self.prepare_turn()
 
     def prepare_turn(self) -> int:
+        supervisor_beat().beat(time.monotonic())  # in every stage: a drain is not a freeze
         if self.stage is not Stage.RUNNING:
             return 0 if self.stage is Stage.DRAINING else STAGE_POLL_MS
         if self.hand_over_signal():

@@ -6,11 +6,13 @@ outlives the child. `stepbus supervise ROLE [FLAGS]` runs any role this way; the
 (trainer/slot.py) is a supervisor of learners that also swaps them.
 
 The rule is the same for every child: one that dies is restarted, at once if it had run
-STEADY_S, otherwise after the next BACKOFF_S delay; after QUICK_DEATHS_LIMIT quick deaths in a
-row the supervisor gives up, with the child's last error in its figures (`stepbus status`) and
-its log. Giving up ends the supervisor with exit code 1 (so honcho stops the run, which cannot
-go on without that role) unless the child is one of many (a worker) or beside the training path
-(the evaluator): then it stays, reporting, and the run goes on without it. A child that exits
+STEADY_S, otherwise after the next BACKOFF_S delay, and one that hangs counts as dead (it beats
+through a pipe, `node.SupervisorBeat`: silent for SILENT_S, it is SIGKILLed); after
+QUICK_DEATHS_LIMIT quick deaths in a row the supervisor gives up, with the child's last error in
+its figures (`stepbus status`) and its log. Giving up ends the supervisor with exit code 1 (so
+honcho stops the run, which cannot go on without that role) unless the child is one of many (a
+worker) or beside the training path (the evaluator): then it stays, reporting, and the run goes
+on without it. A child that exits
 2 (`exits.Exit.SETTING`) refused a setting that every restart would refuse again: the
 supervisor gives up at once and exits 2 itself, a worker's too. A child that exits 0 left on
 purpose (a shutdown, a signal), and so does its supervisor. A child's stderr passes through the
@@ -51,7 +53,6 @@ STOP_GRACE_S = 4.0  # then SIGKILL; honcho's own SIGKILL comes 5 s after its SIG
 SHUTDOWN_WAIT_S = 20.0  # a child told of a shutdown gets this long to leave before SIGTERM
 STARTUP_GRACE_S = 30.0  # before its first beat (imports, a slow disk), a child is not frozen
 SILENT_S = 3.0  # after it: this long without a beat, and a beating child is frozen
-STARTED = b"!"  # a beating child that says so once: past its start-up (its settings taken)
 NO_PIDFD_LOOK_S = 0.05  # without a pidfd to wake on its exit, look at the child this often
 LAST_ERROR_CHARS = 300  # of the child's last stderr line, kept as its last error
 
@@ -271,6 +272,7 @@ def _run_forked(entry: Callable[[], int], pipes: ChildPipes, parent: int) -> typ
         os.close(pipes.err_write)
         if pipes.beat_env:
             os.environ[pipes.beat_env] = str(pipes.beat_end)
+            node.supervisor_beat.cache_clear()  # the supervisor's own (none) was forked too
         code = entry()
     except SettingError as exc:  # told as the command would tell it
         print(exc, file=sys.stderr)
@@ -374,20 +376,25 @@ class Supervisor(node.Process):
         if run is None:
             return math.inf
         self.pass_stderr(run)
-        if run.beats is not None:
-            with contextlib.suppress(BlockingIOError):
-                if beats := os.read(run.beats, 4096):
-                    if run.last_beat is None and not self.leaving:  # out of its start-up grace
-                        self.at("silence", now + SILENT_S, self.check_silence)
-                    run.last_beat = now
-                    if STARTED in beats and not run.said_started:
-                        run.said_started = True
-                        self.child_said_started(now)
+        self.take_beats(run, now)
         if (code := run.popen.poll()) is not None:
             self.pass_stderr(run, final=True)
             self.child_exited(run, code, now)
             return math.inf
         return math.inf if run.pidfd is not None else now + NO_PIDFD_LOOK_S
+
+    def take_beats(self, run: Running, now: float) -> None:
+        """Read what the child wrote on its beat pipe since the last look."""
+        if run.beats is None:
+            return
+        with contextlib.suppress(BlockingIOError, OSError):
+            if beats := os.read(run.beats, 4096):
+                if run.last_beat is None and not self.leaving:  # out of its start-up grace
+                    self.at("silence", now + SILENT_S, self.check_silence)
+                run.last_beat = now
+                if node.STARTED in beats and not run.said_started:
+                    run.said_started = True
+                    self.child_said_started(now)
 
     def pass_stderr(self, run: Running, *, final: bool = False) -> None:
         """Write the child's stderr through to ours and keep its last line."""
@@ -414,10 +421,18 @@ class Supervisor(node.Process):
                 self.counts.last_error = text[-LAST_ERROR_CHARS:]
                 break
 
+    def on_stalled(self, seconds: float) -> None:
+        """We did not run ourselves (stopped, starved of CPU): the child's silence meanwhile is
+        not its own, so it gets a new allowance."""
+        run = self.running
+        if run is not None and run.last_beat is not None:
+            run.last_beat = max(run.last_beat, self.now)
+
     def check_silence(self, now: float) -> None:
         run = self.running
-        if run is None or run.killed_frozen or self.leaving:
-            return
+        if run is None or run.killed_frozen or self.leaving or self.shutting_down:
+            return  # a child leaving on a shutdown has the shutdown's own bound
+        self.take_beats(run, now)  # written while this timer was due: not silence
         if (over := run.silent_for(now)) <= 0:
             self.at("silence", now - over, self.check_silence)
             return
@@ -592,9 +607,10 @@ def run(role: str, flags: list[str], *, controller: str, security: wiring.Securi
              role, name, quick_deaths_limit)
     return serve(security, log, lambda ports: Supervisor(
         ports, log, name=name, command=launch.role_command(role), args=flags,
-        give_up=give_up, quick_deaths_limit=quick_deaths_limit, noun=role),
-        role="supervisor", name=name, controller=controller, broadcast="",
-        linger_ms=0 if role == "controller" else topology.LINGER_MS, entry=entry)
+        give_up=give_up, beat_env=node.BEAT_FD_ENV, quick_deaths_limit=quick_deaths_limit,
+        noun=role), role="supervisor", name=name, controller=controller, broadcast="",
+        linger_ms=0 if role == "controller" else topology.LINGER_MS, entry=entry,
+        beat_env=node.BEAT_FD_ENV)
 
 
 def serve(security: wiring.Security, log: logging.Logger,

@@ -100,7 +100,8 @@ RUN_HELP = (
     "pdb -m stepbus run ...`); nothing is restarted or supervised")
 SUPERVISE_HELP = (
     "run `stepbus ROLE FLAGS` as a child and restart it whenever it dies (what each Procfile "
-    "line does): at once if it had run 30 s, else after 0.5, 1, 2, 5, 10, 30 s; after "
+    "line does), or hangs (3 s without its heartbeat: SIGKILL): at once if it had run 30 s, "
+    "else after 0.5, 1, 2, 5, 10, 30 s; after "
     "--quick-deaths quick deaths in a row it gives up, with the child's last error in `stepbus "
     "status` and the log. A child that exits 0 (a shutdown) ends the supervisor with 0; "
     "SIGINT/SIGTERM are passed on, SIGKILL after 4 s")

@@ -113,6 +113,22 @@ def stalling_cartpole() -> gym.Env:
     return Stalling(gym.make("CartPole-v1"))
 
 
+class SlowReset(gym.Wrapper):
+    """CartPole whose every reset takes 4 s (a simulator loading a level), longer than a
+    supervisor's 3 s of silence; each reset done is a line in the file STEPBUS_TEST_MARK names."""
+
+    def reset(self, **kwargs):
+        time.sleep(4.0)
+        out = self.env.reset(**kwargs)
+        with open(os.environ["STEPBUS_TEST_MARK"], "a") as mark:
+            mark.write("reset\n")
+        return out
+
+
+def slow_reset_cartpole() -> gym.Env:
+    return SlowReset(gym.make("CartPole-v1"))
+
+
 class Sleepy(gym.Wrapper):
     """CartPole whose steps take 5 ms: a worker is nearly always inside a step (so a signal
     lands mid-step), and stepping stays well below what the trainer takes in (so the credit

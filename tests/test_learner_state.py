@@ -20,12 +20,11 @@ from conftest import ManualClock
 from scripted_algos import CurriculumPPO
 
 from stepbus import cli, clidoc
-from stepbus.bus import node, supervisor
+from stepbus.bus import node
 from stepbus.bus import protocol as p
 from stepbus.trainer import checkpoint, learner, ppo
 from stepbus.trainer.algorithm import CannotStart
 from stepbus.trainer.model import Model
-from stepbus.trainer.slot_beat import SlotBeat
 from stepbus.workers import envs
 
 SPEC = envs.space_spec(gym.make("CartPole-v1"))
@@ -60,7 +59,7 @@ class Bench:
 
     def __init__(self, run_dir: Path, *, newest_version: int = 0,
                  algo_class: type = ppo.PPO, incarnation: str = "i1",
-                 spaces: p.SpaceSpec = SPEC, slot: SlotBeat | None = None,
+                 spaces: p.SpaceSpec = SPEC, slot: node.SupervisorBeat | None = None,
                  **cfg: object) -> None:
         """A learner of the run in `run_dir`, resuming its checkpoint if there is one;
         checkpointing and recording after every update unless `checkpoint_interval_s` and
@@ -568,8 +567,8 @@ def test_a_learner_tells_its_slot_it_started_once_it_has_its_settings_model_and_
     read_end, write_end = os.pipe()
     os.set_blocking(read_end, False)  # nothing written: BlockingIOError, not a hang
     try:
-        bench = Bench(tmp_path, slot=SlotBeat(write_end))
-        assert os.read(read_end, 64) == supervisor.STARTED
+        bench = Bench(tmp_path, slot=node.SupervisorBeat(write_end))
+        assert os.read(read_end, 64) == node.STARTED
         bench.later(node.HEARTBEAT_INTERVAL_S)
         assert os.read(read_end, 64) == b"."
     finally:
@@ -580,7 +579,7 @@ def test_a_learner_tells_its_slot_it_started_once_it_has_its_settings_model_and_
 def test_started_waits_for_room_in_a_full_pipe_and_goes_with_the_next_beat() -> None:
     read_end, write_end = os.pipe()
     try:
-        beat = SlotBeat(write_end)
+        beat = node.SupervisorBeat(write_end)
         with contextlib.suppress(BlockingIOError):
             while True:
                 os.write(write_end, b"." * 4096)
@@ -590,7 +589,7 @@ def test_started_waits_for_room_in_a_full_pipe_and_goes_with_the_next_beat() -> 
             while os.read(read_end, 1 << 16):
                 pass
         beat.beat(1.0 + node.HEARTBEAT_INTERVAL_S)
-        assert os.read(read_end, 64) == supervisor.STARTED
+        assert os.read(read_end, 64) == node.STARTED
         beat.beat(1.0 + 2 * node.HEARTBEAT_INTERVAL_S)
         assert os.read(read_end, 64) == b"."
     finally:

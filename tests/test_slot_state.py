@@ -30,7 +30,7 @@ EXITS_0 = "import sys; sys.exit(0)"
 # saying it started (a checkpoint that does not fit the new model).
 LEARNER = """
 import os, sys, time
-beats = int(os.environ["STEPBUS_SLOT_BEAT_FD"])
+beats = int(os.environ["STEPBUS_BEAT_FD"])
 if "--bad" in sys.argv:
     sys.exit(5)
 if "--late-bad" in sys.argv:
@@ -48,10 +48,20 @@ time.sleep(60)
 STUBBORN = """
 import os, signal, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
-os.write(int(os.environ["STEPBUS_SLOT_BEAT_FD"]), b".")
+os.write(int(os.environ["STEPBUS_BEAT_FD"]), b".")
 time.sleep(60)
 """
 SILENT = "import time; time.sleep(60)"
+# Beats once, beats again once the file after --cue exists, then sleeps.
+BEATS_ON_CUE = """
+import os, sys, time
+beats = int(os.environ["STEPBUS_BEAT_FD"])
+os.write(beats, b".")
+while not os.path.exists(sys.argv[sys.argv.index("--cue") + 1]):
+    time.sleep(0.01)
+os.write(beats, b".")
+time.sleep(60)
+"""
 
 
 class Bench:
@@ -176,6 +186,33 @@ def test_a_learner_silent_past_its_allowance_is_killed_as_frozen_and_replaced(
     beats_once.at(1.0 + supervisor.SILENT_S + 0.1)
     assert beats_once.wait_exit(5.0) == -signal.SIGKILL
     assert beats_once.slot.figures()["last_death"] == "frozen, killed"
+
+
+def test_silence_is_judged_after_reading_the_pipe_and_not_across_the_slots_own_stall(
+        benches: list[Bench], tmp_path: Path):
+    """A beat written while the silence timer was due is read before the verdict; a stall of
+    the supervisor itself (stopped, starved of CPU) gives its child a new allowance."""
+    cue = tmp_path / "cue"
+    bench = Bench(BEATS_ON_CUE, args=("--cue", str(cue)))
+    benches.append(bench)
+    bench.at(0.0)
+    bench.wait_beat(1.0)
+    cue.touch()
+    beats = bench.learner().beats
+    assert beats is not None and select.select([beats], [], [], 10)[0], "the second beat"
+    due = 1.0 + supervisor.SILENT_S + 0.1
+    bench.at(due)  # the timer fires before any `tick` has read the second beat
+    assert bench.learner().popen.poll() is None and not bench.learner().killed_frozen
+    assert bench.learner().last_beat == T0 + due
+
+    stalled_until = due + 10.0
+    bench.clock.t = bench.slot.now = T0 + stalled_until
+    bench.slot.on_stalled(10.0)
+    bench.at(stalled_until)
+    assert not bench.learner().killed_frozen, "its silence was the slot's own stall"
+    bench.at(stalled_until + supervisor.SILENT_S + 0.1)
+    assert bench.learner().killed_frozen, "silent for the allowance after the stall"
+    assert bench.wait_exit(stalled_until + supervisor.SILENT_S + 0.2) == -signal.SIGKILL
 
 
 def test_a_swap_stops_the_learner_starts_one_with_the_new_flags_and_replies_after_probation(

@@ -106,3 +106,37 @@ def test_a_worker_that_keeps_crashing_is_given_up_on_and_status_shows_its_last_e
     # and tell their error, alike.
     starts = [line for line in sup.output().splitlines() if "worker started (pid" in line]
     assert len(starts) == 2 and ", forked)" in starts[0] and "forked" not in starts[1], starts
+
+
+def supervisor_row(cluster: Cluster) -> dict | None:
+    return next((r for r in status_rows(cluster) if r["role"] == "supervisor"), None)
+
+
+def test_a_frozen_child_is_killed_and_restarted_and_a_long_env_call_is_not_a_freeze(
+        cluster: Cluster, tmp_path) -> None:
+    """A supervised worker whose env resets for 4 s (longer than the supervisor's 3 s of
+    silence) is not taken for frozen: its heartbeat thread beats through the env call. Frozen
+    (SIGSTOP), it is killed within the silence bound and a new one takes its place."""
+    mark = tmp_path / "resets"
+    cluster.start("controller")
+    cluster.start("broker")
+    sup = cluster.start("supervise", "worker", "--name", "w", "--env",
+                        "scripted_envs:slow_reset_cartpole", env={"STEPBUS_TEST_MARK": str(mark)})
+    wait_for(lambda: mark.exists() and mark.read_text().count("reset") >= 1, 30,
+             "the worker's first (4 s) reset")
+    (worker,) = wait_for(lambda: role_rows(cluster, "worker"), 10, "the worker's status row")
+    row = supervisor_row(cluster)
+    assert row is not None and (row["starts"], row["frozen"]) == (1, 0), (row, sup.output())
+
+    os.kill(worker["pid"], signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    wait_for(lambda: "sent no heartbeat for" in sup.output(), 10, "the frozen worker killed")
+    killed_after = time.monotonic() - frozen_at
+    wait_for(lambda: any(r["pid"] != worker["pid"] for r in role_rows(cluster, "worker")), 30,
+             "a new worker in its place")
+    row = supervisor_row(cluster)
+    assert row is not None and (row["starts"], row["frozen"]) == (2, 1), row
+    assert row["last_death"] == "frozen, killed", row
+    print(f"\nfrozen worker killed {killed_after:.1f} s after SIGSTOP")
+    # Silence counts from its last beat, up to one heartbeat interval before the SIGSTOP.
+    assert 2.5 <= killed_after < 6.0, killed_after

@@ -6,6 +6,7 @@ test_supervision's."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -152,3 +153,26 @@ def test_a_child_that_dies_while_the_run_shuts_down_is_not_restarted(benches: li
     bench.sup.deliver(b"", p.Shutdown(reason="stepbus shutdown"), now=T0 + 0.1)
     bench.wait_exit(0.5)
     assert bench.sup.stop_reason == "stepbus shutdown" and "restart" not in bench.sup.timers
+
+
+def test_a_childs_beat_pipe_is_taken_out_of_its_environment_and_must_be_a_pipe(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """What `STEPBUS_BEAT_FD` names is read once and removed, so a process the child starts
+    does not write into whatever that number is there; a number that is not a pipe is no
+    supervisor."""
+    read_end, write_end = os.pipe()
+    try:
+        monkeypatch.setenv(node.BEAT_FD_ENV, str(write_end))
+        beat = node.SupervisorBeat.from_env()
+        assert node.BEAT_FD_ENV not in os.environ
+        beat.beat(0.0)
+        beat.beat(0.1)  # within the heartbeat interval: nothing more
+        assert os.read(read_end, 64) == b"."
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    with open(tmp_path / "log", "w") as file:
+        monkeypatch.setenv(node.BEAT_FD_ENV, str(file.fileno()))
+        assert node.SupervisorBeat.from_env().fd is None
+        monkeypatch.setenv(node.BEAT_FD_ENV, "not a number")
+        assert node.SupervisorBeat.from_env().fd is None

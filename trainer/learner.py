@@ -62,8 +62,6 @@ from stepbus.trainer.metrics import (
 from stepbus.trainer.model import Model
 from stepbus.trainer.progress import TARGET_MET, Progress, progress_of
 from stepbus.trainer.receipts import Receipts
-from stepbus.trainer.slot_beat import SLOT_BEAT_FD_ENV as SLOT_BEAT_FD_ENV
-from stepbus.trainer.slot_beat import SlotBeat
 
 RECEIPTS_WARN_S = 5.0  # receipts undelivered this long: say so (a wrong --receipts?)
 SHUTDOWN_DRAIN_MAX_S = 1.5  # at shutdown, take the assembler's flush for at most this long
@@ -285,7 +283,7 @@ class Learner(node.Process):
 
     def __init__(self, cfg: Config, model: Model, progress: Progress, policy_dir: Path,
                  ports: node.Ports, log: logging.Logger, *, name: str, incarnation: str,
-                 newest_version: int = 0, slot: SlotBeat | None = None,
+                 newest_version: int = 0, slot: node.SupervisorBeat | None = None,
                  controller_beat: Callable[[float], object] | None = None,
                  rejects: node.RejectLog | None = None, env: p.EnvSpec | None = None,
                  clock: Callable[[], float] = time.monotonic, run: str = "") -> None:
@@ -301,7 +299,7 @@ class Learner(node.Process):
         self.cfg, self.model, self.progress = cfg, model, progress
         self.incarnation, self.controller_beat, self.run = incarnation, controller_beat, run
         self.records_refused = 0  # metrics records a full disk refused since the last written
-        self.slot = slot or SlotBeat()
+        self.slot = slot or node.supervisor_beat()
         progress.generation += 1
         progress.version = max(progress.version, newest_version) + 1
         self.ckpt_path = policy_dir / checkpoint_name(cfg.models)
@@ -846,7 +844,7 @@ class LearnerSetup(node.Process):
 
     def __init__(self, cfg: Config, ports: node.Ports, log: logging.Logger, *, name: str,
                  controller_beat: Callable[[float], object] | None = None,
-                 slot: SlotBeat | None = None, settings: dict[str, Any] | None = None,
+                 slot: node.SupervisorBeat | None = None, settings: dict[str, Any] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`settings`: the run's, to record in its run directory (default: the run
         configuration's, and this learner's own)."""
@@ -856,7 +854,7 @@ class LearnerSetup(node.Process):
         self.cfg, self.controller_beat = cfg, controller_beat
         self.settings = settings if settings is not None else {
             **{k: s.value for k, s in runconfig.load().items()}, **runconfig.recorded(cfg)}
-        self.slot = slot or SlotBeat()
+        self.slot = slot or node.supervisor_beat()
         self.incarnation = uuid.uuid4().hex[:8]
         self.env_spec: p.EnvSpec | None = None
         self.algo_class = _check_settings(cfg)
@@ -966,7 +964,7 @@ def open_learner(ctx: zmq.Context, cfg: Config, log: logging.Logger, *,
                  "assembler_events": node.Port(intake.get_monitor_socket(
                      zmq.EVENT_DISCONNECTED), monitor=True)}
         setup = LearnerSetup(cfg, node.SocketPorts({**sockets, PortName.CONTROLLER: link.dealer}),
-                             log, name=name, controller_beat=link.beat, slot=SlotBeat.from_env(),
+                             log, name=name, controller_beat=link.beat,
                              settings=settings)
     except CannotStart as exc:
         link.close()

@@ -4,9 +4,9 @@ of learner processes (`stepbus learner`): it restarts one that dies or freezes, 
 
 Each new learner resumes the run's checkpoint with the next generation and a higher policy
 version; the assembler keeps every trajectory until a learner has learned from it, so nothing is
-lost between. The learner writes a byte to a pipe every heartbeat interval: a learner silent for
-`supervisor.SILENT_S` is frozen and is killed, and a learner whose pipe breaks knows its slot
-died.
+lost between. As every supervised child, the learner writes a byte to a pipe every heartbeat
+interval (`node.SupervisorBeat`): a learner silent for `supervisor.SILENT_S` is frozen and is
+killed, and a learner whose pipe breaks knows its slot died.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class Slot(supervisor.Supervisor):
         `command` runs a learner (before its flags)."""
         super().__init__(ports, log, name=name, args=args, clock=clock,
                          command=command or launch.role_command("learner"),
-                         beat_env=learner.SLOT_BEAT_FD_ENV)
+                         beat_env=node.BEAT_FD_ENV)
         self.validate, self.merge = validate, merge
         self.swap: Swap | None = None
         self.swaps = self.swaps_reverted = 0
@@ -208,4 +208,4 @@ def run(cfg: learner.Config, learner_args: list[str],
         lambda ports: Slot(ports, log, name=name, args=learner_args, validate=validate,
                            merge=merge),
         role="slot", name=name, controller=cfg.controller, broadcast=cfg.broadcast,
-        entry=entry, beat_env=learner.SLOT_BEAT_FD_ENV)
+        entry=entry, beat_env=node.BEAT_FD_ENV)
