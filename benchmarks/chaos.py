@@ -365,8 +365,10 @@ def stale_dropped(records: list[dict[str, Any]]) -> int:
 
 # Faults after which stepbus loses steps by design (docs/operations.md, failure behaviour):
 # a killed broker's in-flight step batches, a frozen worker's step (its late reply is stale),
-# a killed assembler's partial and unsent trajectories. Nothing else loses a step.
-LOSING = {("kill", "broker"), ("stop", "worker"), ("kill", "assembler")}
+# a killed assembler's partial and unsent trajectories; a broker or an assembler frozen past
+# its supervisor's silence bound is killed. Nothing else loses a step.
+LOSING = {("kill", "broker"), ("stop", "worker"), ("kill", "assembler"), ("stop", "broker"),
+          ("stop", "assembler")}
 
 
 def explain(hole: chaos_ledger.Hole, faults: list[Fault]) -> str:

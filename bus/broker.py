@@ -173,8 +173,9 @@ class PolicySlot:
             ValueError: the model cannot act on these spaces.
         """
         # The learner's observation statistics, when its weights carry them, act here too.
-        self.policy = built = normalize.Normalizing(
-            policy.make_policy(self.model.model, spec, device=self.model.device))
+        with node.beating_through():  # a user's model may load pretrained weights here
+            self.policy = built = normalize.Normalizing(
+                policy.make_policy(self.model.model, spec, device=self.model.device))
         early, self.early = self.early, None
         if early is not None and not built.weights_problem(early[0]):
             built.load(*early)

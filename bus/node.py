@@ -14,6 +14,7 @@ import socket as pysocket
 import stat
 import struct
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -287,9 +288,11 @@ class SupervisorBeat:
         self.gone = False
         self._next = 0.0
         self._byte = b"."  # STARTED once `started` is called, until it is written
+        self._lock = threading.Lock()  # the loop's thread and a `beating_through` thread
         if self.fd is not None:
             try:
                 os.set_blocking(self.fd, False)
+                os.set_inheritable(self.fd, False)  # ours, not a child's
             except OSError:
                 self.fd = None  # not started by a supervisor after all
 
@@ -315,20 +318,46 @@ class SupervisorBeat:
     def beat(self, now: float) -> None:
         if self.fd is None or now < self._next:
             return
-        self._next = now + HEARTBEAT_INTERVAL_S
-        try:
-            os.write(self.fd, self._byte)
-            self._byte = b"."
-        except BlockingIOError:
-            pass  # the supervisor has not read the last ones yet: it is alive
-        except OSError:
-            self.gone = True
+        with self._lock:
+            self._next = now + HEARTBEAT_INTERVAL_S
+            try:
+                os.write(self.fd, self._byte)
+                self._byte = b"."
+            except BlockingIOError:
+                pass  # the supervisor has not read the last ones yet: it is alive
+            except OSError:
+                self.gone = True
 
 
 @functools.cache
 def supervisor_beat() -> SupervisorBeat:
     """This OS process's beat to its supervisor: one pipe, whichever loops and links run in it."""
     return SupervisorBeat.from_env()
+
+
+@contextlib.contextmanager
+def beating_through() -> Iterator[None]:
+    """Around one long call a process makes on purpose (building a model from the spaces,
+    resuming or writing a checkpoint): its supervisor goes on hearing it, from a thread, for
+    as long as the call takes. A frozen process's threads all stop, so a freeze is still seen;
+    a call that holds the GIL throughout is not beaten through."""
+    beat = supervisor_beat()
+    if beat.fd is None:
+        yield
+        return
+    done = threading.Event()
+
+    def beat_until_done() -> None:
+        while not done.wait(HEARTBEAT_INTERVAL_S / 2):
+            beat.beat(time.monotonic())
+
+    thread = threading.Thread(target=beat_until_done, name="supervisor-beats", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 class ControllerLink:

@@ -52,7 +52,7 @@ QUICK_DEATHS_LIMIT = 7  # quick deaths in a row, then give up (about 49 s of bac
 STOP_GRACE_S = 4.0  # then SIGKILL; honcho's own SIGKILL comes 5 s after its SIGTERM
 SHUTDOWN_WAIT_S = 20.0  # a child told of a shutdown gets this long to leave before SIGTERM
 STARTUP_GRACE_S = 30.0  # before its first beat (imports, a slow disk), a child is not frozen
-SILENT_S = 3.0  # after it: this long without a beat, and a beating child is frozen
+SILENT_S = 3.0  # after it: this long without a beat, and a beating child is frozen (default)
 NO_PIDFD_LOOK_S = 0.05  # without a pidfd to wake on its exit, look at the child this often
 LAST_ERROR_CHARS = 300  # of the child's last stderr line, kept as its last error
 
@@ -146,11 +146,11 @@ class Running:
         """What wakes the supervisor: a beat, stderr output, the exit (when a pidfd tells)."""
         return {fd for fd in (self.beats, self.pidfd, self.stderr) if fd is not None}
 
-    def silent_for(self, now: float) -> float:
+    def silent_for(self, now: float, silent_s: float) -> float:
         """Seconds past the allowance since the last sign of life (> 0: frozen)."""
         if self.last_beat is None:
             return now - self.started - STARTUP_GRACE_S
-        return now - self.last_beat - SILENT_S
+        return now - self.last_beat - silent_s
 
 
 @dataclass
@@ -302,14 +302,16 @@ class Supervisor(node.Process):
     def __init__(self, ports: node.Ports, log: logging.Logger, *, name: str,
                  command: list[str], args: list[str], give_up: GiveUp = GiveUp.EXIT,
                  beat_env: str = "", quick_deaths_limit: int = QUICK_DEATHS_LIMIT,
-                 noun: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+                 silent_s: float = SILENT_S, noun: str = "",
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """`command` runs the child before its flags `args`; `beat_env` names the environment
-        variable that tells a beating child its pipe ("": the child does not beat)."""
+        variable that tells a beating child its pipe ("": the child does not beat); a beating
+        child silent for `silent_s` is frozen (0: never)."""
         super().__init__(ports, log, name=name, clock=clock)
         self.noun = noun or self.noun
         self.command, self.args = list(command), list(args)
         self.give_up_rule, self.beat_env = give_up, beat_env
-        self.quick_deaths_limit = quick_deaths_limit
+        self.quick_deaths_limit, self.silent_s = quick_deaths_limit, silent_s
         self.running: Running | None = None
         self.child = Child.WAITING
         self.leaving = ""  # why the supervisor is stopping ("": it is not)
@@ -346,7 +348,7 @@ class Supervisor(node.Process):
         self.running = run
         self.child = Child.RUNNING
         self.wake_on_readable_fds = run.fds()
-        if run.beats is not None:
+        if run.beats is not None and self.silent_s > 0:
             self.at("silence", now + STARTUP_GRACE_S, self.check_silence)
         self.child_started(now)
 
@@ -389,8 +391,8 @@ class Supervisor(node.Process):
             return
         with contextlib.suppress(BlockingIOError, OSError):
             if beats := os.read(run.beats, 4096):
-                if run.last_beat is None and not self.leaving:  # out of its start-up grace
-                    self.at("silence", now + SILENT_S, self.check_silence)
+                if run.last_beat is None and not self.leaving and self.silent_s > 0:
+                    self.at("silence", now + self.silent_s, self.check_silence)  # grace over
                 run.last_beat = now
                 if node.STARTED in beats and not run.said_started:
                     run.said_started = True
@@ -427,13 +429,15 @@ class Supervisor(node.Process):
         run = self.running
         if run is not None and run.last_beat is not None:
             run.last_beat = max(run.last_beat, self.now)
+        elif run is not None:
+            run.started += seconds  # its start-up grace, too
 
     def check_silence(self, now: float) -> None:
         run = self.running
         if run is None or run.killed_frozen or self.leaving or self.shutting_down:
             return  # a child leaving on a shutdown has the shutdown's own bound
         self.take_beats(run, now)  # written while this timer was due: not silence
-        if (over := run.silent_for(now)) <= 0:
+        if (over := run.silent_for(now, self.silent_s)) <= 0:
             self.at("silence", now - over, self.check_silence)
             return
         self.counts.frozen += 1
@@ -594,22 +598,31 @@ def default_give_up(role: str) -> GiveUp:
     return GiveUp.STAY if role in ("worker", "evaluator") else GiveUp.EXIT
 
 
+def default_silence(role: str) -> float:
+    """The evaluator runs at idle priority (`--cpu-priority idle`) so as not to slow training:
+    starved of CPU while the others work is its design, not a freeze, so it is not judged by
+    its silence. Every other role is, after SILENT_S."""
+    return 0.0 if role == "evaluator" else SILENT_S
+
+
 def run(role: str, flags: list[str], *, controller: str, security: wiring.Security,
         give_up: GiveUp, quick_deaths_limit: int = QUICK_DEATHS_LIMIT,
-        entry: Callable[[], int] | None = None) -> int:
+        silent_s: float = SILENT_S, entry: Callable[[], int] | None = None) -> int:
     """Supervise `stepbus ROLE FLAGS` until it exits 0, we are signalled, or we give up (exit 1
     with GiveUp.EXIT; exit 2 at once when the child exited 2). The supervisor reports to the
-    controller at `controller` as role "supervisor", named like its child. `entry` runs the
-    role in this interpreter: given, the first child is a fork that calls it (`fork_first`)."""
+    controller at `controller` as role "supervisor", named like its child; a child silent for
+    `silent_s` (0: never judged) is frozen and killed. `entry` runs the role in this
+    interpreter: given, the first child is a fork that calls it (`fork_first`)."""
     log = node.setup_logging("supervisor")
     name = os.environ.get("HONCHO_PROCESS_NAME") or f"{role}-{pysocket.gethostname()}-{os.getpid()}"
-    log.info("supervising %s %s: restarted if it dies, up to %d quick deaths in a row",
-             role, name, quick_deaths_limit)
+    log.info("supervising %s %s: restarted if it dies%s, up to %d quick deaths in a row",
+             role, name, f" or is silent for {silent_s:g}s" if silent_s > 0 else "",
+             quick_deaths_limit)
     return serve(security, log, lambda ports: Supervisor(
         ports, log, name=name, command=launch.role_command(role), args=flags,
         give_up=give_up, beat_env=node.BEAT_FD_ENV, quick_deaths_limit=quick_deaths_limit,
-        noun=role), role="supervisor", name=name, controller=controller, broadcast="",
-        linger_ms=0 if role == "controller" else topology.LINGER_MS, entry=entry,
+        silent_s=silent_s, noun=role), role="supervisor", name=name, controller=controller,
+        broadcast="", linger_ms=0 if role == "controller" else topology.LINGER_MS, entry=entry,
         beat_env=node.BEAT_FD_ENV)
 
 

@@ -593,6 +593,12 @@ def _add_supervise_parser(sub: Any) -> None:
                      default=supervisor.QUICK_DEATHS_LIMIT,
                      metavar="N", help="give up after N deaths in a row of children that ran "
                      f"under 30 s each [default: {supervisor.QUICK_DEATHS_LIMIT}]")
+    cmd.add_argument("--silence-s", type=_number(float, {"min": 0}), default=None,
+                     metavar="S", help="kill and restart a child that sent no heartbeat for S "
+                     "seconds (frozen, or hung in native code; its start-up has "
+                     f"{supervisor.STARTUP_GRACE_S:g} s before its first), 0: never [default: "
+                     f"{supervisor.SILENT_S:g}; 0 for the evaluator, which runs at idle priority "
+                     "and may starve by design]")
     cmd.add_argument("--on-give-up", choices=[g.value for g in supervisor.GiveUp], default=None,
                      help="exit: exit 1, which ends a honcho run; stay: keep reporting the "
                           "last error while the run goes on [default: stay for a worker, one "
@@ -602,6 +608,9 @@ def _add_supervise_parser(sub: Any) -> None:
 def _supervise(args: argparse.Namespace) -> int:
     if args.quick_deaths < 1:
         raise SettingError(f"--quick-deaths must be at least 1, not {args.quick_deaths}")
+    if args.silence_s is not None and 0 < args.silence_s < 1:
+        raise SettingError(f"--silence-s must be 0 (never) or at least 1 (heartbeats come "
+                           f"every 0.5 s), not {args.silence_s:g}")
     from stepbus.bus import supervisor
 
     # bad flags: exit 2 here
@@ -612,6 +621,8 @@ def _supervise(args: argparse.Namespace) -> int:
     return supervisor.run(args.role, args.flags, controller=config.controller,
                           security=config.security, give_up=give_up,
                           quick_deaths_limit=args.quick_deaths,
+                          silent_s=(supervisor.default_silence(args.role)
+                                    if args.silence_s is None else args.silence_s),
                           entry=functools.partial(main, [args.role, *args.flags]))
 
 
@@ -752,6 +763,7 @@ def _command(argv: list[str]) -> int:
         return 0
 
     if args.command in PROCESSES or args.command == "supervise":
+        node.supervisor_beat()  # its pipe taken before any env or child is made (it is ours)
         if args.command == "supervise":
             code = _supervise(args)
         elif args.command == "trainer":

@@ -59,7 +59,8 @@ BAD_NUMBERS = [("assembler", "--horizon", "0", "must be at least 1, not 0"),
                ("controller", "--barrier-timeout-s", "0", "must be above 0, not 0"),
                ("worker", "--seed", "-1", "must be at least 0, not -1"),
                ("status", "--watch", "0", "must be above 0, not 0"),
-               ("supervise", "--quick-deaths", "0", "must be at least 1, not 0")]
+               ("supervise", "--quick-deaths", "0", "must be at least 1, not 0"),
+               ("supervise", "--silence-s", "-1", "must be at least 0, not -1")]
 
 
 def test_a_number_flag_out_of_its_bounds_is_refused_naming_it(

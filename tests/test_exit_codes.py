@@ -88,6 +88,11 @@ def test_a_bad_number_flag_exits_2_naming_it(home: Path):
                          "argument --envs-per-worker: must be 1 to")
 
 
+def test_a_silence_shorter_than_the_heartbeats_allow_exits_2_naming_it(home: Path):
+    assert_setting_error(run(home, "supervise", "--silence-s", "0.5", "assembler"),
+                         "--silence-s must be 0 (never) or at least 1", "not 0.5")
+
+
 def test_a_bind_beyond_loopback_without_keys_is_refused_with_2(home: Path):
     port = wiring.free_tcp_ports(1)[0]
     ran = run(home, "controller", "--controller", f"tcp://0.0.0.0:{port}")

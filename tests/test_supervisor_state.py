@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -176,3 +177,31 @@ def test_a_childs_beat_pipe_is_taken_out_of_its_environment_and_must_be_a_pipe(
         assert node.SupervisorBeat.from_env().fd is None
         monkeypatch.setenv(node.BEAT_FD_ENV, "not a number")
         assert node.SupervisorBeat.from_env().fd is None
+
+
+def test_with_silence_0_a_child_is_never_taken_for_frozen(benches: list[Bench]) -> None:
+    """`--silence-s 0` (and the evaluator's default): a child that never beats is left alone."""
+    bench = Bench(SLEEPS, beat_env=node.BEAT_FD_ENV, silent_s=0.0)
+    benches.append(bench)
+    bench.at(0.0)
+    assert "silence" not in bench.sup.timers
+    bench.at(supervisor.STARTUP_GRACE_S + supervisor.SILENT_S + 1)
+    assert bench.child().popen.poll() is None and bench.sup.figures()["frozen"] == 0
+    assert supervisor.default_silence("evaluator") == 0
+    assert supervisor.default_silence("broker") == supervisor.SILENT_S
+
+
+def test_a_long_call_made_on_purpose_is_beaten_through_from_a_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`node.beating_through`: the supervisor hears the process while one call runs."""
+    read_end, write_end = os.pipe()
+    monkeypatch.setenv(node.BEAT_FD_ENV, str(write_end))
+    node.supervisor_beat.cache_clear()
+    try:
+        with node.beating_through():
+            time.sleep(3 * node.HEARTBEAT_INTERVAL_S)  # the loop's beats cannot come meanwhile
+        assert len(os.read(read_end, 64)) >= 2, "a beat every heartbeat interval"
+    finally:
+        node.supervisor_beat.cache_clear()  # the test process is not supervised
+        os.close(read_end)
+        os.close(write_end)

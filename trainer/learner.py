@@ -679,7 +679,8 @@ class Learner(node.Process):
             progress.reward_norm = self.reward_scale.to_json()
         progress.rng = self.model.rng_state()
         try:
-            self.model.save(self.ckpt_path, dataclasses.asdict(progress))
+            with node.beating_through():  # a large model on a slow disk
+                self.model.save(self.ckpt_path, dataclasses.asdict(progress))
         except OSError as exc:  # a full disk: the last good checkpoint stays as it was
             self.checkpoint_failed(exc, now)
             return
@@ -893,7 +894,8 @@ class LearnerSetup(node.Process):
         if run_dir is None or self.env_spec is None or self.stop_reason:
             return
         try:
-            self.successor = _start(self, run_dir, self.env_spec)
+            with node.beating_through():  # the model built, a checkpoint resumed and written
+                self.successor = _start(self, run_dir, self.env_spec)
         except CannotStart as exc:
             self.log.error("%s", exc)
             self.exit_code = Exit.SETTING

@@ -106,8 +106,8 @@ class EnvSet:
         self.raise_errors = False  # an env's exception ends the run instead (`_recreate`)
         self.restarts: collections.deque[float] = collections.deque()  # recent recreations
         self.kwargs = env_kwargs(cfg.env_kwargs)  # ValueError: the worker refuses to start
-        self.envs = [self._env_call(self._make) for _ in range(cfg.envs_per_worker)]
-        self.spec = space_spec(self.envs[0], probe=lambda: self._env_call(self._make))
+        self.envs = [self.env_call(self._make) for _ in range(cfg.envs_per_worker)]
+        self.spec = space_spec(self.envs[0], probe=lambda: self.env_call(self._make))
         self.agents = agents_of(self.envs[0])  # names ([] for Gymnasium envs)
         # The env's own agent keys (PettingZoo allows any hashable) -> row within an env.
         self.agent_keys = list(self.envs[0].possible_agents) if self.agents else []
@@ -163,7 +163,7 @@ class EnvSet:
             self.owed[i] = False
             seed = self._new_episode(i) if seeds is None else self._given_seed(i, seeds[j])
             try:
-                first = self._env_call(env.reset, seed=seed, options=options or None)
+                first = self.env_call(env.reset, seed=seed, options=options or None)
             except Exception as exc:  # e.g. options this env rejects: report, go on without
                 # Rejected options are the operator's doing, bounded by barriers: not counted.
                 first = self._recreate(i, exc, {}, counted=not options)
@@ -328,7 +328,7 @@ class EnvSet:
         self.without_options.clear()
         for u, env in enumerate(self.envs):
             try:
-                first = self._env_call(env.reset, seed=self._new_episode(u),
+                first = self.env_call(env.reset, seed=self._new_episode(u),
                                        options=options or None)
             except Exception as exc:
                 first = self._recreate(u, exc, {}, counted=not options)
@@ -363,7 +363,7 @@ class EnvSet:
         base = u * self.width
         acting = [a for a in self.agent_keys if self.alive[base + self.agent_row[a]]]
         try:
-            nxt, rew, term, trunc, infos = self._env_call(
+            nxt, rew, term, trunc, infos = self.env_call(
                 env.step, {a: actions[base + self.agent_row[a]] for a in acting})
         except Exception as exc:  # the env's fault: cut every acting agent's episode
             for a in acting:
@@ -395,7 +395,7 @@ class EnvSet:
         first = (nxt, infos)
         if not going_on:  # all done: the next episode starts within this step
             try:
-                first = self._env_call(env.reset, seed=self._new_episode(u),
+                first = self.env_call(env.reset, seed=self._new_episode(u),
                                        options=self._options_for(u, options))
             except Exception as exc:
                 first = self._recreate(u, exc, {})
@@ -422,7 +422,7 @@ class EnvSet:
         """The alive mask to send (None for single-agent envs: every row is alive)."""
         return self.alive.copy() if self.agents else None
 
-    def _env_call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    def env_call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run env code with `in_env` set: only then may the heartbeat thread send heartbeats,
         because only then is this thread surely not inside a ZeroMQ call of its own."""
         was, self.in_env = self.in_env, True
@@ -468,12 +468,12 @@ class EnvSet:
                 f"--max-env-restarts-per-minute {self.cfg.max_env_restarts_per_minute}; fix the "
                 f"environment (the controller's log has each traceback) or raise the limit")
         with contextlib.suppress(Exception):
-            self._env_call(self.envs[i].close)
+            self.env_call(self.envs[i].close)
         seed = self._new_episode(i)
         try:
-            self.envs[i] = self._env_call(self._make)
+            self.envs[i] = self.env_call(self._make)
             seed_spaces(self.envs[i], seed)
-            return self._env_call(self.envs[i].reset, seed=seed, options=options or None)
+            return self.env_call(self.envs[i].reset, seed=seed, options=options or None)
         except Exception as again:
             raise EnvFailure(f"env {i} ({self.cfg.env}) raised again while being recreated: "
                              f"{type(again).__name__}: {again}") from again

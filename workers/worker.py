@@ -374,7 +374,9 @@ class Worker(node.Process):
     def on_env_call(self, peer: bytes, msg: p.EnvCall) -> None:
         """A vector client's call/get_attr/set_attr on every env, answered as data."""
         self.heard(self.now)
-        self.send(PortName.STEPS, calls.answer(self.envs.envs, msg, self.cfg.name))
+        # env code: a long call is beaten through, as a long step is
+        answer = self.envs.env_call(calls.answer, self.envs.envs, msg, self.cfg.name)
+        self.send(PortName.STEPS, answer)
 
     def reply(self, result: p.StepResult) -> None:
         self.send(PortName.STEPS, dataclasses.replace(result, incarnation=self.incarnation,

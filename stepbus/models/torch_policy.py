@@ -125,8 +125,10 @@ def configure(device: str, threads: int) -> None:
     """
     if threads < 1:
         raise ModelUnavailable(f"--torch-threads {threads}: at least 1")
-    torch_device(device)
+    dev = torch_device(device)
     torch.set_num_threads(threads)
+    if dev.type == "cuda":  # CUDA's start (seconds) now, not inside the loop's first handler
+        torch.zeros(1, device=dev)
 
 
 def torch_device(device: str) -> torch.device:
