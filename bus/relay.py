@@ -246,9 +246,13 @@ def run(steps: str, vector: str, controller: str, broadcast: str,
         wiring.destroy(ctx, topology.LINGER_MS)
 
 
+RECEIVES: dict[str, tuple[type, ...]] = {  # by port: the kinds the relay takes there
+    PortName.STEPS: (p.WorkerHello, p.StepResult, p.Heartbeat, p.RemoteError, p.EnvCallResult),
+    PortName.VECTOR: (p.VectorHello, p.Reset, p.Step, p.EnvCall)}
+
+
 def relay_ports(sockets: dict[str, zmq.Socket]) -> dict[str, node.Port]:
-    return {PortName.STEPS: node.Port(sockets[PortName.STEPS], (
-                p.WorkerHello, p.StepResult, p.Heartbeat, p.RemoteError, p.EnvCallResult),
-                routed=True),
-            PortName.VECTOR: node.Port(sockets[PortName.VECTOR], (
-                p.VectorHello, p.Reset, p.Step, p.EnvCall), routed=True)}
+    """What the relay receives on each of `sockets` (the vector port's may be absent: a client
+    in the relay's own process calls it instead, `stepbus/vector/local.py`)."""
+    return {port: node.Port(sockets[port], kinds, routed=True)
+            for port, kinds in RECEIVES.items() if port in sockets}

@@ -1,6 +1,7 @@
-"""A vector env never hangs on a dead process: a worker killed, frozen or restarted, or the
-broker killed or frozen, makes step/recv raise one typed BusError within the liveness bound;
-close() works after it and leaves nothing running, and reset() attaches again."""
+"""A vector env never hangs on a dead process: a worker killed, frozen or restarted, or a
+relaying broker (`connect`'s) killed or frozen, makes step/recv raise one typed BusError within
+the liveness bound; close() works after it and leaves nothing running, and reset() attaches
+again."""
 
 from __future__ import annotations
 
@@ -63,13 +64,20 @@ def test_a_lost_worker_raises_worker_lost_within_the_liveness_bound(make: Made, 
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
-def test_a_lost_broker_raises_broker_lost_within_its_silence_bound(make: Made, sig: int
+def test_a_lost_broker_raises_broker_lost_within_its_silence_bound(cluster: Cluster, sig: int
                                                                    ) -> None:
-    envs = make("CartPole-v1", 2, workers=1, autoreset_mode="SameStep")
-    envs.reset(seed=0)
-    os.kill(process(envs, "broker"), sig)
-    took, _ = steps_until_raised(envs, sv.BrokerLost)
-    assert took < BROKER_BOUND_S
+    """connect()'s relay is a process of its own (make()'s runs in the env's process)."""
+    cluster.start("controller")
+    broker = cluster.start("broker", "--external")
+    cluster.start("worker", "--name", "w0", "--envs-per-worker", "2")
+    envs = sv.connect(cluster.endpoints["controller"], 2, autoreset_mode="SameStep")
+    try:
+        envs.reset(seed=0)
+        broker.signal(sig)
+        took, _ = steps_until_raised(envs, sv.BrokerLost)
+        assert took < BROKER_BOUND_S
+    finally:
+        envs.close()
 
 
 def test_async_recv_raises_too(make: Made) -> None:
@@ -108,15 +116,34 @@ def test_a_restarted_worker_raises_then_reset_attaches_again(cluster: Cluster) -
     assert all(w.popen.poll() is None for w in cluster.procs[:2]), "connect leaves them be"
 
 
-def test_time_the_caller_spends_elsewhere_is_not_the_brokers_silence(make: Made) -> None:
-    """A training loop updating its model between steps reads the relay's heartbeats late:
-    they were queued, not missing, and no BrokerLost may follow."""
-    envs = make("CartPole-v1", 2, workers=1)
-    envs.link.silence_s = 2.0
+def test_time_the_caller_spends_elsewhere_is_not_the_workers_silence(make: Made) -> None:
+    """A training loop updating its model between steps leaves the relay in its process
+    unturned: the workers' heartbeats were queued, not missing, and no WorkerLost may
+    follow."""
+    envs = make("CartPole-v1", 4, workers=2)
     envs.reset(seed=0)
-    time.sleep(3.0)  # the caller busy (a PPO update), not waiting on the bus
-    obs, *_ = envs.step(np.zeros(2, np.int64))
-    assert obs.shape == (2, 4)
+    time.sleep(2 * node.LIVENESS_S)  # the caller busy (a PPO update), not waiting on the bus
+    obs, *_ = envs.step(np.zeros(4, np.int64))
+    assert obs.shape == (4, 4)
+
+
+def test_time_the_caller_spends_elsewhere_is_not_a_relay_processs_silence(
+        cluster: Cluster) -> None:
+    """connect(): the relay process's heartbeats, read late, were queued, not missing, and no
+    BrokerLost may follow."""
+    cluster.start("controller")
+    cluster.start("broker", "--external")
+    cluster.start("worker", "--name", "w0", "--envs-per-worker", "2")
+    envs = sv.connect(cluster.endpoints["controller"], 2)
+    try:
+        assert isinstance(envs.link, link.Link)
+        envs.link.silence_s = 2.0
+        envs.reset(seed=0)
+        time.sleep(3.0)
+        obs, *_ = envs.step(np.zeros(2, np.int64))
+        assert obs.shape == (2, 4)
+    finally:
+        envs.close()
 
 
 class ScriptedLink(link.Link):

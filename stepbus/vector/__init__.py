@@ -1,8 +1,9 @@
 """stepbus as a Gymnasium vector env: keep your training loop, put the envs on the bus.
 
-`make(env, num_envs, workers=1)` starts its own controller, relaying broker and workers (as
-AsyncVectorEnv starts its processes) and `connect(controller, num_envs)` attaches to a running
-`stepbus broker --external` whose workers were started anywhere. Both return a
+`make(env, num_envs, workers=1)` starts its own controller and workers (as AsyncVectorEnv
+starts its processes) and relays to them from the caller's process; `connect(controller,
+num_envs)` attaches to a running `stepbus broker --external` whose workers were started
+anywhere. Both return a
 `gymnasium.vector.VectorEnv` (`BusVectorEnv`) with Gymnasium's seeding and autoreset modes,
 and EnvPool's `send`/`recv` besides. `make_sb3` makes Stable-Baselines3's VecEnv
 (`stepbus.vector.sb3.VecEnv`) in one call. See docs/vector.md.
@@ -20,7 +21,8 @@ from stepbus.bus import protocol as p
 from stepbus.bus.launch import RoleStarter
 from stepbus.vector.env import ATTACH_TIMEOUT_S, BusVectorEnv
 from stepbus.vector.launch import Launched, worker_sizes
-from stepbus.vector.link import BrokerLost, BusError, Link, WorkerLost, discover
+from stepbus.vector.link import BrokerLost, BusError, EnvLink, Link, WorkerLost, discover
+from stepbus.vector.local import LocalRelay
 from stepbus.workers.envs import make_env
 
 __all__ = ["AutoresetMode", "BrokerLost", "BusError", "BusVectorEnv", "RemoteFailure",
@@ -35,8 +37,9 @@ def make(env: str, num_envs: int, workers: int = 1, *,
          infos: bool = True, context: str | None = None,
          **worker_options: Any) -> BusVectorEnv:
     """A vector env of `num_envs` copies of `env` (a Gymnasium id or `module:callable`, as
-    `stepbus worker --env` takes) in `workers` worker processes, with its own controller and
-    relaying broker; `close()` stops them all.
+    `stepbus worker --env` takes) in `workers` worker processes, with its own controller; the
+    relay to them runs in this process, on this thread, while the env waits for them
+    (`stepbus.vector.local`); `close()` stops them all.
 
     Args:
         infos: the envs' infos travel (False: none, and the workers pay nothing for them).
@@ -63,7 +66,7 @@ def make(env: str, num_envs: int, workers: int = 1, *,
     launched = Launched(env, sizes, worker_options, starter)
     link = None
     try:
-        link = Link(launched.endpoints["vector"])
+        link = LocalRelay(launched.endpoints)
         envs = BusVectorEnv(link, num_envs, autoreset_mode=autoreset_mode,
                             batch_size=batch_size, single_spaces=single,
                             on_close=launched.stop, attach_timeout_s=attach_timeout_s,
@@ -126,7 +129,7 @@ def _starter(context: str | None) -> RoleStarter | None:
     raise ValueError(f'context must be None, "spawn" or "forkserver", not {context!r}')
 
 
-def _close_all(link: Link | None, launched: Launched) -> None:
+def _close_all(link: EnvLink | None, launched: Launched) -> None:
     if link is not None:
         link.close()
     launched.stop()

@@ -2,8 +2,9 @@
 
 Env ids: the workers sorted by name, each worker's envs in its row order, so env id =
 the offset of its worker (the rows of the workers before it) + the row. Every call goes to the
-workers through the relaying broker (`stepbus broker --external`) as RESET and STEP messages
-and comes back as their STEP_RESULTs; the policy stays in the caller.
+workers through a relay (in this process under `make`, `stepbus broker --external` under
+`connect`) as RESET and STEP messages and comes back as their STEP_RESULTs; the policy stays in
+the caller.
 
 Seeding and autoreset are Gymnasium's: `reset(seed=s)` seeds env i with s + i, later
 autoresets continue each env's own generator, and the three autoreset modes are done by the
@@ -29,7 +30,7 @@ from stepbus.bus import rows
 from stepbus.vector import calls
 from stepbus.vector import infos as infos_of
 from stepbus.vector.launch import Launched
-from stepbus.vector.link import BusError, Link, WorkerLost
+from stepbus.vector.link import BusError, EnvLink, WorkerLost
 
 ATTACH_TIMEOUT_S = 60.0  # workers may take this long to start and say hello
 MODES = {AutoresetMode.NEXT_STEP: p.AUTORESET_NEXT_STEP,
@@ -59,7 +60,7 @@ class BusVectorEnv(VectorEnv):
     """Gymnasium's vector env API over stepbus workers; EnvPool's `send`/`recv` besides.
 
     Args:
-        link: the DEALER to the relay.
+        link: the way to the relay: in this process (`make`) or a relay process's.
         num_envs: env ids 0 to num_envs - 1; the workers' rows must add up to it.
         autoreset_mode: Gymnasium's AutoresetMode (NEXT_STEP by default, as Gymnasium).
         batch_size: rows `recv` waits for (default: num_envs).
@@ -70,7 +71,7 @@ class BusVectorEnv(VectorEnv):
             observations, and the workers send none).
     """
 
-    def __init__(self, link: Link, num_envs: int, *,
+    def __init__(self, link: EnvLink, num_envs: int, *,
                  autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
                  batch_size: int | None = None,
                  single_spaces: tuple[gym.Space, gym.Space] | None = None,

@@ -1,6 +1,6 @@
-"""The processes `stepbus.vector.make` starts (as AsyncVectorEnv starts its own): a controller,
-a relaying broker (`stepbus broker --external`) and the workers, on ipc:// endpoints in a
-private directory, and their end.
+"""The processes `stepbus.vector.make` starts (as AsyncVectorEnv starts its own): a controller
+and the workers, on ipc:// endpoints in a private directory, and their end. The relay they
+talk to runs in the caller's process (`stepbus/vector/local.py`), on the steps endpoint here.
 
 They are started and ended by the launcher (`stepbus.bus.launch`): each in a session of its own
 (a Ctrl-C in the caller's terminal reaches the caller, whose `close()` stops them) and, on
@@ -51,12 +51,11 @@ class Launched:
         """`forkserver`: where the processes are forked from (None: an interpreter each)."""
         self.dir = Path(tempfile.mkdtemp(prefix="sbv-"))  # ipc paths must stay short
         self.endpoints = {name: f"ipc://{self.dir}/{name}"
-                          for name in ("controller", "broadcast", "steps", "vector")}
+                          for name in ("controller", "broadcast", "steps")}
         self.group = launch.Group(self.dir, forkserver=forkserver)
         atexit.register(self.stop)
         try:
             self.start("controller")
-            self.start("broker", "--external")
             for i, k in enumerate(sizes):
                 self.start("worker", "--env", env, "--envs-per-worker", str(k),
                            "--name", worker_name(i), "--worker-index", str(i),

@@ -14,6 +14,7 @@ import math
 import os
 import socket as pysocket
 import time
+from typing import Protocol
 
 from stepbus.bus import node, topology, wiring
 from stepbus.bus import protocol as p
@@ -41,6 +42,20 @@ class WorkerLost(BusError):
 
 class BrokerLost(BusError):
     """The broker went silent (killed, frozen) or restarted (another process answers)."""
+
+
+class EnvLink(Protocol):
+    """What a vector env needs of its way to the relay: a `Link` to a relay process, or a
+    relay in its own process (`stepbus.vector.local.LocalRelay`)."""
+
+    name: str
+    heard_at: float
+
+    def send(self, msg: p.Message) -> None: ...
+
+    def recv(self, timeout_s: float = math.inf) -> p.Message | None: ...
+
+    def close(self) -> None: ...
 
 
 class Link:
