@@ -67,6 +67,8 @@ class Relay(node.Process):
         w = self.table.get(peer)
         if w is not None and w.incarnation == msg.incarnation:
             w.last_seen = self.now
+            if w.in_flight and msg.seq >= w.seq:  # idle, having answered: the answer was lost
+                self.forget(w, f"its answer to request {w.seq} was lost")
             return
         if w is None and self.table.known_as(msg.worker, msg.incarnation):
             return  # queued on a connection it has since replaced

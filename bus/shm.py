@@ -62,6 +62,8 @@ ACQUIRE_WAIT_S = 0.02
 MAX_SEGMENT_BYTES = 1 << 34
 _NAME = re.compile(r"stepbus-[A-Za-z0-9_.-]{1,200}")
 _FIXED = 9  # int64 header words before the per-slot arrays
+PART = ".part"  # a segment being made: PATH.partPID until it is whole
+_PART_OF = re.compile(r"\.part(\d+)$")
 
 
 class Refused(Exception):
@@ -102,7 +104,10 @@ class Writer:
         row_bytes = int(np.prod(obs_shape)) * self.dtype.itemsize
         size = HEADER_BYTES + slots * rows * row_bytes
         self.nonce = secrets.token_bytes(16)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+        # Made under a name that says whose it is until it is whole: a worker killed while it
+        # makes one leaves a file no header names the maker of (`remove_orphans`).
+        part = f"{self.path}{PART}{os.getpid()}"
+        fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600)
         try:
             os.ftruncate(fd, size)
@@ -111,11 +116,20 @@ class Writer:
             # where now it is an OSError and the worker sends its rows on the socket.
             os.posix_fallocate(fd, 0, size)
             self.map = mmap.mmap(fd, size)
+            self.write_header(slots, rows, row_bytes)
+            os.rename(part, self.path)
         except BaseException:
             os.close(fd)
-            os.unlink(self.path)
+            os.unlink(part)
             raise
         os.close(fd)
+        data = np.frombuffer(self.map, self.dtype, offset=HEADER_BYTES)
+        self.views = data.reshape(slots, rows, *obs_shape)
+        self.since = np.zeros(slots)  # when each slot was last written
+        self.next = 0
+        self.last = -1  # the slot of the previous batch: its rows are the envs' last_obs
+
+    def write_header(self, slots: int, rows: int, row_bytes: int) -> None:
         self.words = _words(self.map, slots)
         self.words[1:3] = np.frombuffer(self.nonce, np.int64)
         self.words[3:7] = (os.getpid(), slots, rows, row_bytes)
@@ -123,11 +137,6 @@ class Writer:
         self.written[:] = -1
         self.released[:] = -1
         self.words[0] = MAGIC  # last: a reader never sees a half-made header as ours
-        data = np.frombuffer(self.map, self.dtype, offset=HEADER_BYTES)
-        self.views = data.reshape(slots, rows, *obs_shape)
-        self.since = np.zeros(slots)  # when each slot was last written
-        self.next = 0
-        self.last = -1  # the slot of the previous batch: its rows are the envs' last_obs
         self.reclaimed = 0
 
     def acquire(self, wait_s: float = ACQUIRE_WAIT_S) -> int:
@@ -252,7 +261,8 @@ class Reader:
 
 
 def remove_orphans(worker: str) -> int:
-    """Unlink earlier incarnations' segments of this worker whose process is dead."""
+    """Unlink earlier incarnations' segments of this worker whose process is dead, whole ones
+    (their header names the maker) and half-made ones (their name does)."""
     prefix = segment_name(worker, "")
     removed = 0
     with contextlib.suppress(OSError):
@@ -260,12 +270,20 @@ def remove_orphans(worker: str) -> int:
             if not entry.name.startswith(prefix) or not valid_name(entry.name):
                 continue
             try:
-                with open(entry.path, "rb") as f:
-                    fixed = np.frombuffer(f.read(_FIXED * 8), np.int64)
-                if (len(fixed) == _FIXED and int(fixed[0]) == MAGIC
-                        and entry.stat().st_uid == os.getuid() and not _pid_alive(int(fixed[3]))):
+                maker = _maker(entry.path)
+                if (maker is not None and entry.stat().st_uid == os.getuid()
+                        and not _pid_alive(maker)):
                     os.unlink(entry.path)
                     removed += 1
             except (OSError, ValueError):
                 continue
     return removed
+
+
+def _maker(path: str) -> int | None:
+    """The pid of the worker that made the segment at `path` (None: not one of ours)."""
+    if made_by := _PART_OF.search(path):
+        return int(made_by[1])
+    with open(path, "rb") as f:
+        fixed = np.frombuffer(f.read(_FIXED * 8), np.int64)
+    return int(fixed[3]) if len(fixed) == _FIXED and int(fixed[0]) == MAGIC else None

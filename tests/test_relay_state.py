@@ -105,3 +105,18 @@ def test_a_split_workers_hello_is_refused_and_the_client_never_sees_it() -> None
     r.deliver(b"w2:0", split)
     assert out.take(p.VectorSpec) == [] and out.take(p.Reset) == []
     assert r.rejects.total == 1
+
+
+def test_a_worker_idle_after_answering_a_request_whose_answer_never_came_is_lost() -> None:
+    """Its hello says which request it answered last: at the one we wait on, the answer was
+    lost (a full queue), and the client, which waits on it, must hear so rather than hang."""
+    r, out, _ = bench()
+    r.deliver(CLIENT, p.Reset(epoch=0, seq=0, options={}, worker="w0"))
+    asked = out.take(p.Reset)[0].seq
+    out.take()
+    r.deliver(b"w0", dataclasses.replace(hello("w0"), seq=asked - 1))  # sent before it was asked
+    assert out.take(p.WorkerLost) == []
+    r.deliver(b"w0", dataclasses.replace(hello("w0"), seq=asked))
+    lost = out.take(p.WorkerLost)
+    assert [(m.worker, m.reason) for m in lost] == [
+        ("w0", f"its answer to request {asked} was lost")]

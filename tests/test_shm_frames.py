@@ -4,9 +4,11 @@ cannot be used (a broker that cannot map the segment, a stopped assembler)."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import signal
+import subprocess
 import time
 
 import numpy as np
@@ -257,3 +259,23 @@ def test_no_segment_without_the_flag(cluster: Cluster) -> None:
     finally:
         weights.close()
         inbox.close()
+
+
+def test_a_segment_half_made_by_a_killed_worker_is_removed_by_its_next_incarnation() -> None:
+    """A worker killed while it makes its segment leaves it under a name that says whose it
+    is (no header says it yet): the next incarnation removes it, and never a live maker's."""
+    name = worker_name("h")
+    gone = subprocess.Popen(["true"])  # a pid that has exited
+    gone.wait()
+    half = f"{shm.DIR}/{shm.segment_name(name, 'aaaa')}{shm.PART}{gone.pid}"
+    mine = f"{shm.DIR}/{shm.segment_name(name, 'bbbb')}{shm.PART}{os.getpid()}"
+    for path in (half, mine):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 100)  # its header not written yet
+    try:
+        assert shm.remove_orphans(name) == 1
+        assert not os.path.exists(half) and os.path.exists(mine)
+    finally:
+        for path in (half, mine):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)

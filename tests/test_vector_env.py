@@ -3,7 +3,8 @@ SyncVectorEnv gives (observations, rewards, terminations, truncations, infos) in
 autoreset modes, partial resets included; EnvPool's send/recv; call/get_attr/set_attr.
 
 Written after the assertions of Gymnasium's tests/vector/test_autoreset_mode.py and
-test_vector_env.py, against real worker, broker and controller processes."""
+test_vector_env.py, against real worker and controller processes (the relay in the test's
+own process, as make() runs it)."""
 
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ def make(env: str, num_envs: int, workers: int = 1, *,
     launched = Launched(env, sizes, worker_options, starter)
     link = None
     try:
-        link = LocalRelay(launched.endpoints)
+        link = LocalRelay(launched.endpoints["steps"])
         envs = BusVectorEnv(link, num_envs, autoreset_mode=autoreset_mode,
                             batch_size=batch_size, single_spaces=single,
                             on_close=launched.stop, attach_timeout_s=attach_timeout_s,

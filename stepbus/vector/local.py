@@ -16,7 +16,6 @@ import math
 import os
 import socket as pysocket
 import time
-from collections.abc import Mapping
 
 import zmq
 
@@ -50,36 +49,38 @@ class InboxPorts(node.SocketPorts):
 
 class LocalRelay:
     """A `Link` whose relay is in this process: `send` hands it a request, `recv` turns its
-    loop (the workers' sockets, its controller link, its liveness timers) until it has an
-    answer for the env. Nothing runs between calls; the time the caller spent elsewhere (a
-    PPO update between steps) is the relay's stall, not its workers' silence."""
+    loop (the workers' socket, its liveness timers) until it has an answer for the env.
+    Nothing runs between calls: the time the caller spent elsewhere (a PPO update between
+    steps) is the relay's stall, not its workers' silence, and what they sent meanwhile is read
+    before the relay is asked anything. It does not register with the controller `make`
+    started: nothing asks it there, and between calls it could not answer."""
 
-    def __init__(self, endpoints: Mapping[str, str]) -> None:
-        """`endpoints`: the launched controller's and broadcast, and the steps endpoint to
-        bind, which the workers were told."""
+    def __init__(self, steps: str) -> None:
+        """`steps`: the endpoint to bind, which the workers were told."""
         self.name = f"vector-{pysocket.gethostname()}-{os.getpid()}"
         self.heard_at = time.monotonic()  # as a `Link`'s; this relay is never silent to us
         self.inbox: collections.deque[p.Message] = collections.deque()
         self.ctx = wiring.context(None)
-        self.controller = node.ControllerLink(
-            self.ctx, role="broker", name="broker", controller=endpoints["controller"],
-            broadcast=endpoints["broadcast"], log=LOG, binds={"steps": endpoints["steps"]})
         try:
-            self.sockets = topology.open_role(self.ctx, Role.RELAY, endpoints,
+            self.sockets = topology.open_role(self.ctx, Role.RELAY, {"steps": steps},
                                               skip=(PortName.VECTOR,))
         except BaseException:
-            self.controller.close()
             wiring.destroy(self.ctx)
             raise
-        self.relay = relay.Relay(InboxPorts(
-            {**self.sockets, PortName.CONTROLLER: self.controller.dealer}, self.inbox), LOG)
+        self.relay = relay.Relay(InboxPorts(self.sockets, self.inbox), LOG)
+        self.relay.cancel("client_beat")  # we hear it by calling it
         self.relay.stall_log_level = logging.DEBUG  # the caller's own work between calls
-        self.loop = node.Loop(self.relay, relay.relay_ports(self.sockets), self.controller,
+        self.loop = node.Loop(self.relay, relay.relay_ports(self.sockets), None,
                               node.StopFlag(()))  # the caller's signals stay the caller's
         self.turned_at = time.monotonic()
 
     def send(self, msg: p.Message) -> None:
+        """Hand the relay a request, once it has read what its workers sent meanwhile (idle
+        workers' hellos, hours of them if the caller left the env alone that long: their queue
+        must never fill, or a reply would find no room)."""
         self.catch_up()
+        while node.readable(self.sockets[PortName.STEPS]):
+            self.turn(0.0)
         self.relay.deliver(CLIENT, msg)
 
     def recv(self, timeout_s: float = math.inf) -> p.Message | None:
@@ -87,7 +88,7 @@ class LocalRelay:
         `timeout_s`.
 
         Raises:
-            BrokerLost: the relay stopped (the launched controller's shutdown).
+            BrokerLost: the relay stopped (it has no reason to: a bug).
         """
         deadline = time.monotonic() + timeout_s
         self.catch_up()
@@ -121,9 +122,7 @@ class LocalRelay:
             self.turned_at = now
 
     def close(self) -> None:
-        """The relay's goodbye to the controller, and its sockets closed."""
         try:
-            self.loop.close()
             for sock in self.sockets.values():
                 sock.close(0)
         finally:
