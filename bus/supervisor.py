@@ -12,12 +12,11 @@ QUICK_DEATHS_LIMIT quick deaths in a row the supervisor gives up, with the child
 its figures (`stepbus status`) and its log. Giving up ends the supervisor with exit code 1 (so
 honcho stops the run, which cannot go on without that role) unless the child is one of many (a
 worker) or beside the training path (the evaluator): then it stays, reporting, and the run goes
-on without it. A child that exits
-2 (`exits.Exit.SETTING`) refused a setting that every restart would refuse again: the
-supervisor gives up at once and exits 2 itself, a worker's too. A child that exits 0 left on
-purpose (a shutdown, a signal), and so does its supervisor. A child's stderr passes through the
-supervisor, which keeps its last line as the child's last error; the child gets SIGTERM if the
-supervisor dies.
+on without it. A child that exits 2 (`exits.Exit.SETTING`) refused a setting that every
+restart would refuse again: the supervisor gives up at once and exits 2 itself, a worker's too.
+A child that exits 0 left on purpose (a shutdown, a signal), and so does its supervisor. A
+child's stderr passes through the supervisor, which keeps its last line as the child's last
+error; the child gets SIGTERM if the supervisor dies.
 """
 
 from __future__ import annotations
