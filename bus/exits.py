@@ -1,7 +1,8 @@
 """Exit codes, one table for every command and role (docs/operations.md#exit-codes).
 
 A supervisor restarts a child that failed (1, or a signal) and gives up at once on a setting
-error (2): the same flags would be refused again on every restart.
+error (2): the same flags would be refused again on every restart. Flags an earlier child ran
+with for a while are an exception: they worked, so a 2 with them is taken for a passing failure.
 """
 
 from __future__ import annotations

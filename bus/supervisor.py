@@ -13,7 +13,9 @@ its figures (`stepbus status`) and its log. Giving up ends the supervisor with e
 honcho stops the run, which cannot go on without that role) unless the child is one of many (a
 worker) or beside the training path (the evaluator): then it stays, reporting, and the run goes
 on without it. A child that exits 2 (`exits.Exit.SETTING`) refused a setting that every
-restart would refuse again: the supervisor gives up at once and exits 2 itself, a worker's too.
+restart would refuse again: the supervisor gives up at once and exits 2 itself, a worker's too;
+but with flags an earlier child ran STEADY_S with, it is a passing failure (an env whose
+simulator does not answer yet), restarted with the back-off like any death.
 A child that exits 0 left on purpose (a shutdown, a signal), and so does its supervisor. A
 child's stderr passes through the supervisor, which keeps its last line as the child's last
 error; the child gets SIGTERM if the supervisor dies.
@@ -54,6 +56,8 @@ STARTUP_GRACE_S = 30.0  # before its first beat (imports, a slow disk), a child 
 SILENT_S = 3.0  # after it: this long without a beat, and a beating child is frozen (default)
 NO_PIDFD_LOOK_S = 0.05  # without a pidfd to wake on its exit, look at the child this often
 LAST_ERROR_CHARS = 300  # of the child's last stderr line, kept as its last error
+PASSING = (f" (a setting refused with the flags a child ran {STEADY_S:g}s with before: taken "
+           "for a passing failure, a simulator or licence server not answering, say)")
 
 
 class Child(enum.Enum):
@@ -128,6 +132,7 @@ class Running:
     popen: ChildProcess
     started: float
     stderr: int  # read end of the child's stderr
+    args: tuple[str, ...] = ()  # its flags
     beats: int | None = None
     last_beat: float | None = None
     said_started: bool = False  # it wrote STARTED
@@ -311,6 +316,7 @@ class Supervisor(node.Process):
         self.command, self.args = list(command), list(args)
         self.give_up_rule, self.beat_env = give_up, beat_env
         self.quick_deaths_limit, self.silent_s = quick_deaths_limit, silent_s
+        self.proven_args: tuple[str, ...] | None = None  # flags a child ran STEADY_S with
         self.running: Running | None = None
         self.child = Child.WAITING
         self.leaving = ""  # why the supervisor is stopping ("": it is not)
@@ -345,6 +351,7 @@ class Supervisor(node.Process):
         self.log.info("%s started (pid %d%s)%s", self.noun, run.popen.pid, how,
                       f" with {' '.join(self.args)}" if self.args else "")
         self.running = run
+        run.args = tuple(self.args)
         self.child = Child.RUNNING
         self.wake_on_readable_fds = run.fds()
         if run.beats is not None and self.silent_s > 0:
@@ -487,7 +494,10 @@ class Supervisor(node.Process):
         self.counts.deaths += 1
         self.counts.last_death = "frozen, killed" if ended.killed_frozen else describe_exit(code)
         self.counts.quick_deaths = 0 if ran >= STEADY_S else self.counts.quick_deaths + 1
-        if code == Exit.SETTING:  # a bad setting: every restart would refuse it again
+        if ran >= STEADY_S:
+            self.proven_args = ended.args
+        passing = code == Exit.SETTING and ended.args == self.proven_args
+        if code == Exit.SETTING and not passing:  # every restart would refuse it again
             self.give_up(ran, exit_anyway=True)
             return
         if self.counts.quick_deaths >= self.quick_deaths_limit:
@@ -495,9 +505,9 @@ class Supervisor(node.Process):
             return
         delay = restart_delay(self.counts.quick_deaths, code)
         self.at("restart", now + delay, self.start_child)
-        self.log.warning("%s (pid %d) %s after %.1fs%s; starting a new one%s", self.noun,
+        self.log.warning("%s (pid %d) %s after %.1fs%s; starting a new one%s%s", self.noun,
                          ended.popen.pid, self.counts.last_death, ran, self.last_error_text(),
-                         f" in {delay:g}s" if delay else "")
+                         f" in {delay:g}s" if delay else "", PASSING if passing else "")
 
     def last_error_text(self) -> str:
         return f" (last error: {self.counts.last_error})" if self.counts.last_error else ""

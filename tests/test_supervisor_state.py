@@ -134,6 +134,26 @@ def test_a_child_that_exits_2_has_a_bad_setting_and_is_given_up_on_at_once_even_
     assert "a setting is wrong" in caplog.text
 
 
+def test_an_exit_2_with_flags_that_ran_for_a_while_is_a_passing_failure_and_restarted(
+        benches: list[Bench], caplog: pytest.LogCaptureFixture):
+    """Its flags worked (an earlier child ran STEADY_S with them): a 2 now is not a bad
+    setting but a passing failure (a simulator's licence server down at a restart hours into
+    a run), restarted with the back-off and given up on only after the quick deaths."""
+    bench = Bench("import sys; sys.exit(2)", give_up=supervisor.GiveUp.STAY,
+                  quick_deaths_limit=2)
+    benches.append(bench)
+    bench.at(0.0)
+    assert bench.wait_exit(supervisor.STEADY_S + 1) == 2  # ran long enough: its flags work
+    assert not bench.sup.gave_up and bench.sup.timers["restart"].due == bench.clock.t
+    assert "taken for a passing failure" in caplog.text
+    bench.at(supervisor.STEADY_S + 1)
+    assert bench.wait_exit(supervisor.STEADY_S + 1.1) == 2
+    assert not bench.sup.gave_up, "the same flags, so a passing failure again"
+    bench.at(supervisor.STEADY_S + 1.6)  # the back-off's 0.5 s
+    assert bench.wait_exit(supervisor.STEADY_S + 1.7) == 2
+    assert bench.sup.gave_up and bench.sup.gave_up_exit is None, "two quick deaths: a worker stays"
+
+
 def test_a_child_that_cannot_be_started_is_a_quick_death_with_the_back_off(
         benches: list[Bench]):
     bench = Bench(SLEEPS)
