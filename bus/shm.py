@@ -3,7 +3,8 @@
 A worker's observations cross three sockets (worker -> broker -> assembler -> learner) and cost
 CPU at each end of each hop; on one host the first two hops can carry a slot number instead.
 The worker owns one segment, `/dev/shm/stepbus-<name>-<incarnation>` (mode 0600, created
-exclusively), of SLOTS slots of one batch of observation rows each, after a one-page header:
+exclusively as `<that>.part<pid>` and renamed once its header is whole), of SLOTS slots of one
+batch of observation rows each, after a one-page header:
 
     int64 [0] MAGIC  [1:3] nonce (16 random bytes, also in the worker's hello)  [3] creator pid
           [4] slots  [5] rows per slot  [6] bytes per row  [7] reader stamp (CLOCK_MONOTONIC ns)
@@ -60,10 +61,10 @@ RECLAIM_S = 60.0  # a slot not released for this long is taken back (its reader 
 # costs this much per batch.
 ACQUIRE_WAIT_S = 0.02
 MAX_SEGMENT_BYTES = 1 << 34
-_NAME = re.compile(r"stepbus-[A-Za-z0-9_.-]{1,200}")
 _FIXED = 9  # int64 header words before the per-slot arrays
 PART = ".part"  # a segment being made: PATH.partPID until it is whole
-_PART_OF = re.compile(r"\.part(\d+)$")
+_NAME = re.compile(r"stepbus-[A-Za-z0-9_.-]{1,200}(\.part\d{1,10})?")
+_PART_OF = re.compile(r"\.part(\d{1,10})$")
 
 
 class Refused(Exception):
@@ -117,12 +118,15 @@ class Writer:
             os.posix_fallocate(fd, 0, size)
             self.map = mmap.mmap(fd, size)
             self.write_header(slots, rows, row_bytes)
+            # Whole, under its name, at once (one name at a time; over another user's file
+            # in sticky /dev/shm it fails, EPERM, and the rows go on the socket).
             os.rename(part, self.path)
-        except BaseException:
-            os.close(fd)
-            os.unlink(part)
+        except BaseException:  # the half-made object, its map with it, is dropped by the caller
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(part)
             raise
-        os.close(fd)
+        finally:
+            os.close(fd)
         data = np.frombuffer(self.map, self.dtype, offset=HEADER_BYTES)
         self.views = data.reshape(slots, rows, *obs_shape)
         self.since = np.zeros(slots)  # when each slot was last written
@@ -281,9 +285,11 @@ def remove_orphans(worker: str) -> int:
 
 
 def _maker(path: str) -> int | None:
-    """The pid of the worker that made the segment at `path` (None: not one of ours)."""
-    if made_by := _PART_OF.search(path):
-        return int(made_by[1])
+    """The pid of the worker that made the segment at `path`: its header's, or while it has
+    none, its name's (None: not one of ours)."""
     with open(path, "rb") as f:
         fixed = np.frombuffer(f.read(_FIXED * 8), np.int64)
-    return int(fixed[3]) if len(fixed) == _FIXED and int(fixed[0]) == MAGIC else None
+    if len(fixed) == _FIXED and int(fixed[0]) == MAGIC:
+        return int(fixed[3])
+    made_by = _PART_OF.search(path)
+    return int(made_by[1]) if made_by else None

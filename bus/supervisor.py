@@ -14,8 +14,9 @@ honcho stops the run, which cannot go on without that role) unless the child is 
 worker) or beside the training path (the evaluator): then it stays, reporting, and the run goes
 on without it. A child that exits 2 (`exits.Exit.SETTING`) refused a setting that every
 restart would refuse again: the supervisor gives up at once and exits 2 itself, a worker's too;
-but with flags an earlier child ran STEADY_S with, it is a passing failure (an env whose
-simulator does not answer yet), restarted with the back-off like any death.
+but with flags an earlier child ran STEADY_S with (and did not leave with a 2), it is a passing
+failure (an env whose simulator does not answer yet), restarted with the back-off like any
+death.
 A child that exits 0 left on purpose (a shutdown, a signal), and so does its supervisor. A
 child's stderr passes through the supervisor, which keeps its last line as the child's last
 error; the child gets SIGTERM if the supervisor dies.
@@ -316,7 +317,7 @@ class Supervisor(node.Process):
         self.command, self.args = list(command), list(args)
         self.give_up_rule, self.beat_env = give_up, beat_env
         self.quick_deaths_limit, self.silent_s = quick_deaths_limit, silent_s
-        self.proven_args: tuple[str, ...] | None = None  # flags a child ran STEADY_S with
+        self.proven: set[tuple[str, ...]] = set()  # flags children ran STEADY_S with, and left
         self.running: Running | None = None
         self.child = Child.WAITING
         self.leaving = ""  # why the supervisor is stopping ("": it is not)
@@ -469,6 +470,8 @@ class Supervisor(node.Process):
 
     def child_exited(self, ended: Running, code: int, now: float) -> None:
         asked = self.child is Child.STOPPING
+        if now - ended.started >= STEADY_S and code != Exit.SETTING:
+            self.proven.add(ended.args)  # these flags work (a swap's stop is proof too)
         self.running, self.child = None, Child.WAITING
         ended.close()
         self.wake_on_readable_fds = set()
@@ -494,9 +497,7 @@ class Supervisor(node.Process):
         self.counts.deaths += 1
         self.counts.last_death = "frozen, killed" if ended.killed_frozen else describe_exit(code)
         self.counts.quick_deaths = 0 if ran >= STEADY_S else self.counts.quick_deaths + 1
-        if ran >= STEADY_S:
-            self.proven_args = ended.args
-        passing = code == Exit.SETTING and ended.args == self.proven_args
+        passing = code == Exit.SETTING and ended.args in self.proven
         if code == Exit.SETTING and not passing:  # every restart would refuse it again
             self.give_up(ran, exit_anyway=True)
             return
@@ -618,7 +619,8 @@ def run(role: str, flags: list[str], *, controller: str, security: wiring.Securi
         give_up: GiveUp, quick_deaths_limit: int = QUICK_DEATHS_LIMIT,
         silent_s: float = SILENT_S, entry: Callable[[], int] | None = None) -> int:
     """Supervise `stepbus ROLE FLAGS` until it exits 0, we are signalled, or we give up (exit 1
-    with GiveUp.EXIT; exit 2 at once when the child exited 2). The supervisor reports to the
+    with GiveUp.EXIT; exit 2 at once when the child exited 2 with flags no child ran STEADY_S
+    with). The supervisor reports to the
     controller at `controller` as role "supervisor", named like its child; a child silent for
     `silent_s` (0: never judged) is frozen and killed. `entry` runs the role in this
     interpreter: given, the first child is a fork that calls it (`fork_first`)."""
@@ -640,8 +642,8 @@ def serve(security: wiring.Security, log: logging.Logger,
           broadcast: str, linger_ms: int = topology.LINGER_MS,
           entry: Callable[[], int] | None = None, beat_env: str = "") -> int:
     """Run a supervisor, built by `build` on its link to the controller (as `role` `name`), to
-    the end: 1 if it gave up and stopped (2 if a child exited 2), else the loop's code; its
-    child never outlives it.
+    the end: 1 if it gave up and stopped (2 if it gave up on a child's exit 2), else the loop's
+    code; its child never outlives it.
     `linger_ms`: how long its last messages may wait for the controller. The controller's own
     supervisor passes 0: its controller has exited, so its leaving heartbeat would wait the
     whole linger for nobody, and it is the last process of every honcho run (0.5 s more).

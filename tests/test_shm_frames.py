@@ -272,10 +272,15 @@ def test_a_segment_half_made_by_a_killed_worker_is_removed_by_its_next_incarnati
     for path in (half, mine):
         with open(path, "wb") as f:
             f.write(b"\0" * 100)  # its header not written yet
+    long_name = worker_name("h" * 200)  # its segment's name cut at the longest there is
+    long_half = f"{shm.DIR}/{shm.segment_name(long_name, 'cccc')}{shm.PART}{gone.pid}"
+    with open(long_half, "wb") as f:
+        f.write(b"\0" * 100)
     try:
         assert shm.remove_orphans(name) == 1
         assert not os.path.exists(half) and os.path.exists(mine)
+        assert shm.remove_orphans(long_name) == 1 and not os.path.exists(long_half)
     finally:
-        for path in (half, mine):
+        for path in (half, mine, long_half):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
