@@ -16,10 +16,9 @@ on without it. A child that exits 2 (`exits.Exit.SETTING`) refused a setting tha
 restart would refuse again: the supervisor gives up at once and exits 2 itself, a worker's too;
 but with flags an earlier child ran STEADY_S with (and did not leave with a 2), it is a passing
 failure (an env whose simulator does not answer yet), restarted with the back-off like any
-death.
-A child that exits 0 left on purpose (a shutdown, a signal), and so does its supervisor. A
-child's stderr passes through the supervisor, which keeps its last line as the child's last
-error; the child gets SIGTERM if the supervisor dies.
+death. A child that exits 0 left on purpose (a shutdown, a signal), and so does its
+supervisor. A child's stderr passes through the supervisor, which keeps its last line as the
+child's last error; the child gets SIGTERM if the supervisor dies.
 """
 
 from __future__ import annotations
@@ -620,10 +619,10 @@ def run(role: str, flags: list[str], *, controller: str, security: wiring.Securi
         silent_s: float = SILENT_S, entry: Callable[[], int] | None = None) -> int:
     """Supervise `stepbus ROLE FLAGS` until it exits 0, we are signalled, or we give up (exit 1
     with GiveUp.EXIT; exit 2 at once when the child exited 2 with flags no child ran STEADY_S
-    with). The supervisor reports to the
-    controller at `controller` as role "supervisor", named like its child; a child silent for
-    `silent_s` (0: never judged) is frozen and killed. `entry` runs the role in this
-    interpreter: given, the first child is a fork that calls it (`fork_first`)."""
+    with). The supervisor reports to the controller at `controller` as role "supervisor", named
+    like its child; a child silent for `silent_s` (0: never judged) is frozen and killed.
+    `entry` runs the role in this interpreter: given, the first child is a fork that calls it
+    (`fork_first`)."""
     log = node.setup_logging("supervisor")
     name = os.environ.get("HONCHO_PROCESS_NAME") or f"{role}-{pysocket.gethostname()}-{os.getpid()}"
     log.info("supervising %s %s: restarted if it dies%s, up to %d quick deaths in a row",
