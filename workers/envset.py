@@ -329,7 +329,7 @@ class EnvSet:
         for u, env in enumerate(self.envs):
             try:
                 first = self.env_call(env.reset, seed=self._new_episode(u),
-                                       options=options or None)
+                                      options=options or None)
             except Exception as exc:
                 first = self._recreate(u, exc, {}, counted=not options)
                 self.without_options.add(u)
@@ -396,7 +396,7 @@ class EnvSet:
         if not going_on:  # all done: the next episode starts within this step
             try:
                 first = self.env_call(env.reset, seed=self._new_episode(u),
-                                       options=self._options_for(u, options))
+                                      options=self._options_for(u, options))
             except Exception as exc:
                 first = self._recreate(u, exc, {})
             going_on = set(self.envs[u].agents)
