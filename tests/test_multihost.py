@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 from conftest import REPO, Cluster, wait_for
@@ -21,16 +22,23 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import two_hosts as two_hosts_bench  # the namespaces, made in one place
 
 
+def unavailable(why: str) -> NoReturn:
+    """Skip, saying why; fail where these tests must run (STEPBUS_REQUIRE_NETNS=1, as in CI)."""
+    if os.environ.get("STEPBUS_REQUIRE_NETNS") == "1":
+        pytest.fail(f"STEPBUS_REQUIRE_NETNS=1, but this test {why}")
+    pytest.skip(why)
+
+
 @pytest.fixture
 def two_hosts() -> Iterator[tuple[tuple[str, ...], tuple[str, ...], str]]:
     """(prefix running a command on host A, on host B, host A's address)."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2's `ip` to make network namespaces")
+        unavailable("needs root and iproute2's `ip` to make network namespaces")
     try:
         with two_hosts_bench.two_namespaces() as hosts:
             yield hosts
     except (subprocess.CalledProcessError, OSError) as exc:
-        pytest.skip(f"cannot make network namespaces here: {exc}")
+        unavailable(f"cannot make network namespaces here: {exc}")
 
 
 def test_a_worker_on_another_host_needs_only_the_controller_address_and_keys(
@@ -74,12 +82,12 @@ def test_a_worker_on_another_host_needs_only_the_controller_address_and_keys(
 def routed_hosts() -> Iterator[two_hosts_bench.RoutedHosts]:
     """Hosts A and B with a router between them (each a network namespace)."""
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("iptables") is None:
-        pytest.skip("needs root, iproute2's `ip` and `iptables` to route between namespaces")
+        unavailable("needs root, iproute2's `ip` and `iptables` to route between namespaces")
     stack = contextlib.ExitStack()
     try:
         hosts = stack.enter_context(two_hosts_bench.routed_namespaces())
     except (subprocess.CalledProcessError, OSError) as exc:
-        pytest.skip(f"cannot make network namespaces here: {exc}")
+        unavailable(f"cannot make network namespaces here: {exc}")
     with stack:
         yield hosts
 
