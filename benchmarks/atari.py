@@ -1,8 +1,8 @@
 """Atari Breakout frames per second with the built-in Nature CNN acting: the stepbus pipeline
 next to gymnasium's AsyncVectorEnv stepping the same envs with the same CNN in its loop.
 
-    python benchmarks/atari.py --shm-frames             # 4 workers x 32 envs, 30 s windows
-    python benchmarks/atari.py --workers 2 --envs-per-worker 32 --shm-frames
+    python benchmarks/atari.py                          # 4 workers x 32 envs, 30 s windows
+    python benchmarks/atari.py --workers 2 --envs-per-worker 32
     python benchmarks/atari.py --smoke                  # ~20 s: proves it still works
 
 Env: `stepbus.workers.games:atari_breakout` (ALE/Breakout-v5, frameskip 1, AtariPreprocessing,
@@ -157,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
                                      allow_abbrev=False)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--envs-per-worker", type=int, default=32)
-    parser.add_argument("--shm-frames", action="store_true", help="workers with --shm-frames")
+    parser.add_argument("--shm-frames", action=argparse.BooleanOptionalAction, default=None,
+                        help="every batch of frames through shared memory (--no-shm-frames: "
+                             "none); default: the workers' own choice, by batch size")
     parser.add_argument("--seconds", type=float, default=30.0, help="measured window")
     parser.add_argument("--warmup", type=float, default=10.0, help="stepping before it")
     parser.add_argument("--batch-steps", type=int, default=2048,

@@ -67,17 +67,26 @@ class Setup:
     workers: int
     envs_per_worker: int
     hidden: str = ""  # the policy MLP's widths (`--hidden`); "" for the default 64,64
-    shm_frames: bool = False  # workers with --shm-frames
+    # Observations through shared memory: None as workers choose by default (batches of
+    # shm.MIN_BATCH_BYTES and up), True for every batch, False never (on the socket).
+    shm_frames: bool | None = None
     splits: int = 1  # workers with --splits (each split is a worker to the broker)
 
     def label(self) -> str:
         return f"{self.workers}w x {self.envs_per_worker}" + (
             f"/{self.splits}" if self.splits > 1 else "") + (
-            f", mlp {self.hidden}" if self.hidden else "") + (", shm" if self.shm_frames else "")
+            f", mlp {self.hidden}" if self.hidden else "") + (
+            {None: "", True: ", shm", False: ", socket"}[self.shm_frames])
+
+    def shm_flags(self) -> tuple[str, ...]:
+        if self.shm_frames is None:
+            return ()
+        return ("--shm-frames", "--shm-min-batch-bytes", "0") if self.shm_frames else (
+            "--no-shm-frames",)
 
 
 def grid(workers: tuple[int, ...], envs: tuple[int, ...], hidden: str = "",
-         shm_frames: bool = False) -> list[Setup]:
+         shm_frames: bool | None = None) -> list[Setup]:
     return [Setup(w, k, hidden, shm_frames) for w in workers for k in envs]
 
 
@@ -104,18 +113,20 @@ def parse_flags(text: str) -> tuple[str, list[str]]:
 
 def parse_grid(text: str) -> list[Setup]:
     """`1x8,2x128:1,1x64:1+shm,1x8/2` -> setups (workers x envs per worker[:hidden widths],
-    `+shm`: workers with --shm-frames, `/N`: workers with --splits N)."""
+    `+shm`: every batch through shared memory, `+socket`: none, `/N`: workers with --splits
+    N)."""
     setups = []
-    for item in text.split(","):
-        item, plus, shm_flag = item.strip().partition("+")
-        if plus and shm_flag != "shm":
-            raise argparse.ArgumentTypeError(f"expected WxK[:hidden][+shm], got {item!r}")
+    for given in text.split(","):
+        item, plus, shm_flag = given.strip().partition("+")
+        if plus and shm_flag not in ("shm", "socket"):
+            raise argparse.ArgumentTypeError(f"expected WxK[:hidden][+shm|+socket], got {given!r}")
         size, _, hidden = item.partition(":")
         size, _, splits = size.partition("/")
         workers, x, envs = size.partition("x")
         if not (x and workers.isdigit() and envs.isdigit() and (splits or "1").isdigit()):
             raise argparse.ArgumentTypeError(f"expected WxK[/N][:hidden], got {item!r}")
-        setups.append(Setup(int(workers), int(envs), hidden, bool(plus), int(splits or 1)))
+        setups.append(Setup(int(workers), int(envs), hidden,
+                            shm_flag == "shm" if plus else None, int(splits or 1)))
     return setups
 
 
@@ -127,14 +138,15 @@ def plans(mode: str) -> dict[str, Plan]:
     # Frames: the default 64-64 MLP's first layers (28,224 inputs each, for the policy and the
     # value) cost the broker ~0.18 ms per observation (float32), more than moving the frame; a
     # 1-unit MLP measures the pipeline's data path, the default one what a pixel MLP costs.
-    # One worker with 64 envs sends fewer, larger batches: the best data path measured; `shm`:
-    # the same with --shm-frames (frames through shared memory to the broker and assembler).
+    # One worker with 64 envs sends fewer, larger batches: the best data path measured, with
+    # frames through shared memory to the broker and assembler (the default for batches this
+    # big) and on the socket.
     if mode == "quick":
         return {"cartpole": Plan(stepbus=grid((1,), (8, 32)) + grid((2,), (32,)),
                                  async_envs=[4, 16], methods=["fork"]),
                 "heavy": Plan(stepbus=grid((2,), (1, 8)), async_envs=[2, 16], methods=["fork"]),
                 "frames": Plan(stepbus=grid((1, 2), (8,), "1") + grid((1,), (64,), "1")
-                               + grid((1,), (64,), "1", shm_frames=True) + grid((2,), (8,)),
+                               + grid((1,), (64,), "1", shm_frames=False) + grid((2,), (8,)),
                                async_envs=[4, 16], methods=["fork"]),
                 "scaling": Plan(stepbus=grid((1, 2, 4, 16), (8,)), async_envs=[],
                                 methods=["fork"], others=False)}
@@ -146,7 +158,7 @@ def plans(mode: str) -> dict[str, Plan]:
             "heavy": Plan(stepbus=grid((2, 4), (1, 8)) + grid((2,), (128,)),
                           async_envs=[2, 4, 8, 16], methods=["fork"]),
             "frames": Plan(stepbus=grid((1, 2), (8, 32), "1") + grid((1,), (64,), "1")
-                           + grid((1,), (64,), "1", shm_frames=True) + grid((2,), (8,)),
+                           + grid((1,), (64,), "1", shm_frames=False) + grid((2,), (8,)),
                            async_envs=[2, 4, 8, 16], methods=["fork", "forkserver"]),
             # Scaling at 32 envs per worker too: a worker idles while its batch's actions are
             # inferred, a share that shrinks as its batches grow (1 -> 2 workers: 1.75x at 8).
@@ -263,7 +275,7 @@ class Pipeline:
         for i in range(setup.workers):
             self.start("worker", "--name", f"w{i}", "--worker-index", str(i), "--env", env,
                        "--envs-per-worker", str(setup.envs_per_worker),
-                       *(("--shm-frames",) if setup.shm_frames else ()),
+                       *setup.shm_flags(),
                        *(("--splits", str(setup.splits)) if setup.splits > 1 else ()))
         self.start("trainer", "--algo", CONSUME, "--target-return", "0", "--batch-steps",
                    str(batch_steps), "--checkpoint-interval-s", "1",
@@ -795,8 +807,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "and a summary of the top functions go to DIR")
     parser.add_argument("--grid", type=parse_grid, default=None, metavar="WxK[:H],...",
                         help="stepbus setups instead of the scenario's grid: workers x envs per "
-                             "worker, optionally :hidden widths, +shm for workers with "
-                             "--shm-frames (e.g. 1x8,2x128,1x32:1,1x64:1+shm)")
+                             "worker, optionally :hidden widths, +shm for every batch through "
+                             "shared memory, +socket for none (e.g. 1x8,2x128,1x32:1,1x64:1+shm)")
     parser.add_argument("--flags", type=parse_flags, action="append", default=[],
                         metavar="ROLE=FLAGS", help="extra flags for one stepbus role, to try a "
                         "setting (repeatable): --flags 'broker=--batch-wait-ms 0.2'")

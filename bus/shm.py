@@ -61,6 +61,10 @@ RECLAIM_S = 60.0  # a slot not released for this long is taken back (its reader 
 # costs this much per batch.
 ACQUIRE_WAIT_S = 0.02
 MAX_SEGMENT_BYTES = 1 << 34
+# A worker's batches of observations smaller than this go on the socket even on the broker's
+# host (`stepbus worker --shm-min-batch-bytes`): a slot costs its bookkeeping at three
+# processes, which only moving a batch this big twice less repays.
+MIN_BATCH_BYTES = 64 << 10
 _FIXED = 9  # int64 header words before the per-slot arrays
 PART = ".part"  # a segment being made: PATH.partPID until it is whole
 _NAME = re.compile(r"stepbus-[A-Za-z0-9_.-]{1,200}(\.part\d{1,10})?")

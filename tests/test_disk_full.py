@@ -131,7 +131,8 @@ def test_shared_memory_that_cannot_be_had_sends_the_rows_on_the_socket(
     fill(small_disk)
     caplog.set_level(logging.WARNING)
     out = node.Outbox()
-    w = Worker(Config(envs_per_worker=2, name="w", shm_frames=True), out,
+    w = Worker(Config(envs_per_worker=2, name="w", shm_frames=True,
+                      shm_min_batch_bytes=0), out,
                logging.getLogger("test.worker"))
     try:
         assert w.segment is None

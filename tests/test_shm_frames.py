@@ -30,6 +30,8 @@ from stepbus.models import mlp
 from stepbus.policy import ActionSpace
 
 ENV = ("--env", "scripted_envs:stamp_frames", "--envs-per-worker", "8")
+# Every batch through shared memory, however small (by default only those of 64 KiB and up).
+SHM = ("--shm-frames", "--shm-min-batch-bytes", "0")
 OBS_DIM = int(np.prod(STAMP_SHAPE))
 
 
@@ -99,7 +101,7 @@ def start(c: Cluster, name: str, *extra: str, broker: bool = True) -> None:
     if broker:
         c.start("broker")
     c.start("assembler")
-    c.start("worker", "--name", name, "--shm-frames", *ENV, *extra)
+    c.start("worker", "--name", name, *SHM, *ENV, *extra)
 
 
 def test_observations_arrive_intact_through_shared_memory_and_a_stopped_assembler(
@@ -171,11 +173,11 @@ def test_a_killed_workers_segment_is_removed(cluster: Cluster) -> None:
         # The broker forgets it after the liveness timeout and removes what it left behind.
         wait_for(lambda: not os.path.exists(first), 20, "the broker to remove the segment")
         # A worker killed while no broker maps its segment: its next incarnation removes it.
-        second = cluster.start("worker", "--name", name, "--shm-frames", *ENV)
+        second = cluster.start("worker", "--name", name, *SHM, *ENV)
         [old] = wait_for(lambda: segments(name), 20, "a new segment")
         second.signal(signal.SIGKILL)
         second.wait(5)
-        third = cluster.start("worker", "--name", name, "--shm-frames", *ENV)
+        third = cluster.start("worker", "--name", name, *SHM, *ENV)
         wait_for(lambda: not os.path.exists(old) and segments(name), 20,
                  "the old segment replaced")
         third.signal(signal.SIGTERM)
@@ -190,7 +192,7 @@ def run_deterministic(shm_frames: bool) -> tuple[list[dict], str]:
         procs = [c.start("controller"), c.start("broker", "--seed", "3", "--deterministic"),
                  c.start("assembler"),
                  c.start("worker", "--name", worker_name("d"), "--seed", "3", *ENV,
-                         *(("--shm-frames",) if shm_frames else ())),
+                         *(SHM if shm_frames else ("--no-shm-frames",))),
                  c.start("learner", "--seed", "3", "--target-return", "0", "--max-updates",
                          "6", "--hidden", "8", *EVERY_UPDATE)]  # compared update by update
         codes = [proc.wait(90) for proc in procs]

@@ -74,7 +74,7 @@ def test_a_reset_then_steps_reply_once_per_batch_with_the_brokers_epoch_and_seq(
     figures = bench.worker.figures()
     assert figures["env_steps"] == 6 and figures["policy_version"] == 11
     assert figures["env_errors"] == 0 and figures["rejected"] == 0
-    assert "shm_batches" not in figures, "shared-memory figures only with --shm-frames"
+    assert "shm_batches" not in figures, "shared-memory figures only with a segment"
 
 
 def test_a_step_before_any_reset_or_of_another_epoch_is_ignored(bench: Bench):
@@ -289,10 +289,30 @@ def test_heartbeats_go_on_through_a_batch_blocked_in_native_code():
     assert not bench.worker.busy_beats.thread.is_alive()
 
 
+@pytest.mark.parametrize(("envs", "segment"), [(15, False), (16, True)])
+def test_by_default_only_batches_of_64_kib_and_up_go_through_shared_memory(envs: int,
+                                                                           segment: bool):
+    """32x32x4 uint8 frames are 4 KiB a row: 15 envs' batch stays on the socket, 16 envs'
+    (64 KiB, shm.MIN_BATCH_BYTES) gets a segment, and the hello names it."""
+    assert shm.MIN_BATCH_BYTES == 16 * 32 * 32 * 4
+    bench = Bench(name=f"state-{uuid.uuid4().hex[:8]}", env="scripted_envs:stamp_frames",
+                  envs_per_worker=envs)
+    try:
+        w = bench.worker
+        assert (w.segment is not None) == segment
+        w.run_timers(w.now)
+        (hello,) = bench.out.take(p.WorkerHello)
+        assert bool(hello.shm) == segment
+        assert ("shm_batches" in w.figures()) == segment
+    finally:
+        bench.worker.close()
+    assert not segment or not os.path.exists(os.path.join(shm.DIR, hello.shm))
+
+
 def test_with_shm_frames_observations_go_through_the_segment_once_the_broker_maps_it():
     name = f"state-{uuid.uuid4().hex[:8]}"
     bench = Bench(name=name, env="scripted_envs:stamp_frames", envs_per_worker=2,
-                  shm_frames=True)
+                  shm_frames=True, shm_min_batch_bytes=0)
     try:
         w = bench.worker
         assert w.segment is not None

@@ -96,11 +96,16 @@ class Config:
     episode_statistics: bool = field(default=False, metadata={
         "help": "wrap each env in Gymnasium's RecordEpisodeStatistics, so a vector env's "
                 "infos carry `episode` (r, l, t) at each episode's end"})
-    shm_frames: bool = field(default=False, metadata={
-        "help": "observations through a shared-memory segment in /dev/shm when the broker "
-                "(and the assembler) run on this host and can map it; ZeroMQ then carries only "
-                "a slot number. Otherwise, and whenever the assembler lags 16 batches behind "
-                "for 20 ms, they go on the socket as without this flag"})
+    shm_frames: bool = field(default=True, metadata={
+        "help": "Box observations through a shared-memory segment in /dev/shm when a batch of "
+                "them is at least --shm-min-batch-bytes and the broker (and the assembler) run "
+                "on this host and can map it; ZeroMQ then carries only a slot number. "
+                "Otherwise, and whenever the assembler lags 16 batches behind for 20 ms, they "
+                "go on the socket, as with --no-shm-frames"})
+    shm_min_batch_bytes: int = field(default=shm.MIN_BATCH_BYTES, metadata={
+        "min": 0, "help": "the smallest batch of observations (bytes: envs x one observation) "
+                          "that goes through shared memory; smaller ones cost more to pass "
+                          "there than on the socket (0: every batch)"})
     splits: int = field(default=1, metadata={"min": 1, "max": MAX_SPLITS,
         "help": "groups the envs are divided into (double buffering, as Sample Factory's "
                 "worker_num_splits): each group is a worker of its own to the broker (named "
@@ -270,10 +275,12 @@ class Worker(node.Process):
 
     def open_segment(self) -> shm.Writer | None:
         """The shared-memory segment for --shm-frames (None: observations on the socket)."""
+        if rows.nbytes(self.envs.last_obs) < self.cfg.shm_min_batch_bytes:
+            return None
         if not self.envs.write.plain:
             keys = ", ".join(leaf.key for leaf in self.envs.spec.obs_leaves)
-            self.log.warning("--shm-frames carries Box observations only; these (%s) go on "
-                             "the socket", keys)
+            self.log.info("--shm-frames carries Box observations only; these (%s) go on the "
+                          "socket", keys)
             return None
         try:
             if shm.remove_orphans(self.cfg.name):
