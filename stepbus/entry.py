@@ -1,9 +1,12 @@
 """The `stepbus` executable. It catches SIGINT/SIGTERM before the heavy imports, so a process
 that honcho stops while it is still starting exits 0 instead of dying by the signal, and has
-glibc keep freed memory for the next frame (`stepbus/heap.py`)."""
+glibc keep freed memory for the next frame (`stepbus/heap.py`). SIGUSR2 makes any stepbus
+process or command print every thread's stack to its stderr and go on (`kill -USR2 PID`): what
+a hung one is doing, without a debugger."""
 
 from __future__ import annotations
 
+import faulthandler
 import signal
 import sys
 
@@ -14,6 +17,7 @@ PROCESS_COMMANDS = ("controller", "broker", "worker", "assembler", "trainer", "l
 
 
 def main() -> int:
+    faulthandler.register(signal.SIGUSR2, all_threads=True, chain=False)
     if len(sys.argv) > 1 and sys.argv[1] in PROCESS_COMMANDS:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda signum, frame: EARLY_SIGNALS.append(signum))

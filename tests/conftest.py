@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -38,6 +39,17 @@ EVERY_UPDATE = ("--metrics-interval-s", "0")
 
 
 Proc = launch.Child  # a process a test started: name, popen, pid, output, wait, signal
+
+
+def hung_stacks(pid: int) -> None:
+    """A hung stepbus process's threads' stacks, into its stderr (SIGUSR2, `stepbus.entry`),
+    before it is killed: what it waited on."""
+    try:
+        os.kill(pid, signal.SIGUSR2)
+    except ProcessLookupError:
+        return
+    time.sleep(0.5)  # faulthandler writes from the signal handler at once; this covers a
+    # process that the machine's load keeps from running for a moment
 
 
 def shared_forkserver() -> ForkServer | None:
@@ -111,9 +123,10 @@ class Cluster:
         try:
             code = command.wait(timeout)
         except subprocess.TimeoutExpired:
+            hung_stacks(command.pid)
             command.kill()
-            raise subprocess.TimeoutExpired(argv, timeout, out.read_text(),
-                                            err.read_text()) from None
+            raise AssertionError(f"`stepbus {shlex.join(args)}` did not exit within {timeout}s; "
+                                 f"its stderr, stacks last:\n{err.read_text()[-6000:]}") from None
         return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
 
     def metrics(self) -> list[dict[str, Any]]:

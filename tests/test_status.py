@@ -10,6 +10,7 @@ import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 import zmq
 from conftest import EVERY_UPDATE, Cluster, act_as_trainer, send_message, wait_for
@@ -173,6 +174,30 @@ def test_status_exits_2_naming_the_address_when_no_controller_answers(cluster: C
         assert f"controller unreachable at {address}" in res.stderr
         assert res.stdout == "" and "Traceback" not in res.stderr
         assert time.monotonic() - t0 < 10, "within the timeout (plus the CLI's start-up)"
+
+
+def test_sigusr2_prints_where_every_thread_of_a_waiting_command_is_and_it_goes_on(
+        cluster: Cluster):
+    """What a hung process waits on, without a debugger: its stacks on stderr, then it carries
+    on (here to its timeout's exit 2)."""
+    proc = cluster.start("status", "--controller", "tcp://127.0.0.1:9", "--timeout", "3")
+    wait_for(lambda: catches(proc.pid, signal.SIGUSR2), 20, "the command to take SIGUSR2")
+    os.kill(proc.pid, signal.SIGUSR2)
+    assert proc.wait(20) == 2
+    out = proc.output()
+    assert "most recent call first" in out and "stepbus/entry.py" in out, out[-2000:]
+    assert out.index("most recent call first") < out.index("controller unreachable"), \
+        "the stacks, then it went on to its own exit"
+
+
+def catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether the process has a handler for `sig` (SigCgt in /proc/PID/status)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    found = re.search(r"^SigCgt:\s*([0-9a-f]+)", text, re.M)
+    return found is not None and bool(int(found.group(1), 16) >> (sig - 1) & 1)
 
 
 def test_the_table_shows_a_dash_where_a_process_has_no_such_figure():
