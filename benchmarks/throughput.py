@@ -111,6 +111,9 @@ def parse_flags(text: str) -> tuple[str, list[str]]:
     return role, shlex.split(flags)
 
 
+GRID_ITEM = "WxK[/N][:hidden][+shm|+socket]"
+
+
 def parse_grid(text: str) -> list[Setup]:
     """`1x8,2x128:1,1x64:1+shm,1x8/2` -> setups (workers x envs per worker[:hidden widths],
     `+shm`: every batch through shared memory, `+socket`: none, `/N`: workers with --splits
@@ -119,12 +122,12 @@ def parse_grid(text: str) -> list[Setup]:
     for given in text.split(","):
         item, plus, shm_flag = given.strip().partition("+")
         if plus and shm_flag not in ("shm", "socket"):
-            raise argparse.ArgumentTypeError(f"expected WxK[:hidden][+shm|+socket], got {given!r}")
+            raise argparse.ArgumentTypeError(f"expected {GRID_ITEM}, got {given!r}")
         size, _, hidden = item.partition(":")
         size, _, splits = size.partition("/")
         workers, x, envs = size.partition("x")
         if not (x and workers.isdigit() and envs.isdigit() and (splits or "1").isdigit()):
-            raise argparse.ArgumentTypeError(f"expected WxK[/N][:hidden], got {item!r}")
+            raise argparse.ArgumentTypeError(f"expected {GRID_ITEM}, got {given!r}")
         setups.append(Setup(int(workers), int(envs), hidden,
                             shm_flag == "shm" if plus else None, int(splits or 1)))
     return setups
@@ -805,10 +808,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="py-spy (if installed) records the broker, one worker, the "
                              "assembler and the learner over each stepbus window: raw stacks "
                              "and a summary of the top functions go to DIR")
-    parser.add_argument("--grid", type=parse_grid, default=None, metavar="WxK[:H],...",
+    parser.add_argument("--grid", type=parse_grid, default=None, metavar=f"{GRID_ITEM},...",
                         help="stepbus setups instead of the scenario's grid: workers x envs per "
-                             "worker, optionally :hidden widths, +shm for every batch through "
-                             "shared memory, +socket for none (e.g. 1x8,2x128,1x32:1,1x64:1+shm)")
+                             "worker, optionally /N splits, :hidden widths, +shm for every batch "
+                             "through shared memory, +socket for none (e.g. "
+                             "1x8,1x8/2,2x128,1x32:1,1x64:1+shm)")
     parser.add_argument("--flags", type=parse_flags, action="append", default=[],
                         metavar="ROLE=FLAGS", help="extra flags for one stepbus role, to try a "
                         "setting (repeatable): --flags 'broker=--batch-wait-ms 0.2'")

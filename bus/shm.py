@@ -62,8 +62,8 @@ RECLAIM_S = 60.0  # a slot not released for this long is taken back (its reader 
 ACQUIRE_WAIT_S = 0.02
 MAX_SEGMENT_BYTES = 1 << 34
 # A worker's batches of observations smaller than this go on the socket even on the broker's
-# host (`stepbus worker --shm-min-batch-bytes`): a slot costs its bookkeeping at three
-# processes, which only moving a batch this big twice less repays.
+# host (`stepbus worker --shm-min-batch-bytes`): below it, a slot's bookkeeping in the worker,
+# the broker and the assembler costs more than the two socket copies it saves.
 MIN_BATCH_BYTES = 64 << 10
 _FIXED = 9  # int64 header words before the per-slot arrays
 PART = ".part"  # a segment being made: PATH.partPID until it is whole

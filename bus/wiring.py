@@ -239,8 +239,9 @@ def destroy(ctx: zmq.Context, linger_ms: int = 0) -> None:
     ctx.destroy(linger=linger_ms)
 
 
-def _loopback(endpoint: str) -> bool:
-    """Whether binding `endpoint` keeps it on this host (ipc, inproc, loopback TCP)."""
+def on_this_host(endpoint: str) -> bool:
+    """Whether `endpoint` stays on this host (ipc, inproc, loopback TCP): binding it reaches no
+    other host, and whatever is connected through it shares this one's /dev/shm."""
     if not endpoint.startswith("tcp://"):
         return True
     host = urllib.parse.urlsplit(endpoint).hostname or ""
@@ -257,7 +258,7 @@ def secure(ctx: zmq.Context, sock: zmq.Socket, bind: str | None) -> None:
     beyond loopback without them."""
     curve: CurveKeys | None = getattr(ctx, "curve", None)
     if curve is None:
-        if bind is not None and not _loopback(bind) and not getattr(ctx, "insecure", False):
+        if bind is not None and not on_this_host(bind) and not getattr(ctx, "insecure", False):
             raise SettingError(f"refusing to bind {bind} without encryption: anyone who can reach "
                                f"it could join the run. Make keys with `stepbus keys --dir keys` "
                                f"and give every process --keys keys (or STEPBUS_KEYS=keys), or "

@@ -6,18 +6,17 @@ a hung one is doing, without a debugger."""
 
 from __future__ import annotations
 
-import faulthandler
 import signal
 import sys
 
-from stepbus.early_signals import EARLY_SIGNALS
+from stepbus.early_signals import EARLY_SIGNALS, stacks_on_sigusr2
 
 PROCESS_COMMANDS = ("controller", "broker", "worker", "assembler", "trainer", "learner",
                     "supervise")
 
 
 def main() -> int:
-    faulthandler.register(signal.SIGUSR2, all_threads=True, chain=False)
+    stacks_on_sigusr2()
     if len(sys.argv) > 1 and sys.argv[1] in PROCESS_COMMANDS:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda signum, frame: EARLY_SIGNALS.append(signum))

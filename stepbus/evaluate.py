@@ -305,4 +305,7 @@ def child(text: str) -> int:
 
 
 if __name__ == "__main__":
+    from stepbus.early_signals import stacks_on_sigusr2
+
+    stacks_on_sigusr2()  # as every stepbus process
     sys.exit(child(sys.argv[1]))

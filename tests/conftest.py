@@ -52,6 +52,12 @@ def hung_stacks(pid: int) -> None:
     # process that the machine's load keeps from running for a moment
 
 
+def hung(args: tuple[str, ...], timeout: float, stderr: str) -> AssertionError:
+    """The failure of a command that outlived its timeout: its stderr, stacks last."""
+    return AssertionError(f"`stepbus {shlex.join(args)}` did not exit within {timeout}s; its "
+                          f"stderr, stacks last:\n{stderr[-6000:]}")
+
+
 def shared_forkserver() -> ForkServer | None:
     """Where a Cluster forks its roles from: this test process's fork server (each role then
     starts in milliseconds, not 0.3-0.5 s of imports), or None with STEPBUS_TEST_FORKSERVER=0
@@ -115,8 +121,16 @@ class Cluster:
         argv = [sys.executable, "-m", "stepbus", *args]
         server = shared_forkserver()
         if server is None:
-            return subprocess.run(argv, capture_output=True, text=True, env=self.env(),
-                                  cwd=self.dir, timeout=timeout)
+            run = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env=self.env(), cwd=self.dir)
+            try:
+                out_text, err_text = run.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                hung_stacks(run.pid)
+                run.kill()
+                err_text = run.communicate()[1]
+                raise hung(args, timeout, err_text) from None
+            return subprocess.CompletedProcess(argv, run.returncode, out_text, err_text)
         self.commands += 1
         out, err = (self.dir / f"command{self.commands}.{s}" for s in ("out", "err"))
         command = server.start(args, env=self.env(), cwd=self.dir, log=out, err=err)
@@ -125,8 +139,7 @@ class Cluster:
         except subprocess.TimeoutExpired:
             hung_stacks(command.pid)
             command.kill()
-            raise AssertionError(f"`stepbus {shlex.join(args)}` did not exit within {timeout}s; "
-                                 f"its stderr, stacks last:\n{err.read_text()[-6000:]}") from None
+            raise hung(args, timeout, err.read_text()) from None
         return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
 
     def metrics(self) -> list[dict[str, Any]]:

@@ -32,6 +32,7 @@ from stepbus.policy import ActionSpace
 ENV = ("--env", "scripted_envs:stamp_frames", "--envs-per-worker", "8")
 # Every batch through shared memory, however small (by default only those of 64 KiB and up).
 SHM = ("--shm-frames", "--shm-min-batch-bytes", "0")
+NO_SHM = ("--no-shm-frames", "--shm-min-batch-bytes", "0")  # none, though any size would do
 OBS_DIM = int(np.prod(STAMP_SHAPE))
 
 
@@ -192,7 +193,7 @@ def run_deterministic(shm_frames: bool) -> tuple[list[dict], str]:
         procs = [c.start("controller"), c.start("broker", "--seed", "3", "--deterministic"),
                  c.start("assembler"),
                  c.start("worker", "--name", worker_name("d"), "--seed", "3", *ENV,
-                         *(SHM if shm_frames else ("--no-shm-frames",))),
+                         *(SHM if shm_frames else NO_SHM)),
                  c.start("learner", "--seed", "3", "--target-return", "0", "--max-updates",
                          "6", "--hidden", "8", *EVERY_UPDATE)]  # compared update by update
         codes = [proc.wait(90) for proc in procs]
@@ -251,12 +252,13 @@ def test_hostile_segment_names_are_refused() -> None:
     assert not os.path.exists(writer.path)
 
 
-def test_no_segment_without_the_flag(cluster: Cluster) -> None:
+def test_no_segment_with_no_shm_frames(cluster: Cluster) -> None:
+    """Batches any size would do (--shm-min-batch-bytes 0), the broker on this host: none."""
     name = worker_name("f")
     cluster.start("controller")
     cluster.start("broker")
     cluster.start("assembler")
-    cluster.start("worker", "--name", name, *ENV)
+    cluster.start("worker", "--name", name, *ENV, *NO_SHM)
     weights, inbox = act_as_trainer(cluster, OBS_DIM)
     try:
         inbox.recv(20)
@@ -264,6 +266,19 @@ def test_no_segment_without_the_flag(cluster: Cluster) -> None:
     finally:
         weights.close()
         inbox.close()
+
+
+def test_no_segment_for_a_broker_on_another_host(cluster: Cluster) -> None:
+    """A steps endpoint beyond this host (TCP, not loopback): no broker there could map a
+    segment, so the worker makes none, whatever its flags and batch size."""
+    name = worker_name("r")
+    cluster.start("controller")
+    worker = cluster.start("worker", "--name", name, *SHM, *ENV, "--steps", "tcp://192.0.2.1:9")
+    wait_for(lambda: "connecting to tcp://192.0.2.1:9" in worker.output(), 30,
+             "the worker to make its envs and connect")
+    assert segments(name, half_made=True) == []
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(10) == 0
 
 
 def test_a_segment_half_made_by_a_killed_worker_is_removed_by_its_next_incarnation() -> None:

@@ -8,6 +8,7 @@ own process, as make() runs it)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +20,8 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv, VectorEnv
 from vector_envs import Count, Made
 
 import stepbus.vector as sv
-from stepbus.bus import forkserver
+from stepbus.bus import forkserver, shm
+from stepbus.vector import launch
 
 MODES = [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED]
 
@@ -238,3 +240,22 @@ def test_an_unknown_start_context_is_refused_naming_it_before_anything_starts() 
     with pytest.raises(ValueError, match="context must be None, \"spawn\" or \"forkserver\", "
                                          "not 'fork'"):
         sv.make("CartPole-v1", 2, context="fork")
+
+
+def test_worker_options_become_flags_and_false_their_no_form() -> None:
+    options: dict[str, object] = {"episode_statistics": False,
+                                  "max_env_restarts_per_minute": 3, "shm_frames": True,
+                                  "env_kwargs": None}
+    assert launch.flags(options) == ["--no-episode-statistics", "--max-env-restarts-per-minute",
+                                     "3", "--shm-frames"]
+
+
+def test_a_vector_envs_workers_make_no_shared_memory_segment(make: Made) -> None:
+    """Frames in batches big enough for shared memory: the relay in this process maps no
+    segment, so its workers make none (nothing taken from /dev/shm, nothing to leak)."""
+    envs = make("stepbus.workers.bench_envs:frames", 4, workers=1)
+    obs, _ = envs.reset(seed=0)
+    assert obs.shape == (4, 84, 84, 4) and obs.nbytes >= shm.MIN_BATCH_BYTES
+    assert envs.launched is not None
+    names = [launch.worker_name(0)]
+    assert not [f for f in os.listdir(shm.DIR) if any(f"-{n}-" in f for n in names)]

@@ -98,14 +98,15 @@ class Config:
                 "infos carry `episode` (r, l, t) at each episode's end"})
     shm_frames: bool = field(default=True, metadata={
         "help": "Box observations through a shared-memory segment in /dev/shm when a batch of "
-                "them is at least --shm-min-batch-bytes and the broker (and the assembler) run "
-                "on this host and can map it; ZeroMQ then carries only a slot number. "
-                "Otherwise, and whenever the assembler lags 16 batches behind for 20 ms, they "
-                "go on the socket, as with --no-shm-frames"})
+                "them is at least --shm-min-batch-bytes and the steps endpoint is on this host "
+                "(ipc or loopback), where the broker (and the assembler) can map it; ZeroMQ "
+                "then carries only a slot number. Otherwise, and whenever the assembler lags "
+                "16 batches behind for 20 ms, they go on the socket, as with --no-shm-frames"})
     shm_min_batch_bytes: int = field(default=shm.MIN_BATCH_BYTES, metadata={
-        "min": 0, "help": "the smallest batch of observations (bytes: envs x one observation) "
-                          "that goes through shared memory; smaller ones cost more to pass "
-                          "there than on the socket (0: every batch)"})
+        "min": 0, "help": "the smallest batch of observations that goes through shared memory, "
+                          "in bytes: one observation's times the batch's rows (its envs, times "
+                          "the agents of a multi-agent env; with --splits, a split's); smaller "
+                          "ones cost more to pass there than on the socket (0: every batch)"})
     splits: int = field(default=1, metadata={"min": 1, "max": MAX_SPLITS,
         "help": "groups the envs are divided into (double buffering, as Sample Factory's "
                 "worker_num_splits): each group is a worker of its own to the broker (named "
@@ -225,7 +226,7 @@ class WorkerCounts:
 
 @dataclass
 class ShmCounts:
-    """Batches by way of the shared-memory segment (figures only with --shm-frames)."""
+    """Batches by way of the shared-memory segment (figures only where there is one)."""
 
     shm_batches: int = 0  # observations in a slot of the segment
     shm_full: int = 0  # every slot still being read: observations on the socket
@@ -274,7 +275,8 @@ class Worker(node.Process):
         self.every("hello", HELLO_INTERVAL_S, self.say_hello, first_due=self.now)
 
     def open_segment(self) -> shm.Writer | None:
-        """The shared-memory segment for --shm-frames (None: observations on the socket)."""
+        """The shared-memory segment (None: observations on the socket): for Box observations
+        in batches of at least --shm-min-batch-bytes, with --shm-frames."""
         if rows.nbytes(self.envs.last_obs) < self.cfg.shm_min_batch_bytes:
             return None
         if not self.envs.write.plain:
@@ -512,6 +514,8 @@ def open_worker(ctx: zmq.Context, cfg: Config, log: logging.Logger, envs: EnvSet
     except BaseException:
         link.close()
         raise
+    if not wiring.on_this_host(steps):  # a broker elsewhere could never map a segment
+        cfg = dataclasses.replace(cfg, shm_frames=False)
     worker = Worker(cfg, node.SocketPorts({PortName.STEPS: dealer,
                                            PortName.CONTROLLER: link.dealer}),
                     log, controller_beat=link.beat, envs=envs, split_of=split_of)

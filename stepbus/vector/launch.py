@@ -32,13 +32,16 @@ def worker_name(i: int) -> str:
 
 def flags(options: dict[str, object]) -> list[str]:
     """Keyword arguments as worker flags: `max_env_restarts_per_minute=3` ->
-    `--max-env-restarts-per-minute 3`; True -> the bare flag, False -> nothing."""
+    `--max-env-restarts-per-minute 3`; True -> the bare flag, False -> its `--no-` form (every
+    boolean worker flag has one); None -> nothing."""
     out: list[str] = []
     for key, value in options.items():
         flag = "--" + key.replace("_", "-")
         if value is True:
             out.append(flag)
-        elif value is not False and value is not None:
+        elif value is False:
+            out.append("--no-" + flag[2:])
+        elif value is not None:
             out += [flag, str(value)]
     return out
 
@@ -59,7 +62,8 @@ class Launched:
             for i, k in enumerate(sizes):
                 self.start("worker", "--env", env, "--envs-per-worker", str(k),
                            "--name", worker_name(i), "--worker-index", str(i),
-                           *flags(options), name=worker_name(i))
+                           # the relay maps no segment: observations go on the socket
+                           "--no-shm-frames", *flags(options), name=worker_name(i))
         except BaseException:
             self.stop()
             raise
