@@ -41,15 +41,15 @@ EVERY_UPDATE = ("--metrics-interval-s", "0")
 Proc = launch.Child  # a process a test started: name, popen, pid, output, wait, signal
 
 
-def hung_stacks(pid: int) -> None:
+def hung_stacks(pid: int, settle_s: float = 0.5) -> None:
     """A hung stepbus process's threads' stacks, into its stderr (SIGUSR2, `stepbus.entry`),
-    before it is killed: what it waited on."""
+    before it is killed: what it waited on. `settle_s`: faulthandler writes from the signal
+    handler at once; this covers a process that the machine's load keeps from running."""
     try:
         os.kill(pid, signal.SIGUSR2)
     except ProcessLookupError:
         return
-    time.sleep(0.5)  # faulthandler writes from the signal handler at once; this covers a
-    # process that the machine's load keeps from running for a moment
+    time.sleep(settle_s)
 
 
 def hung(args: tuple[str, ...], timeout: float, stderr: str) -> AssertionError:
@@ -159,6 +159,15 @@ class Cluster:
     def kill_all(self) -> None:
         self.group.stop()
 
+    def stacks_of_the_living(self) -> None:
+        """Every process still running prints its threads' stacks into its log (SIGUSR2), so
+        a failed test's dump shows where a hung one waited."""
+        living = [proc for proc in self.procs if proc.poll() is None]
+        for proc in living:
+            hung_stacks(proc.pid, settle_s=0.0)
+        if living:
+            time.sleep(0.5)
+
     def dump(self) -> str:
         return "\n".join(f"----- {p.name} (rc={p.popen.poll()}) -----\n{p.output()[-4000:]}"
                          for p in self.procs)
@@ -183,8 +192,10 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     try:
         yield c
     finally:
-        c.kill_all()
         failed = getattr(request.node, "rep_call", None)
+        if failed is not None and failed.failed:
+            c.stacks_of_the_living()
+        c.kill_all()
         if failed is not None and failed.failed:
             print(c.dump())
         shutil.rmtree(c.dir, ignore_errors=True)
