@@ -7,7 +7,8 @@ outlives the child. `stepbus supervise ROLE [FLAGS]` runs any role this way; the
 
 The rule is the same for every child: one that dies is restarted, at once if it had run
 STEADY_S, otherwise after the next BACKOFF_S delay, and one that hangs counts as dead (it beats
-through a pipe, `node.SupervisorBeat`: silent for SILENT_S, it is SIGKILLed); after
+through a pipe, `node.SupervisorBeat`: silent for SILENT_S, or for half that while it is not
+running at all, it is SIGKILLed); after
 QUICK_DEATHS_LIMIT quick deaths in a row the supervisor gives up, with the child's last error in
 its figures (`stepbus status`) and its log. Giving up ends the supervisor with exit code 1 (so
 honcho stops the run, which cannot go on without that role) unless the child is one of many (a
@@ -54,6 +55,13 @@ STOP_GRACE_S = 4.0  # then SIGKILL; honcho's own SIGKILL comes 5 s after its SIG
 SHUTDOWN_WAIT_S = 20.0  # a child told of a shutdown gets this long to leave before SIGTERM
 STARTUP_GRACE_S = 30.0  # before its first beat (imports, a slow disk), a child is not frozen
 SILENT_S = 3.0  # after it: this long without a beat, and a beating child is frozen (default)
+# Half the allowance (the liveness bound by default) is enough for a child that is not running:
+# stopped (SIGSTOP, a tracer), or asleep without having used any CPU since its last beat (a
+# deadlock, a wait that never ends). A healthy loop beats at least every poll (MAX_POLL_MS),
+# and long calls beat from a thread, so only a child busy on the CPU (one long call, starved on
+# a loaded machine, collecting garbage) needs the rest of the allowance.
+STUCK_SHARE = 0.5
+STUCK_LOOK_S = 0.25  # between the two: how often a silent child is looked at again
 NO_PIDFD_LOOK_S = 0.05  # without a pidfd to wake on its exit, look at the child this often
 LAST_ERROR_CHARS = 300  # of the child's last stderr line, kept as its last error
 PASSING = (f" (a setting refused with the flags a child ran {STEADY_S:g}s with before: taken "
@@ -135,6 +143,7 @@ class Running:
     args: tuple[str, ...] = ()  # its flags
     beats: int | None = None
     last_beat: float | None = None
+    cpu_seen: tuple[float, int] | None = None  # (when, its CPU ticks) at a look in a silence
     said_started: bool = False  # it wrote STARTED
     killed_frozen: bool = False  # SIGKILLed for falling silent: how its death is told
     pidfd: int | None = None  # readable when the process exits (Linux), so no polling
@@ -155,6 +164,30 @@ class Running:
         if self.last_beat is None:
             return now - self.started - STARTUP_GRACE_S
         return now - self.last_beat - silent_s
+
+    def not_running(self, now: float) -> str:
+        """How the child is not running ("" if it is, or cannot be told yet): stopped, or
+        asleep without any CPU used since a look at least STUCK_LOOK_S ago in this silence."""
+        state, ticks = process_state(self.popen.pid)
+        if state in ("T", "t"):
+            return "stopped"
+        if ticks is None or self.cpu_seen is None or self.cpu_seen[1] != ticks:
+            self.cpu_seen = None if ticks is None else (now, ticks)  # the first look, or CPU used
+            return ""
+        if state == "S" and now - self.cpu_seen[0] >= STUCK_LOOK_S:
+            return "asleep without using the CPU"
+        return ""
+
+
+def process_state(pid: int) -> tuple[str, int | None]:
+    """A process's scheduler state letter and its CPU clock ticks (user + system), from
+    /proc/PID/stat; ("", None) where there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after the name, which may hold spaces
+        return fields[0].decode(), int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return "", None
 
 
 @dataclass
@@ -398,8 +431,9 @@ class Supervisor(node.Process):
         with contextlib.suppress(BlockingIOError, OSError):
             if beats := os.read(run.beats, 4096):
                 if run.last_beat is None and not self.leaving and self.silent_s > 0:
-                    self.at("silence", now + self.silent_s, self.check_silence)  # grace over
-                run.last_beat = now
+                    self.at("silence", now + self.silent_s * STUCK_SHARE,
+                            self.check_silence)  # grace over
+                run.last_beat, run.cpu_seen = now, None
                 if node.STARTED in beats and not run.said_started:
                     run.said_started = True
                     self.child_said_started(now)
@@ -434,7 +468,7 @@ class Supervisor(node.Process):
         not its own, so it gets a new allowance."""
         run = self.running
         if run is not None and run.last_beat is not None:
-            run.last_beat = max(run.last_beat, self.now)
+            run.last_beat, run.cpu_seen = max(run.last_beat, self.now), None
         elif run is not None:
             run.started += seconds  # its start-up grace, too
 
@@ -443,14 +477,26 @@ class Supervisor(node.Process):
         if run is None or run.killed_frozen or self.leaving or self.shutting_down:
             return  # a child leaving on a shutdown has the shutdown's own bound
         self.take_beats(run, now)  # written while this timer was due: not silence
-        if (over := run.silent_for(now, self.silent_s)) <= 0:
-            self.at("silence", now - over, self.check_silence)
+        over = run.silent_for(now, self.silent_s)
+        how = "(frozen?)" if over > 0 else self.stuck(run, now)
+        if not how:
+            stuck_at = (run.last_beat or math.inf) + self.silent_s * STUCK_SHARE
+            self.at("silence", min(now - over, max(stuck_at, now + STUCK_LOOK_S)),
+                    self.check_silence)
             return
         self.counts.frozen += 1
         run.killed_frozen = True
-        self.log.warning("%s (pid %d) sent no heartbeat for %.1fs (frozen?); killing it",
-                         self.noun, run.popen.pid, now - (run.last_beat or run.started))
+        self.log.warning("%s (pid %d) sent no heartbeat for %.1fs %s; killing it",
+                         self.noun, run.popen.pid, now - (run.last_beat or run.started), how)
         run.popen.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
+
+    def stuck(self, run: Running, now: float) -> str:
+        """Why a child silent for half its allowance is taken for stuck ("": it is not, or
+        not yet): it is not running at all (`Running.not_running`)."""
+        if run.last_beat is None or now - run.last_beat < self.silent_s * STUCK_SHARE:
+            return ""
+        how = run.not_running(now)
+        return f"and is {how}" if how else ""
 
     def ask_to_stop(self, run: Running, sig: signal.Signals, now: float) -> None:
         if self.child is not Child.STOPPING:

@@ -595,7 +595,8 @@ def _add_supervise_parser(sub: Any) -> None:
                      f"under 30 s each [default: {supervisor.QUICK_DEATHS_LIMIT}]")
     cmd.add_argument("--silence-s", type=_number(float, {"min": 0}), default=None,
                      metavar="S", help="kill and restart a child that sent no heartbeat for S "
-                     "seconds (frozen, or hung in native code; its start-up has "
+                     "seconds (frozen, or hung in native code), or for S/2 while it is not "
+                     "running at all (stopped, or asleep using no CPU; its start-up has "
                      f"{supervisor.STARTUP_GRACE_S:g} s before its first), 0: never [default: "
                      f"{supervisor.SILENT_S:g}; 0 for the evaluator, which runs at idle priority "
                      "and may starve by design]")

@@ -5,6 +5,7 @@ replies read back from an outbox. A real learner under a real pipeline is test_t
 from __future__ import annotations
 
 import logging
+import os
 import select
 import signal
 import subprocess
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ManualClock
+from conftest import ManualClock, wait_for
 
 from stepbus import cli
 from stepbus.bus import controller, node, supervisor
@@ -52,6 +53,13 @@ os.write(int(os.environ["STEPBUS_BEAT_FD"]), b".")
 time.sleep(60)
 """
 SILENT = "import time; time.sleep(60)"
+# Beats once, saying it started, then keeps a core busy without beating again.
+SPINS = """
+import os
+os.write(int(os.environ["STEPBUS_BEAT_FD"]), b".!")
+while True:
+    pass
+"""
 # Beats once, beats again once the file after --cue exists, then sleeps.
 BEATS_ON_CUE = """
 import os, sys, time
@@ -186,6 +194,61 @@ def test_a_learner_silent_past_its_allowance_is_killed_as_frozen_and_replaced(
     beats_once.at(1.0 + supervisor.SILENT_S + 0.1)
     assert beats_once.wait_exit(5.0) == -signal.SIGKILL
     assert beats_once.slot.figures()["last_death"] == "frozen, killed"
+
+
+HALF = supervisor.SILENT_S * supervisor.STUCK_SHARE  # the liveness bound, by default
+
+
+def test_a_stopped_learner_is_killed_at_half_its_allowance(
+        benches: list[Bench], caplog: pytest.LogCaptureFixture):
+    bench = Bench(LEARNER)
+    benches.append(bench)
+    bench.at(0.0)
+    bench.wait_beat(1.0)
+    pid = bench.learner().popen.pid
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: supervisor.process_state(pid)[0] == "T", 10, "the learner stopped")
+    bench.at(1.0 + HALF - 0.1)
+    assert not bench.learner().killed_frozen
+    bench.at(1.0 + HALF + 0.01)
+    assert bench.learner().killed_frozen
+    assert bench.wait_exit(1.0 + HALF + 0.1) == -signal.SIGKILL
+    assert f"sent no heartbeat for {HALF + 0.01:.1f}s and is stopped; killing it" in caplog.text
+    assert bench.slot.figures()["last_death"] == "frozen, killed"
+
+
+def test_a_learner_asleep_without_using_the_cpu_is_killed_a_look_after_half_its_allowance(
+        benches: list[Bench], caplog: pytest.LogCaptureFixture):
+    """Silent and asleep (a deadlock, a wait that never ends): the first look at half the
+    allowance notes its CPU time, the next finds it unchanged."""
+    bench = Bench(LEARNER)  # beats, then sleeps
+    benches.append(bench)
+    bench.at(0.0)
+    bench.wait_beat(1.0)
+    pid = bench.learner().popen.pid
+    wait_for(lambda: supervisor.process_state(pid)[0] == "S", 10, "the learner asleep")
+    bench.at(1.0 + HALF + 0.01)
+    assert not bench.learner().killed_frozen, "one look is not enough"
+    bench.at(1.0 + HALF + supervisor.STUCK_LOOK_S + 0.02)
+    assert bench.learner().killed_frozen
+    assert bench.wait_exit(1.0 + HALF + 0.5) == -signal.SIGKILL
+    assert "and is asleep without using the CPU; killing it" in caplog.text
+
+
+def test_a_learner_busy_on_the_cpu_has_its_whole_allowance(benches: list[Bench],
+                                                           caplog: pytest.LogCaptureFixture):
+    """One long call, a machine that starves it: running, so only SILENT_S makes it frozen."""
+    bench = Bench(SPINS)
+    benches.append(bench)
+    bench.at(0.0)
+    bench.wait_beat(1.0)
+    for t in (HALF + 0.01, HALF + 0.3, HALF + 0.6, supervisor.SILENT_S - 0.1):
+        bench.at(1.0 + t)
+        assert not bench.learner().killed_frozen, t
+    bench.at(1.0 + supervisor.SILENT_S + 0.1)
+    assert bench.learner().killed_frozen
+    assert bench.wait_exit(1.0 + supervisor.SILENT_S + 0.2) == -signal.SIGKILL
+    assert "(frozen?); killing it" in caplog.text
 
 
 def test_silence_is_judged_after_reading_the_pipe_and_not_across_the_slots_own_stall(
