@@ -55,11 +55,12 @@ STOP_GRACE_S = 4.0  # then SIGKILL; honcho's own SIGKILL comes 5 s after its SIG
 SHUTDOWN_WAIT_S = 20.0  # a child told of a shutdown gets this long to leave before SIGTERM
 STARTUP_GRACE_S = 30.0  # before its first beat (imports, a slow disk), a child is not frozen
 SILENT_S = 3.0  # after it: this long without a beat, and a beating child is frozen (default)
-# Half the allowance (the liveness bound by default) is enough for a child that is not running:
-# stopped (SIGSTOP, a tracer), or asleep without having used any CPU since its last beat (a
-# deadlock, a wait that never ends). A healthy loop beats at least every poll (MAX_POLL_MS),
-# and long calls beat from a thread, so only a child busy on the CPU (one long call, starved on
-# a loaded machine, collecting garbage) needs the rest of the allowance.
+# Half the allowance (the liveness bound by default, and never less) is enough for a child
+# that is not running: stopped (SIGSTOP, a tracer), or asleep with no CPU used across two looks
+# STUCK_LOOK_S apart (a deadlock, a wait that never ends). A healthy loop writes a beat every
+# 0.5-0.7 s (it looks every poll, 200 ms at most) and long calls beat from a thread, so only a
+# child busy on the CPU (one long call, starved on a loaded machine, collecting garbage) needs
+# the rest of the allowance. Where /proc cannot tell (not Linux), the whole allowance applies.
 STUCK_SHARE = 0.5
 STUCK_LOOK_S = 0.25  # between the two: how often a silent child is looked at again
 NO_PIDFD_LOOK_S = 0.05  # without a pidfd to wake on its exit, look at the child this often
@@ -174,13 +175,20 @@ class Running:
         if ticks is None or self.cpu_seen is None or self.cpu_seen[1] != ticks:
             self.cpu_seen = None if ticks is None else (now, ticks)  # the first look, or CPU used
             return ""
-        if state == "S" and now - self.cpu_seen[0] >= STUCK_LOOK_S:
+        if state == "S" and now >= self.cpu_seen[0] + STUCK_LOOK_S:
             return "asleep without using the CPU"
         return ""
 
 
+def stuck_after(silent_s: float) -> float:
+    """The silence after which a child that is not running is stuck: half the allowance
+    `silent_s`, never under the liveness bound nor over the allowance."""
+    return min(silent_s, max(silent_s * STUCK_SHARE, node.LIVENESS_S))
+
+
 def process_state(pid: int) -> tuple[str, int | None]:
-    """A process's scheduler state letter and its CPU clock ticks (user + system), from
+    """A process's scheduler state letter (its main thread's) and its CPU clock ticks (user +
+    system, every thread's; 10 ms each, so "none used" means under 10 ms), from
     /proc/PID/stat; ("", None) where there is none."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -343,7 +351,8 @@ class Supervisor(node.Process):
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`command` runs the child before its flags `args`; `beat_env` names the environment
         variable that tells a beating child its pipe ("": the child does not beat); a beating
-        child silent for `silent_s` is frozen (0: never)."""
+        child silent for `silent_s` is frozen (0: never), and one silent for half that that is
+        not running at all is stuck (`stuck_after_s`)."""
         super().__init__(ports, log, name=name, clock=clock)
         self.noun = noun or self.noun
         self.command, self.args = list(command), list(args)
@@ -431,7 +440,7 @@ class Supervisor(node.Process):
         with contextlib.suppress(BlockingIOError, OSError):
             if beats := os.read(run.beats, 4096):
                 if run.last_beat is None and not self.leaving and self.silent_s > 0:
-                    self.at("silence", now + self.silent_s * STUCK_SHARE,
+                    self.at("silence", now + self.stuck_after_s,
                             self.check_silence)  # grace over
                 run.last_beat, run.cpu_seen = now, None
                 if node.STARTED in beats and not run.said_started:
@@ -480,9 +489,9 @@ class Supervisor(node.Process):
         over = run.silent_for(now, self.silent_s)
         how = "(frozen?)" if over > 0 else self.stuck(run, now)
         if not how:
-            stuck_at = (run.last_beat or math.inf) + self.silent_s * STUCK_SHARE
-            self.at("silence", min(now - over, max(stuck_at, now + STUCK_LOOK_S)),
-                    self.check_silence)
+            stuck_at = math.inf if run.last_beat is None else run.last_beat + self.stuck_after_s
+            self.at("silence", min(now - over, stuck_at if stuck_at > now else
+                                   now + STUCK_LOOK_S), self.check_silence)
             return
         self.counts.frozen += 1
         run.killed_frozen = True
@@ -490,10 +499,14 @@ class Supervisor(node.Process):
                          self.noun, run.popen.pid, now - (run.last_beat or run.started), how)
         run.popen.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
 
+    @property
+    def stuck_after_s(self) -> float:
+        return stuck_after(self.silent_s)
+
     def stuck(self, run: Running, now: float) -> str:
-        """Why a child silent for half its allowance is taken for stuck ("": it is not, or
-        not yet): it is not running at all (`Running.not_running`)."""
-        if run.last_beat is None or now - run.last_beat < self.silent_s * STUCK_SHARE:
+        """Why a child silent for `stuck_after_s` is taken for stuck ("": it is not, or not
+        yet): it is not running at all (`Running.not_running`)."""
+        if run.last_beat is None or now < run.last_beat + self.stuck_after_s:
             return ""
         how = run.not_running(now)
         return f"and is {how}" if how else ""
@@ -666,13 +679,15 @@ def run(role: str, flags: list[str], *, controller: str, security: wiring.Securi
     """Supervise `stepbus ROLE FLAGS` until it exits 0, we are signalled, or we give up (exit 1
     with GiveUp.EXIT; exit 2 at once when the child exited 2 with flags no child ran STEADY_S
     with). The supervisor reports to the controller at `controller` as role "supervisor", named
-    like its child; a child silent for `silent_s` (0: never judged) is frozen and killed.
+    like its child; a child silent for `silent_s` (0: never judged), or for half that while it
+    is not running at all, is frozen and killed.
     `entry` runs the role in this interpreter: given, the first child is a fork that calls it
     (`fork_first`)."""
     log = node.setup_logging("supervisor")
     name = os.environ.get("HONCHO_PROCESS_NAME") or f"{role}-{pysocket.gethostname()}-{os.getpid()}"
     log.info("supervising %s %s: restarted if it dies%s, up to %d quick deaths in a row",
-             role, name, f" or is silent for {silent_s:g}s" if silent_s > 0 else "",
+             role, name, f" or is silent for {silent_s:g}s ({stuck_after(silent_s):g}s if not "
+             "running)" if silent_s > 0 else "",
              quick_deaths_limit)
     return serve(security, log, lambda ports: Supervisor(
         ports, log, name=name, command=launch.role_command(role), args=flags,

@@ -100,7 +100,8 @@ RUN_HELP = (
     "pdb -m stepbus run ...`); nothing is restarted or supervised")
 SUPERVISE_HELP = (
     "run `stepbus ROLE FLAGS` as a child and restart it whenever it dies (what each Procfile "
-    "line does), or hangs (3 s without its heartbeat: SIGKILL): at once if it had run 30 s, "
+    "line does), or hangs (3 s without its heartbeat, 1.5 s if it is not running at all: "
+    "SIGKILL): at once if it had run 30 s, "
     "else after 0.5, 1, 2, 5, 10, 30 s; after "
     "--quick-deaths quick deaths in a row it gives up, with the child's last error in `stepbus "
     "status` and the log. A child that exits 0 (a shutdown) ends the supervisor with 0; "
@@ -595,9 +596,11 @@ def _add_supervise_parser(sub: Any) -> None:
                      f"under 30 s each [default: {supervisor.QUICK_DEATHS_LIMIT}]")
     cmd.add_argument("--silence-s", type=_number(float, {"min": 0}), default=None,
                      metavar="S", help="kill and restart a child that sent no heartbeat for S "
-                     "seconds (frozen, or hung in native code), or for S/2 while it is not "
-                     "running at all (stopped, or asleep using no CPU; its start-up has "
-                     f"{supervisor.STARTUP_GRACE_S:g} s before its first), 0: never [default: "
+                     "seconds (frozen, or hung in native code), or for half that (at least "
+                     f"{node.LIVENESS_S:g} s) while it is not running at all (stopped, or asleep "
+                     "using no CPU: give an env whose calls wait with the GIL held twice their "
+                     "length); its start-up has "
+                     f"{supervisor.STARTUP_GRACE_S:g} s before its first beat; 0: never [default: "
                      f"{supervisor.SILENT_S:g}; 0 for the evaluator, which runs at idle priority "
                      "and may starve by design]")
     cmd.add_argument("--on-give-up", choices=[g.value for g in supervisor.GiveUp], default=None,

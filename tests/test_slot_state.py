@@ -60,6 +60,17 @@ os.write(int(os.environ["STEPBUS_BEAT_FD"]), b".!")
 while True:
     pass
 """
+# The same, but the CPU is a thread's while the main thread waits for it (asleep).
+WAITS_ON_A_BUSY_THREAD = """
+import os, threading
+os.write(int(os.environ["STEPBUS_BEAT_FD"]), b".!")
+def spin():
+    while True:
+        pass
+busy = threading.Thread(target=spin)
+busy.start()
+busy.join()
+"""
 # Beats once, beats again once the file after --cue exists, then sleeps.
 BEATS_ON_CUE = """
 import os, sys, time
@@ -185,7 +196,7 @@ def test_a_learner_silent_past_its_allowance_is_killed_as_frozen_and_replaced(
     assert (figures["frozen"], figures["last_death"]) == (1, "frozen, killed")
     assert "sent no heartbeat for 30.1s (frozen?); killing it" in caplog.text
 
-    beats_once = Bench(LEARNER)
+    beats_once = Bench(SPINS)  # running: only the whole allowance makes it frozen
     benches.append(beats_once)
     beats_once.at(0.0)
     beats_once.wait_beat(1.0)  # out of its start-up grace: LEARNER_SILENT_S from now on
@@ -196,7 +207,7 @@ def test_a_learner_silent_past_its_allowance_is_killed_as_frozen_and_replaced(
     assert beats_once.slot.figures()["last_death"] == "frozen, killed"
 
 
-HALF = supervisor.SILENT_S * supervisor.STUCK_SHARE  # the liveness bound, by default
+HALF = supervisor.stuck_after(supervisor.SILENT_S)  # the liveness bound, by default
 
 
 def test_a_stopped_learner_is_killed_at_half_its_allowance(
@@ -249,6 +260,33 @@ def test_a_learner_busy_on_the_cpu_has_its_whole_allowance(benches: list[Bench],
     assert bench.learner().killed_frozen
     assert bench.wait_exit(1.0 + supervisor.SILENT_S + 0.2) == -signal.SIGKILL
     assert "(frozen?); killing it" in caplog.text
+
+
+def test_a_learner_asleep_while_its_threads_use_the_cpu_has_its_whole_allowance(
+        benches: list[Bench]):
+    """The main thread asleep, another computing (a torch op, say): the CPU ticks the looks
+    read are the whole process's, so it is running, and only SILENT_S makes it frozen."""
+    bench = Bench(WAITS_ON_A_BUSY_THREAD)
+    benches.append(bench)
+    bench.at(0.0)
+    bench.wait_beat(1.0)
+    pid = bench.learner().popen.pid
+    wait_for(lambda: supervisor.process_state(pid)[0] == "S", 10, "its main thread asleep")
+    for t in (HALF + 0.01, HALF + 0.3, supervisor.SILENT_S - 0.1):
+        ticks = supervisor.process_state(pid)[1]
+        wait_for(lambda seen=ticks: supervisor.process_state(pid)[1] != seen, 10,
+                 "its thread's CPU")
+        bench.at(1.0 + t)
+        assert supervisor.process_state(pid)[0] == "S" and not bench.learner().killed_frozen, t
+    bench.at(1.0 + supervisor.SILENT_S + 0.1)
+    assert bench.learner().killed_frozen
+    assert bench.wait_exit(1.0 + supervisor.SILENT_S + 0.2) == -signal.SIGKILL
+
+
+def test_the_stuck_bound_is_half_the_allowance_never_under_the_liveness_bound() -> None:
+    assert supervisor.stuck_after(supervisor.SILENT_S) == node.LIVENESS_S == 1.5
+    assert supervisor.stuck_after(10.0) == 5.0
+    assert supervisor.stuck_after(1.0) == 1.0, "at most the allowance itself"
 
 
 def test_silence_is_judged_after_reading_the_pipe_and_not_across_the_slots_own_stall(

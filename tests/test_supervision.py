@@ -142,6 +142,6 @@ def test_a_frozen_child_is_killed_and_restarted_and_a_long_env_call_is_not_a_fre
     assert row["last_death"] == "frozen, killed", row
     print(f"\nfrozen worker killed {killed_after:.1f} s after SIGSTOP")
     # Silence counts from its last beat, up to one heartbeat interval before the SIGSTOP.
-    half = supervisor.SILENT_S * supervisor.STUCK_SHARE
+    half = supervisor.stuck_after(supervisor.SILENT_S)
     assert half - node.HEARTBEAT_INTERVAL_S <= killed_after < half + 3.0, killed_after
     assert "and is stopped; killing it" in sup.output()

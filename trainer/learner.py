@@ -828,7 +828,10 @@ class Learner(node.Process):
         self.flush_record()
         self.checkpoint(self.clock())
         self.send_receipts(self.clock())
-        self.metrics.close()  # also flushes TensorBoard's events (the process ends with os._exit)
+        # Also flushes TensorBoard's events (the process ends with os._exit): on a slow disk,
+        # the writer thread's queue to drain.
+        with node.beating_through():
+            self.metrics.close()
         self.log.info("learner stopping (%s); checkpoint at %s; %d trajectories taken in, %d "
                       "messages refused", self.stop_reason, self.ckpt_path,
                       self.counts.trajectories, self.rejects.total)

@@ -428,7 +428,8 @@ class Worker(node.Process):
             self.busy_beats.stop()
         if self.segment is not None:
             self.segment.close()
-        self.envs.close()
+        with node.beating_through():  # a simulator may take seconds to close
+            self.envs.close()
 
 
 class Splits:
