@@ -4,6 +4,7 @@ replies read back from an outbox. A real learner under a real pipeline is test_t
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import select
@@ -273,14 +274,18 @@ def test_a_learner_asleep_while_its_threads_use_the_cpu_has_its_whole_allowance(
     pid = bench.learner().popen.pid
     wait_for(lambda: supervisor.process_state(pid)[0] == "S", 10, "its main thread asleep")
     for t in (HALF + 0.01, HALF + 0.3, supervisor.SILENT_S - 0.1):
-        ticks = supervisor.process_state(pid)[1]
-        wait_for(lambda seen=ticks: supervisor.process_state(pid)[1] != seen, 10,
+        wait_for(functools.partial(cpu_used, pid, supervisor.process_state(pid)[1]), 10,
                  "its thread's CPU")
         bench.at(1.0 + t)
         assert supervisor.process_state(pid)[0] == "S" and not bench.learner().killed_frozen, t
     bench.at(1.0 + supervisor.SILENT_S + 0.1)
     assert bench.learner().killed_frozen
     assert bench.wait_exit(1.0 + supervisor.SILENT_S + 0.2) == -signal.SIGKILL
+
+
+def cpu_used(pid: int, ticks: int | None) -> bool:
+    """Whether the process has used CPU since it had used `ticks`."""
+    return supervisor.process_state(pid)[1] != ticks
 
 
 def test_the_stuck_bound_is_half_the_allowance_never_under_the_liveness_bound() -> None:
