@@ -334,12 +334,19 @@ def _ask(endpoint: str, request: p.Message, timeout_s: float, keys: str = "") ->
             address).
         protocol.RemoteFailure: the answer was a REMOTE_ERROR, raised again with its fields.
     """
+    import zmq  # as topology does; the CLI's other commands need none at start-up
 
     ctx = wiring.context(wiring.Security(keys=keys))
     try:
         sock = topology.open_role(ctx, Role.CLIENT, {"controller": endpoint})[PortName.CONTROLLER]
-        node.send(sock, request)
         deadline = time.monotonic() + timeout_s
+        # Never a blocking send: a connection whose handshake is refused (keys not authorized)
+        # may leave no pipe to queue on, and a blocking send would wait past the timeout.
+        while not node.send(sock, request, block=False):
+            if time.monotonic() >= deadline:
+                raise status_view.Unreachable(f"controller unreachable at {endpoint} "
+                                              f"(could not send within {timeout_s:g}s)")
+            sock.poll(100, zmq.POLLOUT)  # room to queue
         while time.monotonic() < deadline:
             if sock.poll(100):
                 frames = sock.recv_multipart(copy=False)
