@@ -150,8 +150,10 @@ _EVENTS, _POLLIN, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
 
 
 def send(sock: zmq.Socket, msg: p.Message, *, to: bytes | None = None,
-         block: bool = True) -> bool:
-    """Send a message (to a ROUTER peer when `to` is set); False if it could not be queued."""
+         block: bool = False) -> bool:
+    """Send a message (to a ROUTER peer when `to` is set); False if it could not be queued.
+    Blocking only when asked: a connection whose handshake is refused may leave no pipe to
+    queue on, and a blocking send then waits without bound."""
     frames = p.encode(msg)
     if to is not None:
         frames = [to, *frames]

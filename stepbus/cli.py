@@ -340,9 +340,7 @@ def _ask(endpoint: str, request: p.Message, timeout_s: float, keys: str = "") ->
     try:
         sock = topology.open_role(ctx, Role.CLIENT, {"controller": endpoint})[PortName.CONTROLLER]
         deadline = time.monotonic() + timeout_s
-        # Never a blocking send: a connection whose handshake is refused (keys not authorized)
-        # may leave no pipe to queue on, and a blocking send would wait past the timeout.
-        while not node.send(sock, request, block=False):
+        while not node.send(sock, request):  # no room yet (a refused handshake): try again
             if time.monotonic() >= deadline:
                 raise status_view.Unreachable(f"controller unreachable at {endpoint} "
                                               f"(could not send within {timeout_s:g}s)")
