@@ -36,6 +36,13 @@ def short_dir() -> Iterator[Path]:
         yield Path(name)
 
 
+def controller_endpoints(short_dir: Path) -> dict[str, str]:
+    """Both sockets a controller binds, in the test's own directory: a default TCP port would
+    be taken by the controller of a test running beside it."""
+    return {"controller": f"ipc://{short_dir}/controller",
+            "broadcast": f"ipc://{short_dir}/broadcast"}
+
+
 def alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -87,15 +94,16 @@ def test_a_child_whose_exit_is_read_before_its_start_returns_keeps_its_exit_code
 
 def test_a_forked_role_has_its_own_session_directory_environment_and_path(
         server: ForkServer, short_dir: Path) -> None:
-    address = f"ipc://{short_dir}/controller"
     # an env module only the child's PYTHONPATH holds, which says when the worker made it
+    # (written whole, then renamed: the test must never read it half written)
     (short_dir / "mods").mkdir()
     (short_dir / "mods" / "marked_env.py").write_text(
         "import os, pathlib, gymnasium\n"
         "def make(**kwargs):\n"
-        "    pathlib.Path('made').write_text(os.environ['MARK'] + ' ' + os.getcwd())\n"
+        "    pathlib.Path('made.part').write_text(os.environ['MARK'] + ' ' + os.getcwd())\n"
+        "    os.replace('made.part', 'made')\n"
         "    return gymnasium.make('CartPole-v1')\n")
-    env = launch.environment({"controller": address},
+    env = launch.environment(controller_endpoints(short_dir),
                              extra={"PYTHONPATH": "mods", "MARK": "forked"})  # from cwd
     group = launch.Group(short_dir, forkserver=server)
     controller = group.start_role("controller", log=short_dir / "c.log", env=env)
@@ -117,7 +125,7 @@ def test_a_forked_role_has_its_own_session_directory_environment_and_path(
 def test_no_child_outlives_the_server(short_dir: Path) -> None:
     forks = ForkServer()
     group = launch.Group(short_dir, forkserver=forks)
-    env = launch.environment({"controller": f"ipc://{short_dir}/controller"})
+    env = launch.environment(controller_endpoints(short_dir))
     controller = group.start_role("controller", log=short_dir / "c.log", env=env)
     wait_for(lambda: (short_dir / "controller").exists(), 30, "the controller's socket")
     forks.close()
