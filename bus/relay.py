@@ -110,7 +110,7 @@ class Relay(node.Process):
             self.forget(w, f"sent a result we cannot use ({problem[:80]})")
             return
         self.counts.steps_relayed += 1
-        self.to_client(dataclasses.replace(msg, worker=w.name))
+        self.to_client(p.renumbered(msg, worker=w.name))
 
     def on_heartbeat(self, peer: bytes, msg: p.Heartbeat) -> None:
         w = self.table.get(peer)
@@ -136,13 +136,13 @@ class Relay(node.Process):
         w = self.asked(peer, msg.worker)
         if w is not None:
             w.seq, w.epoch = w.seq + 1, self.epoch  # its steps go in the epoch it reset into
-            self.ask(w, dataclasses.replace(msg, epoch=w.epoch, seq=w.seq, worker=""))
+            self.ask(w, p.renumbered(msg, epoch=w.epoch, seq=w.seq, worker=""))
 
     def on_step(self, peer: bytes, msg: p.Step) -> None:
         w = self.asked(peer, msg.worker)
         if w is not None:
             w.seq += 1
-            self.ask(w, dataclasses.replace(msg, epoch=w.epoch, seq=w.seq, worker=""))
+            self.ask(w, p.renumbered(msg, epoch=w.epoch, seq=w.seq, worker=""))
 
     def on_env_call(self, peer: bytes, msg: p.EnvCall) -> None:
         self.client = peer

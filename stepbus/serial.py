@@ -33,7 +33,7 @@ from stepbus.workers import worker
 # Flags a serial run does not take: its endpoints are its own, it binds nothing reachable
 # from outside (so no keys), and it names its workers itself.
 NOT_SERIAL = frozenset({*wiring.ENDPOINTS, "security", "external", "name", "worker_index",
-                        "policy_endpoints", "cpu_priority"})
+                        "policy_endpoints", "cpu_priority", "lane"})
 MAX_WORKERS = 64
 
 

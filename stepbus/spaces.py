@@ -444,6 +444,9 @@ def actions_problem(spec: p.SpaceSpec, actions: np.ndarray, n: int) -> str:
         return ""
     high = (spec.action_n if kind == "discrete"
             else np.reshape(spec.action_nvec, spec.action_shape))
-    if actions.min() < 0 or np.any(actions >= high):
+    # Signed as unsigned of the same width: a negative action becomes a huge one, so one
+    # comparison checks both bounds (two reductions cost more than a small batch's step).
+    unsigned = actions.view(f"u{actions.itemsize}") if actions.dtype.kind == "i" else actions
+    if np.count_nonzero(unsigned >= high):
         return f"actions outside [0, {spec.action_n if kind == 'discrete' else 'nvec'})"
     return ""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from stepbus.bus import wiring
+from stepbus.bus import lane, wiring
 from stepbus.bus.exits import Exit
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,6 +86,17 @@ def test_the_table_has_every_code_and_nothing_else():
 def test_a_bad_number_flag_exits_2_naming_it(home: Path):
     assert_setting_error(run(home, "worker", "--envs-per-worker", "0"),
                          "argument --envs-per-worker: must be 1 to")
+
+
+def test_a_worker_lane_nobody_reads_or_split_exits_2_naming_it(home: Path):
+    """A --lane is made by the vector env that starts the worker: without it there, the
+    worker says so at once rather than waiting for a reader."""
+    lane_paths = lane.LanePaths.of(home / "lane-w")
+    lane_paths.make()
+    assert_setting_error(run(home, "worker", "--lane", str(home / "lane-w")),
+                         f"--lane: cannot open the lane {lane_paths.to_caller}: nobody reads it")
+    assert_setting_error(run(home, "worker", "--lane", str(home / "lane-w"), "--splits", "2"),
+                         "--lane takes a whole worker: --splits must be 1, not 2")
 
 
 def test_a_silence_shorter_than_the_heartbeats_allow_exits_2_naming_it(home: Path):

@@ -118,6 +118,23 @@ def test_cartpole_same_seeds_and_actions_give_sync_vector_env_results(
     assert ended >= 10, "episodes ended, and the ones after them matched too"
 
 
+@pytest.mark.parametrize("lanes", [True, False], ids=["lanes", "sockets"])
+def test_steps_through_lanes_or_the_socket_give_the_same_results(make: Made,
+                                                                 lanes: bool) -> None:
+    """By default a worker's steps take its lane; without lanes its socket: the same data."""
+    mode = AutoresetMode.SAME_STEP  # final observations and infos travel too
+    ours = make("CartPole-v1", 5, workers=2, autoreset_mode=mode, lanes=lanes)
+    theirs = gym.make_vec("CartPole-v1", 5, vectorization_mode="sync",
+                          vector_kwargs={"autoreset_mode": mode})
+    script = cartpole_script(np.random.default_rng(5), 5)
+    for i, (a, b) in enumerate(zip(play(ours, script), play(theirs, script), strict=True)):
+        assert same(a, b), f"call {i}: {a} != {b}"
+    assert ours.launched is not None
+    carried = [each.received for each in ours.launched.lanes.values()]
+    steps = sum(what == "step" for what, _ in script)  # each worker answered all, and resets
+    assert len(carried) == (2 if lanes else 0) and all(n > steps for n in carried), carried
+
+
 def test_autoreset_mode_may_be_given_by_its_value(make: Made) -> None:
     envs = make("CartPole-v1", 2, autoreset_mode=AutoresetMode.SAME_STEP.value)
     assert envs.metadata["autoreset_mode"] is AutoresetMode.SAME_STEP

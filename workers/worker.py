@@ -31,9 +31,10 @@ from typing import Any
 import numpy as np
 import zmq
 
-from stepbus.bus import checks, node, rows, shm, topology, wiring
+from stepbus.bus import checks, lane, node, rows, shm, topology, wiring
 from stepbus.bus import protocol as p
 from stepbus.bus.exits import Exit
+from stepbus.bus.lane import Lane
 from stepbus.bus.topology import PortName, Role
 from stepbus.workers import calls, envs
 from stepbus.workers.envset import EnvFailure, EnvSet
@@ -112,6 +113,11 @@ class Config:
                 "worker_num_splits): each group is a worker of its own to the broker (named "
                 "NAME:0, NAME:1, ...; agent ids and env seeds stay the whole worker's), and one "
                 "group steps while the others wait for their actions"})
+    lane: str = field(default="", metadata={
+        "help": "PREFIX of the two named pipes (PREFIX.in, PREFIX.out) a vector env on this "
+                "host made for this worker: what the env asks of it and its answers go there "
+                "instead of the steps socket, which keeps its hellos and heartbeats "
+                "(`stepbus.vector.make` passes it; empty: none)"})
     security: wiring.Security = field(default_factory=wiring.Security)
 
 
@@ -244,9 +250,11 @@ class Worker(node.Process):
     def __init__(self, cfg: Config, ports: node.Ports, log: logging.Logger, *,
                  clock: Callable[[], float] = time.monotonic,
                  controller_beat: Callable[[float], object] | None = None,
-                 envs: EnvSet | None = None, split_of: str = "") -> None:
+                 envs: EnvSet | None = None, split_of: str = "",
+                 lane: Lane | None = None) -> None:
         """`envs`: made already (by `make_envs`), else made here. `split_of`: this is a split
-        of that worker (`cfg` is the split's, `envs.first_env` where its envs begin). Raises
+        of that worker (`cfg` is the split's, `envs.first_env` where its envs begin). `lane`:
+        where a vector env's requests come (`ports` sends the answers down it). Raises
         CannotCreateEnv when the environments cannot be made."""
         super().__init__(ports, log, name=cfg.name, clock=clock)
         self.cfg, self.controller_beat = cfg, controller_beat
@@ -273,6 +281,9 @@ class Worker(node.Process):
             shm_nonce=self.segment.nonce.hex() if self.segment else "",
             split_of=split_of, first_env=self.envs.first_env)
         self.every("hello", HELLO_INTERVAL_S, self.say_hello, first_due=self.now)
+        self.lane = lane
+        if lane is not None:
+            self.wake_on_readable_fds = {lane.read_fd}
 
     def open_segment(self) -> shm.Writer | None:
         """The shared-memory segment (None: observations on the socket): for Box observations
@@ -372,7 +383,7 @@ class Worker(node.Process):
                                 None if segment is None or slot < 0 else segment.views[slot])
         if segment is not None and slot >= 0:
             segment.publish(slot, self.seq)
-            result = dataclasses.replace(result, obs=self.no_rows, obs_slot=slot)
+            result = p.renumbered(result, obs=self.no_rows, obs_slot=slot)
             self.shm_counts.shm_batches += 1
         elif segment is not None:
             self.shm_counts.shm_full += 1  # every slot still read: the socket it is
@@ -388,7 +399,7 @@ class Worker(node.Process):
         self.send(PortName.STEPS, answer)
 
     def reply(self, result: p.StepResult) -> None:
-        self.send(PortName.STEPS, dataclasses.replace(result, incarnation=self.incarnation,
+        self.send(PortName.STEPS, p.renumbered(result, incarnation=self.incarnation,
                                                epoch=self.epoch, seq=self.seq))
 
 
@@ -409,6 +420,25 @@ class Worker(node.Process):
                                            pid=self.pid, leaving=False, figures={}))
 
     # -- hooks the loop calls
+    def tick(self, now: float) -> float:
+        if self.lane is not None:
+            self.take_lane()
+        return super().tick(now)
+
+    def take_lane(self) -> None:
+        """What the vector env asked down the lane; its end closed, the env is gone and so
+        are we."""
+        assert self.lane is not None
+        try:
+            lane.deliver_all(self.lane, self, b"", (p.Reset, p.Step, p.EnvCall),
+                             f"the lane {self.cfg.lane}")
+        except lane.LaneError as exc:
+            self.stop(f"the lane broke: {exc}")
+            return
+        if self.lane.ended:
+            self.wake_on_readable_fds = set()
+            self.stop("its vector env closed the lane")
+
     def figures(self) -> dict[str, Any]:
         figures = {**dataclasses.asdict(self.counts), "env_errors": self.envs.errors,
                    "agents_vanished": self.envs.agents_vanished,
@@ -451,6 +481,9 @@ def run(cfg: Config) -> int:
     log = node.setup_logging("worker")
     stop = node.StopFlag()
     try:
+        if cfg.lane and cfg.splits != 1:
+            raise CannotCreateEnv(f"--lane takes a whole worker: --splits must be 1, "
+                                  f"not {cfg.splits}")
         envsets = make_split_envs(cfg, log)
     except CannotCreateEnv as exc:  # a typo in --env deserves one clear line, not a traceback
         log.error("%s", exc)
@@ -458,6 +491,9 @@ def run(cfg: Config) -> int:
     try:
         return node.run_role(functools.partial(_open_beating, cfg, log, envsets, stop),
                              cfg.security, stop)
+    except CannotCreateEnv as exc:  # a --lane with nobody at its other end
+        log.error("%s", exc)
+        return Exit.SETTING
     except EnvFailure as exc:
         log.error("%s; worker exiting", exc)
         return Exit.FAILED
@@ -517,10 +553,26 @@ def open_worker(ctx: zmq.Context, cfg: Config, log: logging.Logger, envs: EnvSet
         raise
     if not wiring.on_this_host(steps):  # a broker elsewhere could never map a segment
         cfg = dataclasses.replace(cfg, shm_frames=False)
-    worker = Worker(cfg, node.SocketPorts({PortName.STEPS: dealer,
-                                           PortName.CONTROLLER: link.dealer}),
-                    log, controller_beat=link.beat, envs=envs, split_of=split_of)
+    sockets: dict[str, zmq.Socket] = {PortName.STEPS: dealer, PortName.CONTROLLER: link.dealer}
+    its_lane = open_lane(cfg)
+    ports = node.SocketPorts(sockets) if its_lane is None else lane.LanePorts(sockets, its_lane)
+    worker = Worker(cfg, ports, log, controller_beat=link.beat, envs=envs, split_of=split_of,
+                    lane=its_lane)
     log.info("%s: %d x %s%s, connecting to %s", cfg.name, cfg.envs_per_worker, cfg.env,
              f" ({len(worker.envs.agents)} agents each)" if worker.envs.agents else "", steps)
     return node.Opened(worker, {PortName.STEPS: node.Port(dealer, (p.Reset, p.Step, p.EnvCall))},
                        link, cleanup=worker.close)
+
+
+def open_lane(cfg: Config) -> Lane | None:
+    """The worker's end of its `--lane` (None: none given); its sockets close with the context.
+
+    Raises:
+        CannotCreateEnv: no such lane, or nobody at its other end (exit 2: a setting).
+    """
+    if not cfg.lane:
+        return None
+    try:
+        return Lane.worker_end(lane.LanePaths.of(cfg.lane))
+    except (lane.LaneError, OSError) as exc:
+        raise CannotCreateEnv(f"--lane: {exc}") from None

@@ -34,7 +34,7 @@ RemoteFailure = p.RemoteFailure  # an env raised in `call`: its type and message
 def make(env: str, num_envs: int, workers: int = 1, *,
          autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
          batch_size: int | None = None, attach_timeout_s: float = ATTACH_TIMEOUT_S,
-         infos: bool = True, context: str | None = None,
+         infos: bool = True, context: str | None = None, lanes: bool = True,
          **worker_options: Any) -> BusVectorEnv:
     """A vector env of `num_envs` copies of `env` (a Gymnasium id or `module:callable`, as
     `stepbus worker --env` takes) in `workers` worker processes, with its own controller; the
@@ -48,6 +48,9 @@ def make(env: str, num_envs: int, workers: int = 1, *,
             "forkserver", forked from a server this process starts on first use and keeps
             until it exits, which has imported stepbus already (a make after the first starts
             in milliseconds; see docs/vector.md for what that means for the environment).
+        lanes: each worker's steps go through a pair of named pipes (`stepbus.bus.lane`),
+            its heartbeats on its socket; False: everything on the socket (slower with small
+            batches: see docs/performance.md).
         worker_options: more `stepbus worker` flags, e.g. `max_env_restarts_per_minute=3`,
             or `episode_statistics=True` for each env's `infos["episode"]`.
 
@@ -63,10 +66,10 @@ def make(env: str, num_envs: int, workers: int = 1, *,
         single = (probe.observation_space, probe.action_space)
     finally:
         probe.close()
-    launched = Launched(env, sizes, worker_options, starter)
+    launched = Launched(env, sizes, worker_options, starter, lanes=lanes)
     link = None
     try:
-        link = LocalRelay(launched.endpoints["steps"])
+        link = LocalRelay(launched.endpoints["steps"], launched.lanes)
         envs = BusVectorEnv(link, num_envs, autoreset_mode=autoreset_mode,
                             batch_size=batch_size, single_spaces=single,
                             on_close=launched.stop, attach_timeout_s=attach_timeout_s,

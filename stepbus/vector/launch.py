@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from stepbus.bus import launch
+from stepbus.bus import lane, launch
 
 
 def worker_sizes(num_envs: int, workers: int) -> list[int]:
@@ -50,12 +50,15 @@ class Launched:
     """The processes of one `make`: started at once, stopped by `stop()` (idempotent)."""
 
     def __init__(self, env: str, sizes: list[int], options: dict[str, object],
-                 forkserver: launch.RoleStarter | None = None) -> None:
-        """`forkserver`: where the processes are forked from (None: an interpreter each)."""
+                 forkserver: launch.RoleStarter | None = None, *, lanes: bool = True) -> None:
+        """`forkserver`: where the processes are forked from (None: an interpreter each).
+        `lanes`: each worker's requests and answers go through a lane (`bus/lane.py`), its
+        caller's end in `self.lanes`, rather than the steps socket."""
         self.dir = Path(tempfile.mkdtemp(prefix="sbv-"))  # ipc paths must stay short
         self.endpoints = {name: f"ipc://{self.dir}/{name}"
                           for name in ("controller", "broadcast", "steps")}
         self.group = launch.Group(self.dir, forkserver=forkserver)
+        self.lanes: dict[str, lane.Lane] = {}
         atexit.register(self.stop)
         try:
             self.start("controller")
@@ -63,10 +66,21 @@ class Launched:
                 self.start("worker", "--env", env, "--envs-per-worker", str(k),
                            "--name", worker_name(i), "--worker-index", str(i),
                            # the relay maps no segment: observations go on the socket
-                           "--no-shm-frames", *flags(options), name=worker_name(i))
+                           "--no-shm-frames", *self.lane_for(worker_name(i), lanes),
+                           *flags(options), name=worker_name(i))
         except BaseException:
             self.stop()
             raise
+
+    def lane_for(self, name: str, wanted: bool) -> list[str]:
+        """A worker's `--lane`, its caller's end opened before the worker starts."""
+        if not wanted:
+            return []
+        prefix = self.dir / f"lane-{name}"
+        paths = lane.LanePaths.of(prefix)
+        paths.make()
+        self.lanes[name] = lane.Lane.caller_end(paths)
+        return ["--lane", str(prefix)]
 
     @property
     def procs(self) -> list[launch.Child]:
@@ -98,5 +112,7 @@ class Launched:
         """Every process ended (`launch.Group.stop`) and the directory removed; nothing is
         left running."""
         self.group.stop()
+        for each in self.lanes.values():
+            each.close()
         shutil.rmtree(self.dir, ignore_errors=True)
         atexit.unregister(self.stop)

@@ -16,32 +16,43 @@ import math
 import os
 import socket as pysocket
 import time
+from collections.abc import Callable
 
 import zmq
 
-from stepbus.bus import node, relay, topology, wiring
+from stepbus.bus import lane, node, relay, topology, wiring
 from stepbus.bus import protocol as p
 from stepbus.bus.topology import AnyPort, PortName, Role
 from stepbus.vector.link import BrokerLost
 
 LOG = logging.getLogger("stepbus.vector.relay")
 CLIENT = b"in-process"  # the routing id the relay knows this env by
+LANE_KINDS = (p.StepResult, p.EnvCallResult, p.RemoteError)  # what a worker answers
 
 
 class InboxPorts(node.SocketPorts):
-    """The relay's sockets, except that what it sends the vector client is kept in `inbox`."""
+    """The relay's sockets, except that what it sends the vector client is kept in `inbox`,
+    and what it asks a worker with a lane goes down that lane."""
 
     def __init__(self, sockets: dict[str, zmq.Socket],
                  inbox: collections.deque[p.Message]) -> None:
         super().__init__(sockets)
         self.inbox = inbox
+        self.lane_of: Callable[[bytes], lane.Lane | None] = lambda peer: None
 
     def send(self, port: AnyPort, msg: p.Message, *, to: bytes | None = None,
              block: bool = False) -> bool:
         if port == PortName.VECTOR:
             self.inbox.append(msg)
             return True
-        return super().send(port, msg, to=to, block=block)
+        its_lane = self.lane_of(to) if to is not None and port == PortName.STEPS else None
+        if its_lane is None:
+            return super().send(port, msg, to=to, block=block)
+        try:
+            its_lane.send(msg)
+        except lane.LaneError:
+            return False
+        return True
 
     def writable(self, port: str) -> bool:
         return port == PortName.VECTOR or super().writable(port)
@@ -55,8 +66,9 @@ class LocalRelay:
     before the relay is asked anything. It does not register with the controller `make`
     started: nothing asks it there, and between calls it could not answer."""
 
-    def __init__(self, steps: str) -> None:
-        """`steps`: the endpoint to bind, which the workers were told."""
+    def __init__(self, steps: str, lanes: dict[str, lane.Lane] | None = None) -> None:
+        """`steps`: the endpoint to bind, which the workers were told; `lanes`: by worker
+        name, those of the workers that have one (`stepbus/vector/launch.py` made them)."""
         self.name = f"vector-{pysocket.gethostname()}-{os.getpid()}"
         self.heard_at = time.monotonic()  # as a `Link`'s; this relay is never silent to us
         self.inbox: collections.deque[p.Message] = collections.deque()
@@ -67,11 +79,16 @@ class LocalRelay:
         except BaseException:
             wiring.destroy(self.ctx)
             raise
-        self.relay = relay.Relay(InboxPorts(self.sockets, self.inbox), LOG)
+        ports = InboxPorts(self.sockets, self.inbox)
+        self.relay = relay.Relay(ports, LOG)
+        self.lanes = dict(lanes or {})
+        ports.lane_of = self.lane_of
         self.relay.cancel("client_beat")  # we hear it by calling it
         self.relay.stall_log_level = logging.DEBUG  # the caller's own work between calls
         self.loop = node.Loop(self.relay, relay.relay_ports(self.sockets), None,
                               node.StopFlag(()))  # the caller's signals stay the caller's
+        for each in self.lanes.values():
+            self.loop.poller.register(each.read_fd, zmq.POLLIN)
         self.turned_at = time.monotonic()
 
     def send(self, msg: p.Message) -> None:
@@ -111,7 +128,31 @@ class LocalRelay:
         if wait_s < timeout_ms / 1000:
             timeout_ms = math.ceil(wait_s * 1000)
         self.loop.advance(dict(self.loop.poller.poll(timeout_ms)), timeout_ms)
+        self.read_lanes()
         self.turned_at = time.monotonic()
+
+    def lane_of(self, peer: bytes) -> lane.Lane | None:
+        w = self.relay.table.get(peer)
+        return None if w is None else self.lanes.get(w.name)
+
+    def read_lanes(self) -> None:
+        """The workers' answers that came down their lanes, to the relay as from their
+        sockets; a lane whose worker's process ended loses that worker at once."""
+        for name, each in list(self.lanes.items()):
+            w = self.relay.by_name(name)
+            try:
+                if w is not None:
+                    lane.deliver_all(each, self.relay, w.ident, LANE_KINDS, f"the lane of {name}")
+                else:
+                    each.receive()  # nobody asked: an answer to a worker forgotten since
+            except lane.LaneError as exc:
+                each.ended = True
+                LOG.warning("worker %s: %s", name, exc)
+            if each.ended:
+                self.loop.poller.unregister(each.read_fd)
+                del self.lanes[name]
+                if w is not None:
+                    self.relay.forget(w, "ended (its lane closed)")
 
     def catch_up(self) -> None:
         """After time spent outside the relay, its workers' heartbeats wait unread: they get
@@ -126,4 +167,4 @@ class LocalRelay:
             for sock in self.sockets.values():
                 sock.close(0)
         finally:
-            wiring.destroy(self.ctx)
+            wiring.destroy(self.ctx)  # the lanes are `make`'s, which closes them
