@@ -114,9 +114,10 @@ def envpool_makers(env: str, num_envs: int) -> list[tuple[str, Callable[[], Any]
                 env, num_envs=num_envs, batch_size=num_envs // 2), envpool_async)]
 
 
-def stepbus_makers(env: str, num_envs: int, workers: list[int]
+def stepbus_makers(env: str, num_envs: int, workers: list[int], sockets: bool = False
                    ) -> list[tuple[str, Callable[[], Any], Callable[..., float]]]:
-    """stepbus's vector env with each worker count, in lockstep and by send/recv."""
+    """stepbus's vector env with each worker count, in lockstep and by send/recv; with
+    `sockets`, lockstep without lanes too (`make(lanes=False)`)."""
     makers: list[tuple[str, Callable[[], Any], Callable[..., float]]] = []
     for w in workers:
         makers += [(f"stepbus.vector lockstep, {w} workers",
@@ -124,11 +125,15 @@ def stepbus_makers(env: str, num_envs: int, workers: list[int]
                    (f"stepbus.vector send/recv, {w} workers",
                     functools.partial(sv.make, env, num_envs, workers=w,
                                       batch_size=num_envs // 2), async_steps)]
+        if sockets:
+            makers.append((f"stepbus.vector lockstep, {w} workers, no lanes",
+                           functools.partial(sv.make, env, num_envs, workers=w, lanes=False),
+                           lockstep))
     return makers
 
 
 def throughput(env: str, num_envs: int, seconds: float,
-               workers: list[int]) -> list[dict[str, Any]]:
+               workers: list[int], sockets: bool = False) -> list[dict[str, Any]]:
     probe = make_env(env)
     probe.action_space.seed(0)
     actions = np.array([[probe.action_space.sample() for _ in range(num_envs)]
@@ -138,7 +143,7 @@ def throughput(env: str, num_envs: int, seconds: float,
     makers: list[tuple[str, Callable[[], Any], Callable[..., float]]] = [
         ("SyncVectorEnv", lambda: gym.vector.SyncVectorEnv(fns), lockstep),
         ("AsyncVectorEnv", lambda: gym.vector.AsyncVectorEnv(fns, shared_memory=True), lockstep),
-        *stepbus_makers(env, num_envs, [w for w in workers if w <= num_envs]),
+        *stepbus_makers(env, num_envs, [w for w in workers if w <= num_envs], sockets),
         *envpool_makers(env, num_envs),
     ]
     out = []
@@ -219,13 +224,15 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--workers", type=int, nargs="+", default=[2],
                         help="stepbus's worker counts (each at most num_envs)")
+    parser.add_argument("--sockets", action="store_true",
+                        help="also stepbus in lockstep without lanes (make(lanes=False))")
     parser.add_argument("--sb3", action="store_true", help="also SB3 PPO to a solve")
     parser.add_argument("--sb3-only", action="store_true", help="only SB3 PPO to a solve")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if not args.sb3_only:
         rows = [r for env in args.env for n in args.num_envs
-                for r in throughput(env, n, args.seconds, args.workers)]
+                for r in throughput(env, n, args.seconds, args.workers, args.sockets)]
         for r in rows:
             base = next(q["env_steps_per_s"] for q in rows if q["system"] == "AsyncVectorEnv"
                         and q["env"] == r["env"] and q["num_envs"] == r["num_envs"])

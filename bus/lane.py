@@ -18,22 +18,24 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import select
 import stat
 import struct
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stepbus.bus import node
+from stepbus.bus import node, topology
 from stepbus.bus import protocol as p
 from stepbus.bus.topology import AnyPort, PortName
 
 COUNT = struct.Struct("<I")  # frames in a message, then each frame's length
-MAX_FRAMES = 64
-MAX_MESSAGE_BYTES = 1 << 30  # a batch of frames is megabytes; this only bounds a bad length
+MAX_FRAMES = p.MAX_ARRAYS + 1  # as a socket's: the header and the arrays
+MAX_MESSAGE_BYTES = topology.MAX_MESSAGE_BYTES
 READ_BYTES = 1 << 20
 
 
@@ -58,6 +60,12 @@ class LanePaths:
             os.mkfifo(path, 0o600)
 
 
+def _check_fifos(paths: LanePaths) -> None:
+    for path in (paths.to_worker, paths.to_caller):
+        if not stat.S_ISFIFO(os.stat(path).st_mode):
+            raise LaneError(f"{path} is not a FIFO")
+
+
 def hung_up(fd: int) -> bool:
     poll = select.poll()
     poll.register(fd, select.POLLIN)
@@ -72,26 +80,34 @@ def pack(frames: Sequence[Any]) -> list[memoryview]:
 
 
 class Lane:
-    """One end of a lane: `send` writes a whole message (blocking: a pipe full of an unread
-    frame batch waits for its reader), `receive` yields the complete messages readable now."""
+    """One end of a lane: `send` writes a whole message, `receive` yields the complete
+    messages readable now.
 
-    def __init__(self, read_fd: int, write_fd: int) -> None:
+    The worker's writes block (its caller may be busy for minutes between steps, and the
+    worker has nothing else to do); the caller's give up after `write_timeout_s`, so a request
+    to a worker that stopped reading (frozen) never holds the caller past the liveness bound.
+    """
+
+    def __init__(self, read_fd: int, write_fd: int, write_timeout_s: float = math.inf) -> None:
         self.read_fd, self.write_fd = read_fd, write_fd
+        self.write_timeout_s = write_timeout_s
         os.set_blocking(read_fd, False)
         self.pending = bytearray()
-        self.ended = False  # the other end closed (its process ended)
+        self.ended = False  # the other end closed (its process ended), or a write failed
         self.received = 0  # whole messages read
         self.closed = False
 
     @classmethod
     def caller_end(cls, paths: LanePaths) -> Lane:
         """Opened before the worker starts: neither open waits for the other end."""
-        for path in (paths.to_worker, paths.to_caller):
-            if not stat.S_ISFIFO(os.stat(path).st_mode):
-                raise LaneError(f"{path} is not a FIFO")
-        write_fd = os.open(paths.to_worker, os.O_RDWR | os.O_CLOEXEC)
-        read_fd = os.open(paths.to_caller, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        return cls(read_fd, write_fd)
+        _check_fifos(paths)
+        write_fd = os.open(paths.to_worker, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            read_fd = os.open(paths.to_caller, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except BaseException:
+            os.close(write_fd)
+            raise
+        return cls(read_fd, write_fd, write_timeout_s=node.LIVENESS_S)
 
     @classmethod
     def worker_end(cls, paths: LanePaths) -> Lane:
@@ -102,31 +118,48 @@ class Lane:
             LaneError: a path is not a FIFO, or nobody reads the caller's end.
         """
         try:
-            for path in (paths.to_worker, paths.to_caller):
-                if not stat.S_ISFIFO(os.stat(path).st_mode):
-                    raise LaneError(f"{path} is not a FIFO")
+            _check_fifos(paths)
             write_fd = os.open(paths.to_caller, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
             reason = "nobody reads it" if exc.errno == errno.ENXIO else exc.strerror
             raise LaneError(f"cannot open the lane {paths.to_caller}: {reason}") from exc
-        os.set_blocking(write_fd, True)
-        read_fd = os.open(paths.to_worker, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            os.set_blocking(write_fd, True)
+            read_fd = os.open(paths.to_worker, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except BaseException:
+            os.close(write_fd)
+            raise
         return cls(read_fd, write_fd)
 
     def send(self, msg: p.Message) -> None:
         """Raises:
-            LaneError: the reader is gone."""
+            LaneError: the reader is gone, or read nothing for `write_timeout_s` (the lane is
+                unusable then: part of a message may be in it)."""
         views = pack(p.encode(msg))
+        deadline = time.monotonic() + self.write_timeout_s
         try:
             while views:  # one system call, one wake-up of the reader, for a whole message
-                written = os.writev(self.write_fd, views)
+                try:
+                    written = os.writev(self.write_fd, views)
+                except BlockingIOError:
+                    self.wait_writable(deadline)
+                    continue
                 while views and written >= views[0].nbytes:
                     written -= views.pop(0).nbytes
                 if views:
                     views[0] = views[0][written:]
-        except (BrokenPipeError, OSError) as exc:
+        except OSError as exc:
             self.ended = True
             raise LaneError(f"the lane's reader is gone ({exc})") from exc
+
+    def wait_writable(self, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            self.ended = True
+            raise LaneError(f"the other end read nothing for {self.write_timeout_s:g} s")
+        poll = select.poll()
+        poll.register(self.write_fd, select.POLLOUT)
+        poll.poll(math.ceil(left * 1000))
 
     def receive(self) -> Iterator[list[memoryview]]:
         """The frames of each complete message readable now (decode them with

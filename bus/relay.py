@@ -60,6 +60,7 @@ class Relay(node.Process):
         self.client: bytes | None = None  # the vector client's routing id (the latest to speak)
         self.epoch = 0
         self.host, self.pid = pysocket.gethostname(), os.getpid()
+        self.answered_elsewhere: set[str] = set()  # workers whose answers take a lane
         self.every("client_beat", CLIENT_BEAT_S, self.beat_client)
 
     # -- workers
@@ -67,7 +68,10 @@ class Relay(node.Process):
         w = self.table.get(peer)
         if w is not None and w.incarnation == msg.incarnation:
             w.last_seen = self.now
-            if w.in_flight and msg.seq >= w.seq:  # idle, having answered: the answer was lost
+            # Idle, having answered: the answer was lost. Not so for a worker whose answers
+            # take a lane (stepbus/vector/local.py): its hello, on the socket, may overtake an
+            # answer still in the lane, which loses nothing (its end shows as end of file).
+            if w.in_flight and msg.seq >= w.seq and w.name not in self.answered_elsewhere:
                 self.forget(w, f"its answer to request {w.seq} was lost")
             return
         if w is None and self.table.known_as(msg.worker, msg.incarnation):

@@ -444,9 +444,14 @@ def actions_problem(spec: p.SpaceSpec, actions: np.ndarray, n: int) -> str:
         return ""
     high = (spec.action_n if kind == "discrete"
             else np.reshape(spec.action_nvec, spec.action_shape))
-    # Signed as unsigned of the same width: a negative action becomes a huge one, so one
-    # comparison checks both bounds (two reductions cost more than a small batch's step).
-    unsigned = actions.view(f"u{actions.itemsize}") if actions.dtype.kind == "i" else actions
+    # Signed as unsigned of the same width: a negative action becomes one of at least 2**(bits
+    # - 1), above every action the signed type holds, so one comparison checks both bounds
+    # (two reductions cost more than a small batch's step).
+    unsigned = actions
+    if actions.dtype.kind == "i":
+        unsigned = actions.view(f"u{actions.itemsize}")
+        if actions.itemsize < 8:
+            high = np.minimum(high, 1 << (8 * actions.itemsize - 1))
     if np.count_nonzero(unsigned >= high):
         return f"actions outside [0, {spec.action_n if kind == 'discrete' else 'nvec'})"
     return ""

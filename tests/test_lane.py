@@ -158,3 +158,13 @@ def test_what_does_not_decode_or_is_not_taken_there_is_refused_and_the_rest_deli
 
     wait_for(delivered, 10, "the step")
     assert taker.rejects.total == 2
+
+
+def test_a_caller_whose_worker_reads_nothing_gives_up_after_its_timeout(
+        ends: tuple[Lane, Lane]) -> None:
+    """A frozen worker never holds its caller past the bound: the lane is then unusable."""
+    caller, _ = ends
+    caller.write_timeout_s = 0.2
+    with pytest.raises(LaneError, match="read nothing for 0.2 s"):
+        caller.send(step(np.zeros((16, 84, 84, 4), np.uint8)))  # more than a pipe holds
+    assert caller.ended

@@ -120,3 +120,18 @@ def test_a_worker_idle_after_answering_a_request_whose_answer_never_came_is_lost
     lost = out.take(p.WorkerLost)
     assert [(m.worker, m.reason) for m in lost] == [
         ("w0", f"its answer to request {asked} was lost")]
+
+
+def test_a_worker_answering_down_a_lane_is_not_lost_when_its_hello_overtakes_the_answer(
+        ) -> None:
+    """Its hello comes on the socket, its answer down the lane: the hello may be read first,
+    and the answer is still on its way, not lost."""
+    r, out, _ = bench()
+    r.answered_elsewhere = {"w0"}
+    r.deliver(CLIENT, p.Reset(epoch=0, seq=0, options={}, worker="w0"))
+    asked = out.take(p.Reset)[0].seq
+    out.take()
+    r.deliver(b"w0", dataclasses.replace(hello("w0"), seq=asked))
+    assert out.take(p.WorkerLost) == []
+    r.deliver(b"w0", result(asked))
+    assert [m.worker for m in out.take(p.StepResult)] == ["w0"]

@@ -3,6 +3,7 @@ checked, acted on and learned from, in-process and through real processes."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from stepbus import policy, spaces
 from stepbus.bus import checks
 from stepbus.bus import protocol as p
 from stepbus.models.mlp import MLPPolicy, init_params
+from stepbus.workers import envs
 from stepbus.workers.worker import Config, EnvSet
 
 MATCHES = ("match_discrete", "match_dict", "match_bits")
@@ -313,3 +315,27 @@ def test_a_multi_discrete_mask_nested_as_its_nvec_is_written_flat() -> None:
     assert batch[spaces.MASK][1].tolist() == [True, False, True, True, True,
                                               False, True, True, True, True]
     assert batch[spaces.MASK][0].all(), "row 0 untouched"
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int16", "int32", "int64",
+                                   "uint8", "uint16", "uint32", "uint64"])
+@pytest.mark.parametrize("n", [2, 200])
+def test_an_action_outside_the_space_is_refused_whatever_its_integer_type(dtype: str,
+                                                                          n: int) -> None:
+    """Actions come off a socket: a negative one, or one at n, is refused at every width
+    (with n above a signed type's half, a negative one read as unsigned is still too big)."""
+    spec = envs.space_spec(gym.make("CartPole-v1"))
+    spec = dataclasses.replace(spec, action_n=n)
+    top = min(n - 1, np.iinfo(dtype).max)
+    assert spaces.actions_problem(spec, np.array([0, top], dtype), 2) == ""
+    bad = [np.iinfo(dtype).min, -1, -100] if np.iinfo(dtype).min < 0 else []
+    bad += [n] if n <= np.iinfo(dtype).max else []
+    for value in bad:
+        assert "outside [0, " in spaces.actions_problem(spec, np.array([0, value], dtype), 2), \
+            (dtype, n, value)
+    multi = dataclasses.replace(spec, action_kind="multi_discrete", action_shape=[2],
+                                action_nvec=[2, n])
+    assert spaces.actions_problem(multi, np.array([[1, top]], dtype), 1) == ""
+    for value in bad:
+        assert "outside [0, nvec)" in spaces.actions_problem(
+            multi, np.array([[0, value]], dtype), 1), (dtype, n, value)

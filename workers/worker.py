@@ -456,6 +456,8 @@ class Worker(node.Process):
     def close(self) -> None:
         if self.busy_beats is not None:
             self.busy_beats.stop()
+        if self.lane is not None:
+            self.lane.close()
         if self.segment is not None:
             self.segment.close()
         with node.beating_through():  # a simulator may take seconds to close
@@ -538,6 +540,7 @@ def open_workers(ctx: zmq.Context, cfg: Config, log: logging.Logger, envsets: li
 def open_worker(ctx: zmq.Context, cfg: Config, log: logging.Logger, envs: EnvSet,
                 stop: node.StopFlag, split_of: str = "") -> node.Opened | None:
     """None: told to stop while waiting to learn where the broker is (envs closed)."""
+    its_lane = open_lane(cfg)  # first: nothing else to close if it cannot be opened
     link = node.ControllerLink(ctx, role="worker", name=cfg.name, controller=cfg.controller,
                                broadcast=cfg.broadcast, log=log)
     # On another host a worker needs only the controller's address: it says where the rest is.
@@ -554,7 +557,6 @@ def open_worker(ctx: zmq.Context, cfg: Config, log: logging.Logger, envs: EnvSet
     if not wiring.on_this_host(steps):  # a broker elsewhere could never map a segment
         cfg = dataclasses.replace(cfg, shm_frames=False)
     sockets: dict[str, zmq.Socket] = {PortName.STEPS: dealer, PortName.CONTROLLER: link.dealer}
-    its_lane = open_lane(cfg)
     ports = node.SocketPorts(sockets) if its_lane is None else lane.LanePorts(sockets, its_lane)
     worker = Worker(cfg, ports, log, controller_beat=link.beat, envs=envs, split_of=split_of,
                     lane=its_lane)

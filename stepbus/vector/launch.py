@@ -111,8 +111,8 @@ class Launched:
     def stop(self) -> None:
         """Every process ended (`launch.Group.stop`) and the directory removed; nothing is
         left running."""
-        self.group.stop()
-        for each in self.lanes.values():
+        for each in self.lanes.values():  # first: a worker blocked writing to us gets EPIPE
             each.close()
+        self.group.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
         atexit.unregister(self.stop)

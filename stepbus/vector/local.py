@@ -82,6 +82,7 @@ class LocalRelay:
         ports = InboxPorts(self.sockets, self.inbox)
         self.relay = relay.Relay(ports, LOG)
         self.lanes = dict(lanes or {})
+        self.relay.answered_elsewhere = set(self.lanes)
         ports.lane_of = self.lane_of
         self.relay.cancel("client_beat")  # we hear it by calling it
         self.relay.stall_log_level = logging.DEBUG  # the caller's own work between calls
@@ -143,14 +144,16 @@ class LocalRelay:
             try:
                 if w is not None:
                     lane.deliver_all(each, self.relay, w.ident, LANE_KINDS, f"the lane of {name}")
-                else:
-                    each.receive()  # nobody asked: an answer to a worker forgotten since
+                else:  # an answer to a worker forgotten since: nobody waits for it
+                    for _ in each.receive():
+                        self.relay.counts.stale_dropped += 1
             except lane.LaneError as exc:
                 each.ended = True
                 LOG.warning("worker %s: %s", name, exc)
             if each.ended:
                 self.loop.poller.unregister(each.read_fd)
                 del self.lanes[name]
+                self.relay.answered_elsewhere.discard(name)
                 if w is not None:
                     self.relay.forget(w, "ended (its lane closed)")
 
