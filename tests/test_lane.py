@@ -165,6 +165,6 @@ def test_a_caller_whose_worker_reads_nothing_gives_up_after_its_timeout(
     """A frozen worker never holds its caller past the bound: the lane is then unusable."""
     caller, _ = ends
     caller.write_timeout_s = 0.2
-    with pytest.raises(LaneError, match="read nothing for 0.2 s"):
+    with pytest.raises(LaneError, match=r"read nothing for 0\.2 s"):
         caller.send(step(np.zeros((16, 84, 84, 4), np.uint8)))  # more than a pipe holds
     assert caller.ended
