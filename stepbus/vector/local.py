@@ -27,6 +27,7 @@ from stepbus.vector.link import BrokerLost
 
 LOG = logging.getLogger("stepbus.vector.relay")
 CLIENT = b"in-process"  # the routing id the relay knows this env by
+LANES_ONLY_S = 0.02  # the relay's whole loop (timers, liveness, hellos) turns this often
 LANE_KINDS = (p.StepResult, p.EnvCallResult, p.RemoteError)  # what a worker answers
 
 
@@ -90,6 +91,7 @@ class LocalRelay:
                               node.StopFlag(()))  # the caller's signals stay the caller's
         for each in self.lanes.values():
             self.loop.poller.register(each.read_fd, zmq.POLLIN)
+        self.lane_fds = {each.read_fd for each in self.lanes.values()}
         self.turned_at = time.monotonic()
 
     def send(self, msg: p.Message) -> None:
@@ -122,7 +124,18 @@ class LocalRelay:
             self.turn(wait_s)
 
     def turn(self, wait_s: float) -> None:
-        """One pass of the relay's loop, its poll at most `wait_s`."""
+        """One pass of the relay's loop, its poll at most `wait_s`; between full passes, at
+        most LANES_ONLY_S apart, a wait that only lanes end reads them and nothing else."""
+        if self.lanes and time.monotonic() - self.turned_at < LANES_ONLY_S:
+            left = self.turned_at + LANES_ONLY_S - time.monotonic()
+            timeout_ms = math.ceil(min(wait_s, left) * 1000)
+            events = dict(self.loop.poller.poll(timeout_ms))
+            if not events or self.lane_fds.issuperset(events):
+                self.read_lanes()
+                return
+        self.full_turn(wait_s)
+
+    def full_turn(self, wait_s: float) -> None:
         if self.loop.stage is node.Stage.DONE:
             raise BrokerLost(f"the vector env's relay stopped ({self.relay.stop_reason})")
         timeout_ms = self.loop.prepare()  # at most node.MAX_POLL_MS
@@ -152,6 +165,7 @@ class LocalRelay:
                 LOG.warning("worker %s: %s", name, exc)
             if each.ended:
                 self.loop.poller.unregister(each.read_fd)
+                self.lane_fds.discard(each.read_fd)
                 del self.lanes[name]
                 self.relay.answered_elsewhere.discard(name)
                 if w is not None:
