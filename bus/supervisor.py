@@ -8,7 +8,7 @@ outlives the child. `stepbus supervise ROLE [FLAGS]` runs any role this way; the
 The rule is the same for every child: one that dies is restarted, at once if it had run
 STEADY_S, otherwise after the next BACKOFF_S delay, and one that hangs counts as dead (it beats
 through a pipe, `node.SupervisorBeat`: silent for SILENT_S, or for half that while it is not
-running at all, it is SIGKILLed); after
+running at all, it is SIGKILLed, except that one stopped by a signal is continued); after
 QUICK_DEATHS_LIMIT quick deaths in a row the supervisor gives up, with the child's last error in
 its figures (`stepbus status`) and its log. Giving up ends the supervisor with exit code 1 (so
 honcho stops the run, which cannot go on without that role) unless the child is one of many (a
@@ -167,17 +167,23 @@ class Running:
         return now - self.last_beat - silent_s
 
     def not_running(self, now: float) -> str:
-        """How the child is not running ("" if it is, or cannot be told yet): stopped, or
-        asleep without any CPU used since a look at least STUCK_LOOK_S ago in this silence."""
+        """How the child is not running ("" if it is, or cannot be told yet): stopped (by a
+        signal: STOPPED; by a tracer), or asleep without any CPU used since a look at least
+        STUCK_LOOK_S ago in this silence."""
         state, ticks = process_state(self.popen.pid)
-        if state in ("T", "t"):
-            return "stopped"
+        if state == "T":
+            return STOPPED
+        if state == "t":
+            return "stopped by a tracer"
         if ticks is None or self.cpu_seen is None or self.cpu_seen[1] != ticks:
             self.cpu_seen = None if ticks is None else (now, ticks)  # the first look, or CPU used
             return ""
         if state == "S" and now >= self.cpu_seen[0] + STUCK_LOOK_S:
             return "asleep without using the CPU"
         return ""
+
+
+STOPPED = "stopped"  # by a signal (SIGSTOP, SIGTSTP): resumed, not killed
 
 
 def stuck_after(silent_s: float) -> float:
@@ -203,6 +209,7 @@ class Figures:
     starts: int = 0
     deaths: int = 0  # deaths not asked for (a swap's stop or a shutdown is not one)
     frozen: int = 0
+    resumed: int = 0  # found stopped by a signal, and continued (SIGCONT)
     quick_deaths: int = 0  # in a row, of children that did not run STEADY_S
     last_death: str = ""
     last_error: str = ""  # the child's last stderr line
@@ -493,11 +500,28 @@ class Supervisor(node.Process):
             self.at("silence", min(now - over, stuck_at if stuck_at > now else
                                    now + STUCK_LOOK_S), self.check_silence)
             return
+        silent = now - (run.last_beat or run.started)
+        if how == f"and is {STOPPED}":
+            self.resume(run, silent, now)
+            return
         self.counts.frozen += 1
         run.killed_frozen = True
         self.log.warning("%s (pid %d) sent no heartbeat for %.1fs %s; killing it",
-                         self.noun, run.popen.pid, now - (run.last_beat or run.started), how)
+                         self.noun, run.popen.pid, silent, how)
         run.popen.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
+
+    def resume(self, run: Running, silent: float, now: float) -> None:
+        """A child stopped by a signal (SIGSTOP, SIGTSTP) goes on where it stopped, with what
+        it holds (an assembler's open trajectories, a broker's requests in flight): killing it
+        lost them all, and its successor took longer to start than a continued child takes to
+        catch up. It gets a new allowance; silent after that, it is frozen as any other."""
+        self.counts.resumed += 1
+        self.log.warning("%s (pid %d) sent no heartbeat for %.1fs and is stopped; resuming it "
+                         "(SIGCONT)", self.noun, run.popen.pid, silent)
+        with contextlib.suppress(ProcessLookupError):
+            run.popen.send_signal(signal.SIGCONT)
+        run.last_beat, run.cpu_seen = now, None
+        self.at("silence", now + self.stuck_after_s, self.check_silence)
 
     @property
     def stuck_after_s(self) -> float:

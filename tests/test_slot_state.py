@@ -211,8 +211,10 @@ def test_a_learner_silent_past_its_allowance_is_killed_as_frozen_and_replaced(
 HALF = supervisor.stuck_after(supervisor.SILENT_S)  # the liveness bound, by default
 
 
-def test_a_stopped_learner_is_killed_at_half_its_allowance(
+def test_a_stopped_learner_is_resumed_at_half_its_allowance_and_killed_if_it_stays_silent(
         benches: list[Bench], caplog: pytest.LogCaptureFixture):
+    """Stopped by a signal, it goes on where it stopped (SIGCONT), with a new allowance;
+    silent after that too, it is frozen as any other."""
     bench = Bench(LEARNER)
     benches.append(bench)
     bench.at(0.0)
@@ -221,12 +223,24 @@ def test_a_stopped_learner_is_killed_at_half_its_allowance(
     os.kill(pid, signal.SIGSTOP)
     wait_for(lambda: supervisor.process_state(pid)[0] == "T", 10, "the learner stopped")
     bench.at(1.0 + HALF - 0.1)
-    assert not bench.learner().killed_frozen
+    assert supervisor.process_state(pid)[0] == "T"
     bench.at(1.0 + HALF + 0.01)
-    assert bench.learner().killed_frozen
-    assert bench.wait_exit(1.0 + HALF + 0.1) == -signal.SIGKILL
-    assert f"sent no heartbeat for {HALF + 0.01:.1f}s and is stopped; killing it" in caplog.text
-    assert bench.slot.figures()["last_death"] == "frozen, killed"
+    wait_for(lambda: supervisor.process_state(pid)[0] != "T", 10, "the learner continued")
+    assert not bench.learner().killed_frozen and bench.learner().popen.poll() is None
+    assert f"sent no heartbeat for {HALF + 0.01:.1f}s and is stopped; resuming it" in caplog.text
+    figures = bench.slot.figures()
+    assert (figures["resumed"], figures["frozen"], figures["deaths"]) == (1, 0, 0)
+    assert bench.slot.timers["silence"].due == bench.clock.t + HALF, "a new allowance"
+
+    silent = Bench(SILENT)  # never beat at all: frozen past its start-up grace, stopped or not
+    benches.append(silent)
+    silent.at(0.0)
+    spid = silent.learner().popen.pid
+    os.kill(spid, signal.SIGSTOP)
+    wait_for(lambda: supervisor.process_state(spid)[0] == "T", 10, "the learner stopped")
+    silent.at(supervisor.STARTUP_GRACE_S + 0.1)  # out of its grace without a beat: frozen
+    assert silent.wait_exit(supervisor.STARTUP_GRACE_S + 0.2) == -signal.SIGKILL
+    assert silent.slot.figures()["last_death"] == "frozen, killed"
 
 
 def test_a_learner_asleep_without_using_the_cpu_is_killed_a_look_after_half_its_allowance(

@@ -133,17 +133,21 @@ def test_without_a_learner_stepping_pauses_and_the_next_learner_gets_everything(
     assert never_taken_in(procs["assembler"].output()) == 0, procs["assembler"].output()[-2000:]
 
 
-def test_a_frozen_learner_is_killed_by_its_slot_and_replaced(cluster: Cluster):
+def test_a_stopped_learner_is_continued_by_its_slot_and_learns_on(cluster: Cluster):
+    """SIGSTOP: its slot continues it (SIGCONT) at the liveness bound; the same learner, its
+    batch and checkpoint as they were, updates again. (A learner frozen otherwise is killed:
+    test_slot_state.)"""
     procs = cluster.start_all(trainer_args=("--target-return", "0", *EVERY_UPDATE))
     wait_for(lambda: len(cluster.metrics()) >= 3, 60, "three updates")
-    frozen = learner_row(cluster, 1)["pid"]
-    os.kill(frozen, signal.SIGSTOP)
-    slot = wait_for(lambda: (r := row(cluster, "slot")).get("last_death") == "frozen, killed"
-                    and r, 30, "the slot to kill the frozen learner")
-    assert slot["frozen"] == 1
-    assert learner_row(cluster, 2)["pid"] != frozen
-    wait_for(lambda: any(r["generation"] == 2 for r in cluster.metrics()), 60,
-             "the replacement learning")
+    stopped = learner_row(cluster, 1)["pid"]
+    os.kill(stopped, signal.SIGSTOP)
+    slot = wait_for(lambda: (r := row(cluster, "slot")).get("resumed") == 1 and r, 30,
+                    "the slot to continue the stopped learner")
+    assert (slot["frozen"], slot["deaths"]) == (0, 0), slot
+    updates = len(cluster.metrics())
+    wait_for(lambda: len(cluster.metrics()) > updates + 1, 60, "the same learner updating")
+    assert learner_row(cluster, 1)["pid"] == stopped
+    assert all(r["generation"] == 1 for r in cluster.metrics())
     assert "sent no heartbeat" in procs["trainer"].output()
     assert shutdown(cluster)
     codes = {name: proc.wait(30) for name, proc in procs.items()}
