@@ -56,11 +56,12 @@ SHUTDOWN_WAIT_S = 20.0  # a child told of a shutdown gets this long to leave bef
 STARTUP_GRACE_S = 30.0  # before its first beat (imports, a slow disk), a child is not frozen
 SILENT_S = 3.0  # after it: this long without a beat, and a beating child is frozen (default)
 # Half the allowance (the liveness bound by default, and never less) is enough for a child
-# that is not running: stopped (SIGSTOP, a tracer), or asleep with no CPU used across two looks
-# STUCK_LOOK_S apart (a deadlock, a wait that never ends). A healthy loop writes a beat every
-# 0.5-0.7 s (it looks every poll, 200 ms at most) and long calls beat from a thread, so only a
-# child busy on the CPU (one long call, starved on a loaded machine, collecting garbage) needs
-# the rest of the allowance. Where /proc cannot tell (not Linux), the whole allowance applies.
+# that is not running: stopped (by a signal: continued instead; by a tracer), or asleep with
+# no CPU used across two looks STUCK_LOOK_S apart (a deadlock, a wait that never ends). A
+# healthy loop writes a beat every 0.5-0.7 s (it looks every poll, 200 ms at most) and long
+# calls beat from a thread, so only a child busy on the CPU (one long call, starved on a
+# loaded machine, collecting garbage) needs the rest of the allowance. Where /proc cannot
+# tell (not Linux), the whole allowance applies.
 STUCK_SHARE = 0.5
 STUCK_LOOK_S = 0.25  # between the two: how often a silent child is looked at again
 NO_PIDFD_LOOK_S = 0.05  # without a pidfd to wake on its exit, look at the child this often
@@ -147,6 +148,7 @@ class Running:
     cpu_seen: tuple[float, int] | None = None  # (when, its CPU ticks) at a look in a silence
     said_started: bool = False  # it wrote STARTED
     killed_frozen: bool = False  # SIGKILLed for falling silent: how its death is told
+    resumed: bool = False  # continued after a stop and not heard since (`Supervisor.resume`)
     pidfd: int | None = None  # readable when the process exits (Linux), so no polling
     partial: bytes = b""  # the stderr line still being written
 
@@ -449,7 +451,7 @@ class Supervisor(node.Process):
                 if run.last_beat is None and not self.leaving and self.silent_s > 0:
                     self.at("silence", now + self.stuck_after_s,
                             self.check_silence)  # grace over
-                run.last_beat, run.cpu_seen = now, None
+                run.last_beat, run.cpu_seen, run.resumed = now, None, False
                 if node.STARTED in beats and not run.said_started:
                     run.said_started = True
                     self.child_said_started(now)
@@ -494,7 +496,9 @@ class Supervisor(node.Process):
             return  # a child leaving on a shutdown has the shutdown's own bound
         self.take_beats(run, now)  # written while this timer was due: not silence
         over = run.silent_for(now, self.silent_s)
-        how = "(frozen?)" if over > 0 else self.stuck(run, now)
+        # Stopped is looked for first: with an allowance no longer than the liveness bound, a
+        # stopped child is past both at once, and it is to be continued, not killed.
+        how = self.stuck(run, now) or ("(frozen?)" if over > 0 else "")
         if not how:
             stuck_at = math.inf if run.last_beat is None else run.last_beat + self.stuck_after_s
             self.at("silence", min(now - over, stuck_at if stuck_at > now else
@@ -502,8 +506,10 @@ class Supervisor(node.Process):
             return
         silent = now - (run.last_beat or run.started)
         if how == f"and is {STOPPED}":
-            self.resume(run, silent, now)
-            return
+            if not run.resumed:
+                self.resume(run, silent, now)
+                return
+            how = "and is stopped again, unheard since it was continued"
         self.counts.frozen += 1
         run.killed_frozen = True
         self.log.warning("%s (pid %d) sent no heartbeat for %.1fs %s; killing it",
@@ -514,14 +520,15 @@ class Supervisor(node.Process):
         """A child stopped by a signal (SIGSTOP, SIGTSTP) goes on where it stopped, with what
         it holds (an assembler's open trajectories, a broker's requests in flight): killing it
         lost them all, and its successor took longer to start than a continued child takes to
-        catch up. It gets a new allowance; silent after that, it is frozen as any other."""
+        catch up. Its allowance runs on from its last beat; stopped again before it beats, it
+        is killed (something keeps stopping it), as it is once silent past the allowance."""
         self.counts.resumed += 1
         self.log.warning("%s (pid %d) sent no heartbeat for %.1fs and is stopped; resuming it "
                          "(SIGCONT)", self.noun, run.popen.pid, silent)
         with contextlib.suppress(ProcessLookupError):
             run.popen.send_signal(signal.SIGCONT)
-        run.last_beat, run.cpu_seen = now, None
-        self.at("silence", now + self.stuck_after_s, self.check_silence)
+        run.resumed, run.cpu_seen = True, None
+        self.at("silence", now + STUCK_LOOK_S, self.check_silence)
 
     @property
     def stuck_after_s(self) -> float:

@@ -602,9 +602,10 @@ def _add_supervise_parser(sub: Any) -> None:
     cmd.add_argument("--silence-s", type=_number(float, {"min": 0}), default=None,
                      metavar="S", help="kill and restart a child that sent no heartbeat for S "
                      "seconds (frozen, or hung in native code), or for half that (at least "
-                     f"{node.LIVENESS_S:g} s) while it is not running at all (stopped, or asleep "
-                     "using no CPU: give an env whose calls wait with the GIL held twice their "
-                     "length); its start-up has "
+                     f"{node.LIVENESS_S:g} s) while it is not running at all (stopped by a "
+                     "tracer, or asleep using no CPU: give an env whose calls wait with the GIL "
+                     "held twice their length); one stopped by a signal is continued (SIGCONT) "
+                     "then instead; its start-up has "
                      f"{supervisor.STARTUP_GRACE_S:g} s before its first beat; 0: never [default: "
                      f"{supervisor.SILENT_S:g}; 0 for the evaluator, which runs at idle priority "
                      "and may starve by design]")

@@ -211,10 +211,10 @@ def test_a_learner_silent_past_its_allowance_is_killed_as_frozen_and_replaced(
 HALF = supervisor.stuck_after(supervisor.SILENT_S)  # the liveness bound, by default
 
 
-def test_a_stopped_learner_is_resumed_at_half_its_allowance_and_killed_if_it_stays_silent(
+def test_a_stopped_learner_is_continued_at_half_its_allowance_and_killed_if_stopped_unheard(
         benches: list[Bench], caplog: pytest.LogCaptureFixture):
-    """Stopped by a signal, it goes on where it stopped (SIGCONT), with a new allowance;
-    silent after that too, it is frozen as any other."""
+    """Stopped by a signal, it goes on where it stopped (SIGCONT); stopped again before it
+    beats (something keeps stopping it), it is killed rather than continued for ever."""
     bench = Bench(LEARNER)
     benches.append(bench)
     bench.at(0.0)
@@ -230,7 +230,13 @@ def test_a_stopped_learner_is_resumed_at_half_its_allowance_and_killed_if_it_sta
     assert f"sent no heartbeat for {HALF + 0.01:.1f}s and is stopped; resuming it" in caplog.text
     figures = bench.slot.figures()
     assert (figures["resumed"], figures["frozen"], figures["deaths"]) == (1, 0, 0)
-    assert bench.slot.timers["silence"].due == bench.clock.t + HALF, "a new allowance"
+    assert bench.slot.timers["silence"].due == bench.clock.t + supervisor.STUCK_LOOK_S
+    os.kill(pid, signal.SIGSTOP)  # it has not beaten since: it is not continued twice
+    wait_for(lambda: supervisor.process_state(pid)[0] == "T", 10, "the learner stopped again")
+    bench.at(1.0 + HALF + 0.01 + supervisor.STUCK_LOOK_S)
+    assert bench.learner().killed_frozen
+    assert bench.wait_exit(1.0 + HALF + 0.5) == -signal.SIGKILL
+    assert "and is stopped again, unheard since it was continued; killing it" in caplog.text
 
     silent = Bench(SILENT)  # never beat at all: frozen past its start-up grace, stopped or not
     benches.append(silent)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import sys
 import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import ManualClock
+from conftest import ManualClock, wait_for
 
 from stepbus.bus import node, supervisor
 from stepbus.bus import protocol as p
@@ -22,6 +23,7 @@ T0 = 1000.0
 CRASHES = "import sys; print('starting', file=sys.stderr); raise ValueError('env exploded')"
 EXITS_0 = "import sys; sys.exit(0)"
 SLEEPS = "import time; time.sleep(60)"
+BEATS_ONCE = "import os, time; os.write(int(os.environ['STEPBUS_BEAT_FD']), b'.'); time.sleep(60)"
 
 
 class Bench:
@@ -222,6 +224,27 @@ def test_with_silence_0_a_child_is_never_taken_for_frozen(benches: list[Bench]) 
     assert bench.child().popen.poll() is None and bench.sup.figures()["frozen"] == 0
     assert supervisor.default_silence("evaluator") == 0
     assert supervisor.default_silence("broker") == supervisor.SILENT_S
+
+
+def test_with_an_allowance_no_longer_than_the_liveness_bound_a_stopped_child_is_continued(
+        benches: list[Bench]) -> None:
+    """`--silence-s 1.5`: stopped and past its whole allowance at the same look, it is still
+    continued (SIGCONT), not killed."""
+    bench = Bench(BEATS_ONCE, beat_env=node.BEAT_FD_ENV, silent_s=node.LIVENESS_S)
+    benches.append(bench)
+    bench.at(0.0)
+    beats = bench.child().beats
+    assert beats is not None and select.select([beats], [], [], 10)[0], "its beat"
+    bench.clock.t = T0 + 1.0
+    bench.sup.tick(bench.clock.t)
+    pid = bench.child().popen.pid
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: supervisor.process_state(pid)[0] == "T", 10, "the child stopped")
+    bench.at(1.0 + node.LIVENESS_S + 0.01)
+    wait_for(lambda: supervisor.process_state(pid)[0] != "T", 10, "the child continued")
+    figures = bench.sup.figures()
+    assert (figures["resumed"], figures["frozen"]) == (1, 0)
+    assert bench.child().popen.poll() is None and not bench.child().killed_frozen
 
 
 def test_a_long_call_made_on_purpose_is_beaten_through_from_a_thread(

@@ -6,8 +6,8 @@ Each new learner resumes the run's checkpoint with the next generation and a hig
 version; the assembler keeps every trajectory until a learner has learned from it, so nothing is
 lost between. As every supervised child, the learner writes a byte to a pipe every heartbeat
 interval (`node.SupervisorBeat`): a learner silent for `supervisor.SILENT_S` (half that when it
-is not running at all) is frozen and is killed, and a learner whose pipe breaks knows its slot
-died.
+is not running at all) is frozen and is killed, but one stopped by a signal is continued; a
+learner whose pipe breaks knows its slot died.
 """
 
 from __future__ import annotations

@@ -126,9 +126,9 @@ class LocalRelay:
     def turn(self, wait_s: float) -> None:
         """One pass of the relay's loop, its poll at most `wait_s`; between full passes, at
         most LANES_ONLY_S apart, a wait that only lanes end reads them and nothing else."""
-        if self.lanes and time.monotonic() - self.turned_at < LANES_ONLY_S:
-            left = self.turned_at + LANES_ONLY_S - time.monotonic()
-            timeout_ms = math.ceil(min(wait_s, left) * 1000)
+        left = self.turned_at + LANES_ONLY_S - time.monotonic()
+        if self.lanes and left > 0:
+            timeout_ms = max(0, math.ceil(min(wait_s, left) * 1000))  # never -1: for ever
             events = dict(self.loop.poller.poll(timeout_ms))
             if not events or self.lane_fds.issuperset(events):
                 self.read_lanes()
