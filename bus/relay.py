@@ -20,7 +20,7 @@ import logging
 import os
 import socket as pysocket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +60,8 @@ class Relay(node.Process):
         self.client: bytes | None = None  # the vector client's routing id (the latest to speak)
         self.epoch = 0
         self.host, self.pid = pysocket.gethostname(), os.getpid()
-        self.answered_elsewhere: set[str] = set()  # workers whose answers take a lane
+        # Names of the workers whose answers take a lane (stepbus/vector/local.py's lanes).
+        self.answered_elsewhere: Container[str] = ()
         self.every("client_beat", CLIENT_BEAT_S, self.beat_client)
 
     # -- workers

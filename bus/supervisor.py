@@ -498,18 +498,19 @@ class Supervisor(node.Process):
         over = run.silent_for(now, self.silent_s)
         # Stopped is looked for first: with an allowance no longer than the liveness bound, a
         # stopped child is past both at once, and it is to be continued, not killed.
-        how = self.stuck(run, now) or ("(frozen?)" if over > 0 else "")
-        if not how:
+        stuck = self.stuck(run, now)
+        if not stuck and over <= 0:
             stuck_at = math.inf if run.last_beat is None else run.last_beat + self.stuck_after_s
             self.at("silence", min(now - over, stuck_at if stuck_at > now else
                                    now + STUCK_LOOK_S), self.check_silence)
             return
         silent = now - (run.last_beat or run.started)
-        if how == f"and is {STOPPED}":
-            if not run.resumed:
-                self.resume(run, silent, now)
-                return
-            how = "and is stopped again, unheard since it was continued"
+        if stuck == STOPPED and not run.resumed:
+            self.resume(run, silent, now)
+            return
+        how = ("(frozen?)" if not stuck else
+               "and is stopped again, unheard since it was continued" if stuck == STOPPED else
+               f"and is {stuck}")
         self.counts.frozen += 1
         run.killed_frozen = True
         self.log.warning("%s (pid %d) sent no heartbeat for %.1fs %s; killing it",
@@ -535,12 +536,11 @@ class Supervisor(node.Process):
         return stuck_after(self.silent_s)
 
     def stuck(self, run: Running, now: float) -> str:
-        """Why a child silent for `stuck_after_s` is taken for stuck ("": it is not, or not
-        yet): it is not running at all (`Running.not_running`)."""
+        """How a child silent for `stuck_after_s` is not running at all ("": it is, or it is
+        not that silent yet; `Running.not_running`)."""
         if run.last_beat is None or now < run.last_beat + self.stuck_after_s:
             return ""
-        how = run.not_running(now)
-        return f"and is {how}" if how else ""
+        return run.not_running(now)
 
     def ask_to_stop(self, run: Running, sig: signal.Signals, now: float) -> None:
         if self.child is not Child.STOPPING:
@@ -711,7 +711,7 @@ def run(role: str, flags: list[str], *, controller: str, security: wiring.Securi
     with GiveUp.EXIT; exit 2 at once when the child exited 2 with flags no child ran STEADY_S
     with). The supervisor reports to the controller at `controller` as role "supervisor", named
     like its child; a child silent for `silent_s` (0: never judged), or for half that while it
-    is not running at all, is frozen and killed.
+    is not running at all, is frozen and killed (one stopped by a signal is continued).
     `entry` runs the role in this interpreter: given, the first child is a fork that calls it
     (`fork_first`)."""
     log = node.setup_logging("supervisor")

@@ -100,8 +100,8 @@ RUN_HELP = (
     "pdb -m stepbus run ...`); nothing is restarted or supervised")
 SUPERVISE_HELP = (
     "run `stepbus ROLE FLAGS` as a child and restart it whenever it dies (what each Procfile "
-    "line does), or hangs (3 s without its heartbeat, 1.5 s if it is not running at all: "
-    "SIGKILL): at once if it had run 30 s, "
+    "line does), or hangs (3 s without its heartbeat, 1.5-1.75 s if it is not running at all: "
+    "SIGKILL; one stopped by a signal is continued instead): at once if it had run 30 s, "
     "else after 0.5, 1, 2, 5, 10, 30 s; after "
     "--quick-deaths quick deaths in a row it gives up, with the child's last error in `stepbus "
     "status` and the log. A child that exits 0 (a shutdown) ends the supervisor with 0; "

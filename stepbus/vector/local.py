@@ -83,7 +83,7 @@ class LocalRelay:
         ports = InboxPorts(self.sockets, self.inbox)
         self.relay = relay.Relay(ports, LOG)
         self.lanes = dict(lanes or {})
-        self.relay.answered_elsewhere = set(self.lanes)
+        self.relay.answered_elsewhere = self.lanes  # a lane ended is one no longer
         ports.lane_of = self.lane_of
         self.relay.cancel("client_beat")  # we hear it by calling it
         self.relay.stall_log_level = logging.DEBUG  # the caller's own work between calls
@@ -167,7 +167,6 @@ class LocalRelay:
                 self.loop.poller.unregister(each.read_fd)
                 self.lane_fds.discard(each.read_fd)
                 del self.lanes[name]
-                self.relay.answered_elsewhere.discard(name)
                 if w is not None:
                     self.relay.forget(w, "ended (its lane closed)")
 
