@@ -140,8 +140,10 @@ def test_a_stopped_child_is_resumed_and_a_long_env_call_is_not_a_freeze(
     wait_for(lambda: [r for r in role_rows(cluster, "worker") if r["pid"] == worker["pid"]
                       and r["last_heartbeat_s"] < time.monotonic() - resumed_at], 30,
              "a heartbeat of the same worker since")
-    row = supervisor_row(cluster)
-    assert row is not None and (row["starts"], row["frozen"], row["resumed"]) == (1, 0, 1), row
+    # the supervisor's figures travel with its heartbeats: wait for one sent since
+    row = wait_for(lambda: (r := supervisor_row(cluster)) is not None and r["resumed"] and r,
+                   10, "the supervisor's figures since")
+    assert (row["starts"], row["frozen"], row["resumed"]) == (1, 0, 1), row
     print(f"\nstopped worker resumed {resumed_after:.1f} s after SIGSTOP")
     # Silence counts from its last beat, up to one heartbeat interval before the SIGSTOP.
     half = supervisor.stuck_after(supervisor.SILENT_S)
