@@ -32,7 +32,7 @@ from stepbus.bus import checks, credit, node, policies, rows, shm, topology, wir
 from stepbus.bus import protocol as p
 from stepbus.bus.exits import SettingError
 from stepbus.bus.topology import PortName, Role
-from stepbus.processor.buffers import WorkerTrack
+from stepbus.processor.buffers import WorkerTrack, newest_versions
 from stepbus.processor.outlets import (
     RESEND_GRACE_S,
     TWO_LEARNERS_TURNS,
@@ -44,6 +44,11 @@ from stepbus.processor.outlets import (
     port_name,
 )
 
+# A worker silent this long while the policy moves on has its rows' completed steps cut
+# (processor/buffers.py): far longer than a worker's usual gap between messages, far shorter
+# than the few versions (a fraction of a second) that make steps stale. Looked for this often.
+BEHIND_S = 0.1
+BEHIND_CHECK_S = 0.05
 SHUTDOWN_FLUSH_S = 1.0  # how long shutdown waits for a trainer to take the last trajectories
 
 
@@ -84,6 +89,7 @@ class Counts:
     steps_lost: int = 0  # actions whose results will never come
     agents_vanished: int = 0
     spanned: int = 0  # trajectories cut short: the policy moved on half the learner's lag bound
+    cut_behind: int = 0  # ... and their worker fell silent, an action of theirs still pending
     unrouted: int = 0  # trajectories of a policy without an endpoint here (dropped)
     shm_read: int = 0  # observation batches copied out of shared memory
     shm_unreadable: int = 0
@@ -116,10 +122,12 @@ class Assembler(node.Process):
         # Per policy, the versions a trajectory may span (processor/buffers.py): half its
         # learner's --max-policy-lag, as its receipts say; none until they do.
         self.version_spans: dict[str, int] = {}
+        self.newest: dict[str, int] = {}  # per policy, the newest version that acted
         # Experience messages the loop may still take in this pass: what waits for a learner
         # is bounded, so intake pauses (and then stepping) while too much waits.
         self.room = cfg.max_buffered
         self.every("stamp", shm.READER_STAMP_S, self.stamp_segments)
+        self.every("behind", BEHIND_CHECK_S, self.cut_behind)
 
     # -- experience in
     def on_experience(self, peer: bytes, m: p.Experience) -> None:
@@ -149,9 +157,13 @@ class Assembler(node.Process):
             for traj in done.trajectories:
                 self.emit(traj)
         track.last_obs, track.epoch, track.seq = m.obs, m.epoch, m.seq
+        track.heard_at = self.now
         problem = track.choose(m)
         if problem:
             self.reject(m, "bad experience", problem, problem)
+            return
+        # The latest versions, not the highest: a new run's learner counts from 0 again.
+        self.newest.update(newest_versions(m))
 
     def start_track(self, m: p.Experience) -> WorkerTrack:
         """A track for m's worker, from m's observations."""
@@ -243,6 +255,17 @@ class Assembler(node.Process):
         seg.release(s, m.seq)
         self.counts.shm_read += 1
         return dataclasses.replace(m, obs=obs)
+
+    def cut_behind(self, now: float) -> None:
+        """The completed steps of workers silent for BEHIND_S, where the policy moved on
+        (processor/buffers.py), go to the learner while they are fresh enough to learn from."""
+        if not self.version_spans:
+            return
+        for track in self.tracks.values():
+            if now - track.heard_at >= BEHIND_S:
+                for traj in track.cut_behind(self.newest, self.version_spans):
+                    self.counts.cut_behind += 1
+                    self.emit(traj)
 
     def stamp_segments(self, now: float) -> None:
         for seg in self.segments.values():

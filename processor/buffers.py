@@ -11,7 +11,12 @@ policy's span (`AgentBuffer.spans`) or more versions newer than the trajectory's
 `--max-policy-lag` versions before its own, and a row whose env steps slowly (starved of CPU,
 or just slow) would otherwise collect a horizon of steps over that many versions; half the
 learner's bound is the span, leaving the other half for what stepping may run ahead of the
-learner (the broker's credit window). A vanished agent, and a truncated row the worker marks in
+learner (the broker's credit window). A worker that stops answering (stopped, starved of CPU)
+cannot bring the next action that would show the span reached, while other workers' actions
+show the policy moving on: its rows' completed steps are cut then (`WorkerTrack.cut_behind`),
+bootstrapping from the observation the pending action was chosen on, and that action begins
+the next trajectory, so only the step the worker was in can come too late to learn from. A
+vanished agent, and a truncated row the worker marks in
 `no_final_obs` (an agent that left without an observation, an env that raised), has no
 observation after its last step: its bootstrap observation is that step's own, and the
 trajectory says `bootstrap_from_last`. Closing a worker's trajectories (`WorkerTrack.close`)
@@ -87,6 +92,22 @@ class AgentBuffer:
         self.episode_return += float(reward)
         self.episode_length += 1
 
+    def take_completed(self, epoch: int) -> p.Trajectory | None:
+        """The completed steps as a trajectory (None: none, or no action pending, or a
+        recurrent model's, whose next trajectory would need the state the pending action was
+        chosen from), bootstrapping from the observation the pending action was chosen on:
+        that action begins the next trajectory, in the same episode."""
+        if not (self.pending and self.n) or self.state:
+            return None
+        a, n = self.arrays, self.n
+        obs = rows.take(self.obs, n)  # views: `take` leaves these arrays to the trajectory
+        action, logp, value = a["actions"][n], float(a["logp"][n]), float(a["values"][n])
+        version = int(a["policy_versions"][n])
+        episode, seed, _ = self.origin
+        traj = self.take(epoch, obs)
+        self.choose(obs, action, logp, value, version, episode, seed)
+        return traj
+
     def take(self, epoch: int, bootstrap: Obs, *, terminated: bool = False,
              truncated: bool = False, episode_end: bool = False,
              bootstrap_from_last: bool = False) -> p.Trajectory | None:
@@ -115,6 +136,21 @@ class AgentBuffer:
         if episode_end or truncated:
             self.episode_return, self.episode_length, self.stats_valid = 0.0, 0, True
         return traj
+
+
+def newest_versions(m: p.Experience) -> dict[str, int]:
+    """Per policy, the newest version that chose one of m's actions (empty: none chosen)."""
+    if m.action is None:
+        return {}
+    names = m.agent_policies or [policies.DEFAULT]
+    if m.policy_versions is None:
+        return dict.fromkeys(names, m.policy_version)
+    out: dict[str, int] = {}
+    for i, version in enumerate(m.policy_versions.tolist()):
+        name = names[i % len(names)]
+        if version > out.get(name, -1):
+            out[name] = version
+    return out
 
 
 def state_row(state: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
@@ -153,6 +189,7 @@ class WorkerTrack:
     last_obs: Obs
     seq: int = 0  # of the last message; the next must be seq + 1 or a reset
     action_shape: tuple | None = None
+    heard_at: float = 0.0  # when its last message came
 
     @classmethod
     def start(cls, m: p.Experience, horizon: int) -> WorkerTrack:
@@ -266,6 +303,20 @@ class WorkerTrack:
             else:
                 agent.pending = False  # finished, vanished or not there yet
         return ""
+
+    def cut_behind(self, newest: dict[str, int], spans: dict[str, int]) -> list[p.Trajectory]:
+        """Every agent's completed steps whose trajectory spans its policy's span counted up
+        to `newest` (per policy, the newest version that acted anywhere), while its action
+        waits for a result: this worker is behind the others, and the steps it completed are
+        learned before they grow stale (module docstring)."""
+        out: list[p.Trajectory] = []
+        for agent in self.agents:
+            span = spans.get(agent.policy, 0)
+            if span and newest.get(agent.policy, -1) - agent.first_version >= span:
+                traj = agent.take_completed(self.epoch)
+                if traj is not None:
+                    out.append(traj)
+        return out
 
     def pending(self) -> int:
         """Actions whose results have not come yet."""

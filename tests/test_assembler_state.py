@@ -15,7 +15,7 @@ import zmq
 
 from stepbus.bus import node
 from stepbus.bus import protocol as p
-from stepbus.processor import assembler, outlets
+from stepbus.processor import assembler, buffers, outlets
 
 T0 = 1000.0
 
@@ -153,6 +153,71 @@ def test_a_slow_rows_trajectory_is_cut_once_the_policy_moved_on_half_the_learner
     assert bench.trajectories() == [], "from 15 on: a span of 3 so far"
     bench.feed(acted(19, s.step()))
     assert [len(t.rewards) for t in bench.trajectories()] == [4, 4]
+
+
+def test_a_silent_workers_completed_steps_are_cut_while_the_others_move_the_policy_on():
+    """A worker stops answering (stopped, starved) while another's actions show the policy
+    moving on: once it has been silent for BEHIND_S and its trajectories span half the
+    learner's bound, their completed steps go out, bootstrapping from the observation its
+    pending action was chosen on; that action begins the next trajectory, in the same
+    episode, when the worker answers at last."""
+    bench, a, b = Bench(horizon=32), Script("a", k=2), Script("b")
+
+    def acted(version: int, msg: p.Experience) -> p.Experience:
+        return dataclasses.replace(msg, policy_version=version)
+
+    def later(seconds: float, *messages: p.Message) -> list[p.Trajectory]:
+        bench.t += seconds
+        bench.feed(*messages)
+        bench.asm.run_timers(bench.t)
+        bench.asm.tick(bench.t)
+        return bench.trajectories()
+
+    bench.feed(bench.receipt(max_policy_lag=8))  # a span of 4
+    bench.feed(acted(10, a.first()), acted(10, a.step()), acted(11, a.step()),
+               acted(12, b.first()))
+    assert later(assembler.BEHIND_S / 2, acted(14, b.step())) == [], "a: silent too briefly"
+    got = later(assembler.BEHIND_S, acted(14, b.step()))
+    assert [t.agent for t in got] == ["a/0", "a/1"]
+    assert [t.policy_versions.tolist() for t in got] == [[10, 10]] * 2
+    assert [t.obs[:, 1].tolist() for t in got] == [[0, 1]] * 2
+    assert [t.bootstrap_obs.tolist() for t in got
+            if isinstance(t.bootstrap_obs, np.ndarray)] == [[0, 2], [1, 2]], "pending obs"
+    assert not any(t.terminated or t.truncated or t.bootstrap_from_last for t in got)
+    assert bench.asm.counts.cut_behind == 2 and bench.asm.counts.steps_lost == 0
+    assert later(1.0, acted(15, b.step())) == [], "what is pending is not cut again"
+    got = later(0.0, acted(16, a.step(terminated=[1])))
+    assert [t.agent for t in got] == ["a/0", "a/1"], "a/0: the span rule, a/1: its episode end"
+    assert [t.policy_versions.tolist() for t in got] == [[11]] * 2
+    assert [t.obs[:, 1].tolist() for t in got] == [[2]] * 2, "the pending step began them"
+    assert got[1].terminated and got[1].episode_length == 3 and got[1].episode_return == 3.0
+    assert [t.episode_step for t in got] == [2, 2], "the same episodes went on"
+
+
+def test_the_newest_versions_are_per_policy_and_a_recurrent_trajectory_is_not_cut_early():
+    msg = dataclasses.replace(Script(k=4).first(), agent_policies=["red", "blue"],
+                              policy_versions=np.array([5, 9, 6, 8]))
+    assert buffers.newest_versions(msg) == {"red": 6, "blue": 9}
+    assert buffers.newest_versions(dataclasses.replace(msg, action=None)) == {}
+    agent = buffers.AgentBuffer("w/0", horizon=8)
+    state = {"h": np.zeros(3, np.float32)}
+    agent.choose(np.zeros(2, np.float32), np.int64(0), -0.5, 0.2, 3, state=lambda: state)
+    agent.complete(1.0)
+    agent.choose(np.ones(2, np.float32), np.int64(1), -0.5, 0.2, 4)
+    assert agent.take_completed(0) is None, "the pending step's state is not kept"
+    assert agent.n == 1 and agent.pending
+
+
+def test_a_lone_worker_is_never_behind_itself():
+    """With one worker the versions that act are its own: a slow step is cut by its next
+    action, as ever, not by the timer."""
+    bench, a = Bench(horizon=32), Script("a")
+    bench.feed(bench.receipt(max_policy_lag=8))
+    bench.feed(a.first(), a.step(), a.step())
+    bench.t += 10.0
+    bench.asm.run_timers(bench.t)
+    bench.asm.tick(bench.t)
+    assert bench.trajectories() == [] and bench.asm.counts.cut_behind == 0
 
 
 def test_truncation_keeps_the_final_observation_for_bootstrapping(bench):
