@@ -180,7 +180,7 @@ def test_a_silent_workers_completed_steps_are_cut_while_the_others_move_the_poli
     got = later(assembler.BEHIND_S, acted(14, b.step()))
     assert [t.agent for t in got] == ["a/0", "a/1"]
     assert [t.policy_versions.tolist() for t in got] == [[10, 10]] * 2
-    assert [t.obs[:, 1].tolist() for t in got] == [[0, 1]] * 2
+    assert [t.obs[:, 1].tolist() for t in got if isinstance(t.obs, np.ndarray)] == [[0, 1]] * 2
     assert [t.bootstrap_obs.tolist() for t in got
             if isinstance(t.bootstrap_obs, np.ndarray)] == [[0, 2], [1, 2]], "pending obs"
     assert not any(t.terminated or t.truncated or t.bootstrap_from_last for t in got)
@@ -189,7 +189,8 @@ def test_a_silent_workers_completed_steps_are_cut_while_the_others_move_the_poli
     got = later(0.0, acted(16, a.step(terminated=[1])))
     assert [t.agent for t in got] == ["a/0", "a/1"], "a/0: the span rule, a/1: its episode end"
     assert [t.policy_versions.tolist() for t in got] == [[11]] * 2
-    assert [t.obs[:, 1].tolist() for t in got] == [[2]] * 2, "the pending step began them"
+    assert [t.obs[:, 1].tolist() for t in got
+            if isinstance(t.obs, np.ndarray)] == [[2]] * 2, "the pending step began them"
     assert got[1].terminated and got[1].episode_length == 3 and got[1].episode_return == 3.0
     assert [t.episode_step for t in got] == [2, 2], "the same episodes went on"
 
