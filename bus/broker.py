@@ -368,14 +368,13 @@ class Broker(node.Process):
             return
         w.took_result(msg, self.now)
 
-    def segment_rows(self, w: Worker, msg: p.StepResult) -> np.ndarray | None:
+    def segment_rows(self, w: Worker, msg: p.StepResult) -> p.Obs | None:
         """The observations of a result that names a slot of w's segment, read in place (None:
-        not a batch we can read)."""
-        if (w.segment is None or self.spec is None or self.spec.obs_leaves
-                or isinstance(msg.obs, dict) or msg.obs.shape[0] != 0):
+        not a batch we can read), laid out as the spec says (the result's zero rows only name
+        a layout, which the spec's checks then hold it to)."""
+        if w.segment is None or self.spec is None or rows.count(msg.obs) != 0:
             return None
-        view = w.segment.view(msg.obs_slot, np.dtype(self.spec.obs_dtype),
-                              policy.obs_shape(self.spec))
+        view = w.segment.view(msg.obs_slot, msg.obs)
         return view if view is not None and w.segment.holds(msg.obs_slot, msg.seq) else None
 
     def on_remote_error(self, peer: bytes, msg: p.RemoteError) -> None:

@@ -4,7 +4,11 @@ A worker's observations cross three sockets (worker -> broker -> assembler -> le
 CPU at each end of each hop; on one host the first two hops can carry a slot number instead.
 The worker owns one segment, `/dev/shm/stepbus-<name>-<incarnation>` (mode 0600, created
 exclusively as `<that>.part<pid>` and renamed once its header is whole), of SLOTS slots of one
-batch of observation rows each, after a one-page header:
+batch of observation rows each, after a one-page header. A slot holds every leaf of the batch
+(one for a Box observation space, one per leaf of any other, `bus/rows.py`), each leaf's rows
+in one block, the blocks of wider items first and every slot on a cache line, so that each
+block stays aligned; both ends lay a slot out from the batch's layout (`slot_obs`), which the
+messages carry as zero-row arrays:
 
     int64 [0] MAGIC  [1:3] nonce (16 random bytes, also in the worker's hello)  [3] creator pid
           [4] slots  [5] rows per slot  [6] bytes per row  [7] reader stamp (CLOCK_MONOTONIC ns)
@@ -44,6 +48,9 @@ import time
 
 import numpy as np
 
+from stepbus.bus import rows as obs_rows
+from stepbus.bus.rows import Obs
+
 DIR = "/dev/shm"
 PREFIX = "stepbus-"
 # Batches a worker may have in flight in shared memory. The assembler normally keeps within a
@@ -66,6 +73,7 @@ MAX_SEGMENT_BYTES = 1 << 34
 # the broker and the assembler costs more than the two socket copies it saves.
 MIN_BATCH_BYTES = 64 << 10
 _FIXED = 9  # int64 header words before the per-slot arrays
+SLOT_ALIGN = 64
 PART = ".part"  # a segment being made: PATH.partPID until it is whole
 _NAME = re.compile(r"stepbus-[A-Za-z0-9_.-]{1,200}(\.part\d{1,10})?")
 _PART_OF = re.compile(r"\.part(\d{1,10})$")
@@ -89,6 +97,35 @@ def _words(buf: mmap.mmap | memoryview, slots: int) -> np.ndarray:
     return np.frombuffer(buf, np.int64, _FIXED + 2 * slots)
 
 
+Layout = tuple[tuple[str, str, tuple[int, ...]], ...]  # `rows.layout`: key, dtype, row shape
+
+
+def layout_bytes(layout: Layout) -> int:
+    """Bytes of one row of every leaf."""
+    return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for _, dtype, shape in layout)
+
+
+def slot_stride(rows: int, width: int) -> int:
+    """Bytes from one slot to the next: its rows, rounded up to a cache line, so that every
+    slot begins as aligned as the first."""
+    return -(-rows * width // SLOT_ALIGN) * SLOT_ALIGN
+
+
+def slot_obs(slot: np.ndarray, rows: int, layout: Layout) -> Obs:
+    """A slot's bytes (uint8) as a batch of `rows` observations laid out as `layout` says:
+    one array for a Box space's single leaf (key ""), else a map of leaf key to array."""
+    if len(layout) == 1 and layout[0][0] == "":
+        _, dtype, shape = layout[0]
+        return slot[:rows * layout_bytes(layout)].view(dtype).reshape(rows, *shape)
+    out: dict[str, np.ndarray] = {}
+    offset = 0
+    for key, dtype, shape in sorted(layout, key=lambda leaf: -np.dtype(leaf[1]).itemsize):
+        size = rows * int(np.prod(shape)) * np.dtype(dtype).itemsize
+        out[key] = slot[offset:offset + size].view(dtype).reshape(rows, *shape)
+        offset += size
+    return {key: out[key] for key, _, _ in layout}  # in the batch's own order
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -100,14 +137,14 @@ def _pid_alive(pid: int) -> bool:
 
 
 class Writer:
-    """The worker's segment: SLOTS slots of `rows` observation rows."""
+    """The worker's segment: SLOTS slots of a batch shaped as `like` (its rows, its leaves)."""
 
-    def __init__(self, name: str, rows: int, obs_shape: tuple[int, ...], dtype: np.dtype,
-                 slots: int = SLOTS) -> None:
+    def __init__(self, name: str, like: Obs, slots: int = SLOTS) -> None:
         self.name, self.path = name, os.path.join(DIR, name)
-        self.slots, self.rows, self.shape, self.dtype = slots, rows, obs_shape, np.dtype(dtype)
-        row_bytes = int(np.prod(obs_shape)) * self.dtype.itemsize
-        size = HEADER_BYTES + slots * rows * row_bytes
+        self.slots, self.rows = slots, obs_rows.count(like)
+        self.layout = obs_rows.layout(like)
+        rows, width = self.rows, layout_bytes(self.layout)
+        size = HEADER_BYTES + slots * slot_stride(rows, width)
         self.nonce = secrets.token_bytes(16)
         # Made under a name that says whose it is until it is whole: a worker killed while it
         # makes one leaves a file no header names the maker of (`remove_orphans`).
@@ -121,7 +158,7 @@ class Writer:
             # where now it is an OSError and the worker sends its rows on the socket.
             os.posix_fallocate(fd, 0, size)
             self.map = mmap.mmap(fd, size)
-            self.write_header(slots, rows, row_bytes)
+            self.write_header(slots, rows, width)
             # Whole, under its name, at once (one name at a time; over another user's file
             # in sticky /dev/shm it fails, EPERM, and the rows go on the socket).
             os.rename(part, self.path)
@@ -131,8 +168,8 @@ class Writer:
             raise
         finally:
             os.close(fd)
-        data = np.frombuffer(self.map, self.dtype, offset=HEADER_BYTES)
-        self.views = data.reshape(slots, rows, *obs_shape)
+        data = np.frombuffer(self.map, np.uint8, offset=HEADER_BYTES).reshape(slots, -1)
+        self.views = [slot_obs(data[s], rows, self.layout) for s in range(slots)]
         self.since = np.zeros(slots)  # when each slot was last written
         self.next = 0
         self.last = -1  # the slot of the previous batch: its rows are the envs' last_obs
@@ -221,7 +258,7 @@ class Reader:
             if magic != MAGIC or fixed[1:3].tobytes() != nonce:
                 raise Refused("another segment (magic or nonce differ)")
             if not (1 <= slots <= MAX_SLOTS and 1 <= rows <= 1 << 16 and row_bytes >= 1
-                    and HEADER_BYTES + slots * rows * row_bytes == st.st_size):
+                    and HEADER_BYTES + slots * slot_stride(rows, row_bytes) == st.st_size):
                 raise Refused(f"header ({slots} slots x {rows} rows x {row_bytes} B) does not "
                               f"match the size {st.st_size}")
             self.data = mmap.mmap(fd, st.st_size - HEADER_BYTES, prot=mmap.PROT_READ,
@@ -232,14 +269,15 @@ class Reader:
         self.words = _words(self.head, slots)
         self.written = self.words[_FIXED:_FIXED + slots]
         self.released = self.words[_FIXED + slots:]
-        self.bytes = np.frombuffer(self.data, np.uint8).reshape(slots, rows * row_bytes)
+        self.bytes = np.frombuffer(self.data, np.uint8).reshape(slots, -1)
 
-    def view(self, s: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray | None:
-        """Slot s as `rows` observations of `shape` and `dtype` (None if they do not fit)."""
-        dtype = np.dtype(dtype)
-        if not 0 <= s < self.slots or int(np.prod(shape)) * dtype.itemsize != self.row_bytes:
+    def view(self, s: int, like: Obs) -> Obs | None:
+        """Slot s as `rows` observations laid out as `like` (any number of rows: a message
+        carries its layout as zero-row arrays), read in place (None if they do not fit)."""
+        layout = obs_rows.layout(like)
+        if not 0 <= s < self.slots or layout_bytes(layout) != self.row_bytes:
             return None
-        return self.bytes[s].view(dtype).reshape(self.rows, *shape)
+        return slot_obs(self.bytes[s], self.rows, layout)
 
     def holds(self, s: int, seq: int) -> bool:
         return int(self.written[s]) == seq

@@ -25,7 +25,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import zmq
 
 from stepbus.bus import checks, credit, node, policies, rows, shm, topology, wiring
@@ -239,14 +238,12 @@ class Assembler(node.Process):
                         "observations we cannot read")
             return None
         s = m.obs_slot
-        view = (seg.view(s, m.obs.dtype, m.obs.shape[1:])
-                if isinstance(m.obs, np.ndarray) and m.obs.ndim >= 1 and m.obs.shape[0] == 0
-                else None)
+        view = seg.view(s, m.obs) if rows.count(m.obs) == 0 else None
         if view is None:
             self.reject(m, "bad experience", f"obs_slot {s}", "bad obs_slot")
             return None
         intact = seg.holds(s, m.seq)
-        obs = view.copy()
+        obs = rows.copy(view)
         if not (intact and seg.holds(s, m.seq)):  # rewritten before or while we copied
             self.counts.shm_mismatch += 1
             self.reject(m, "shm mismatch", f"slot {s} no longer holds batch {m.seq}",

@@ -126,7 +126,7 @@ def test_shared_memory_that_cannot_be_had_sends_the_rows_on_the_socket(
     so in one line and steps with its rows on the socket."""
     monkeypatch.setattr(shm, "DIR", str(small_disk))
     with pytest.raises(OSError):  # 16 slots of 64 rows of 1 KiB: 1 MiB on a 512 KiB disk
-        shm.Writer("stepbus-big-1", 64, (256,), np.dtype(np.float32))
+        shm.Writer("stepbus-big-1", np.zeros((64, 256), np.float32))
     assert list(small_disk.iterdir()) == [], "nothing left of the refused segment"
     fill(small_disk)
     caplog.set_level(logging.WARNING)

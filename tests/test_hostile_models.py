@@ -44,9 +44,9 @@ def test_recurrent_states_of_another_dtype_are_refused_before_they_reach_the_mod
 
 
 def test_a_worker_of_leaves_naming_a_shared_memory_slot_is_refused_not_a_crash() -> None:
-    """Observations that are leaves never travel in shared memory, yet a worker that maps a
-    segment can name a slot: the broker read it as a Box of dtype '' and died (TypeError)."""
-    writer = shm.Writer(shm.segment_name("evil", "i1"), 1, (4,), np.dtype(np.float32))
+    """A worker whose observations are leaves names a slot laid out as a Box: the broker
+    once read it as a Box of dtype '' and died (TypeError); the spec's checks refuse it."""
+    writer = shm.Writer(shm.segment_name("evil", "i1"), np.zeros((1, 4), np.float32))
     try:
         bench = Bench()
         bench.deliver(b"evil", p.WorkerHello(

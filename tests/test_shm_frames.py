@@ -12,6 +12,7 @@ import subprocess
 import time
 
 import numpy as np
+import pytest
 from conftest import (
     EVERY_UPDATE,
     Cluster,
@@ -30,6 +31,7 @@ from stepbus.models import mlp
 from stepbus.policy import ActionSpace
 
 ENV = ("--env", "scripted_envs:stamp_frames", "--envs-per-worker", "8")
+DICT_ENV = ("--env", "space_envs:match_dict", "--envs-per-worker", "8")
 # Every batch through shared memory, however small (by default only those of 64 KiB and up).
 SHM = ("--shm-frames", "--shm-min-batch-bytes", "0")
 NO_SHM = ("--no-shm-frames", "--shm-min-batch-bytes", "0")  # none, though any size would do
@@ -188,11 +190,11 @@ def test_a_killed_workers_segment_is_removed(cluster: Cluster) -> None:
         checker.close()
 
 
-def run_deterministic(shm_frames: bool) -> tuple[list[dict], str]:
+def run_deterministic(shm_frames: bool, env: tuple[str, ...] = ENV) -> tuple[list[dict], str]:
     with cluster_of_its_own() as c:
         procs = [c.start("controller"), c.start("broker", "--seed", "3", "--deterministic"),
                  c.start("assembler"),
-                 c.start("worker", "--name", worker_name("d"), "--seed", "3", *ENV,
+                 c.start("worker", "--name", worker_name("d"), "--seed", "3", *env,
                          *(SHM if shm_frames else NO_SHM)),
                  c.start("learner", "--seed", "3", "--target-return", "0", "--max-updates",
                          "6", "--hidden", "8", *EVERY_UPDATE)]  # compared update by update
@@ -201,9 +203,11 @@ def run_deterministic(shm_frames: bool) -> tuple[list[dict], str]:
         return c.metrics(), procs[2].output()
 
 
-def test_trajectories_are_bit_equal_with_and_without_shared_memory() -> None:
-    plain, plain_log = run_deterministic(False)
-    shared, shared_log = run_deterministic(True)
+@pytest.mark.parametrize("env", [ENV, DICT_ENV], ids=["box", "dict"])
+def test_trajectories_are_bit_equal_with_and_without_shared_memory(env: tuple[str, ...]) -> None:
+    """A Box's frames and a nested Dict's leaves (floats, ints, bits, bytes) alike."""
+    plain, plain_log = run_deterministic(False, env)
+    shared, shared_log = run_deterministic(True, env)
     assert "read from shared memory" not in plain_log
     assert "read from shared memory" in shared_log
     assert len(plain) == len(shared) == 6
@@ -220,7 +224,7 @@ def test_hostile_segment_names_are_refused() -> None:
         except shm.Refused:
             continue
         raise AssertionError(name)
-    writer = shm.Writer(shm.segment_name(worker_name("e"), "x"), 2, (3,), np.dtype(np.float32))
+    writer = shm.Writer(shm.segment_name(worker_name("e"), "x"), np.zeros((2, 3), np.float32))
     try:
         for nonce in ("zz", "00" * 16, "00"):  # not hex, another nonce, too short
             try:
@@ -229,14 +233,17 @@ def test_hostile_segment_names_are_refused() -> None:
                 continue
             raise AssertionError(nonce)
         reader = shm.Reader(writer.name, writer.nonce.hex())
-        assert reader.view(-1, np.dtype(np.float32), (3,)) is None
-        assert reader.view(shm.SLOTS, np.dtype(np.float32), (3,)) is None
-        assert reader.view(0, np.dtype(np.float64), (3,)) is None
+        like = np.zeros((0, 3), np.float32)
+        assert reader.view(-1, like) is None
+        assert reader.view(shm.SLOTS, like) is None
+        assert reader.view(0, np.zeros((0, 3), np.float64)) is None
         s = writer.acquire()
-        writer.views[s][:] = 1.5
+        slot = writer.views[s]
+        assert isinstance(slot, np.ndarray)
+        slot[:] = 1.5
         writer.publish(s, 7)
-        view = reader.view(s, np.dtype(np.float32), (3,))
-        assert view is not None and reader.holds(s, 7) and (view == 1.5).all()
+        view = reader.view(s, like)
+        assert isinstance(view, np.ndarray) and reader.holds(s, 7) and (view == 1.5).all()
         assert not view.flags.writeable
         # Until the reader releases it, a slot is not handed out again.
         taken = {writer.acquire(0) for _ in range(3 * shm.SLOTS)}
@@ -250,6 +257,30 @@ def test_hostile_segment_names_are_refused() -> None:
     finally:
         writer.close()
     assert not os.path.exists(writer.path)
+
+
+def test_a_slot_holds_every_leaf_of_a_batch_each_in_an_aligned_block_of_its_own() -> None:
+    like: dict[str, np.ndarray] = {
+        "pos": np.zeros((3, 2), np.float32), "cell": np.zeros(3, np.int64),
+        "bits": np.zeros((3, 3), np.int8), "img": np.zeros((3, 2, 2), np.uint8)}
+    writer = shm.Writer(shm.segment_name(worker_name("l"), "x"), like)
+    try:
+        reader = shm.Reader(writer.name, writer.nonce.hex())
+        for s in (0, 1):
+            leaves = writer.views[s]
+            assert isinstance(leaves, dict) and list(leaves) == list(like)
+            for i, leaf in enumerate(leaves.values()):
+                leaf[...] = (np.arange(leaf.size) + 10 * s + i).reshape(leaf.shape)
+            writer.publish(s, s)
+            view = reader.view(s, {key: leaf[:0] for key, leaf in like.items()})
+            assert isinstance(view, dict) and list(view) == list(like)
+            for key, leaf in view.items():
+                assert leaf.dtype == like[key].dtype and leaf.shape == like[key].shape
+                assert np.array_equal(leaf, leaves[key]) and leaf.flags.aligned, key
+        assert reader.view(0, {"pos": like["pos"][:0]}) is None, "another layout's bytes"
+        assert reader.view(0, np.zeros((0, 23), np.uint8)) is not None, "only sizes are known"
+    finally:
+        writer.close()
 
 
 def test_no_segment_with_no_shm_frames(cluster: Cluster) -> None:

@@ -330,8 +330,8 @@ def test_with_shm_frames_observations_go_through_the_segment_once_the_broker_map
         (result,) = bench.step(0, 4)
         assert isinstance(result.obs, np.ndarray)
         assert result.obs.shape == (0, 32, 32, 4) and result.obs_slot >= 0
-        rows = reader.view(result.obs_slot, np.dtype(np.uint8), (32, 32, 4))
-        assert rows is not None and reader.holds(result.obs_slot, 4)
+        rows = reader.view(result.obs_slot, result.obs)
+        assert isinstance(rows, np.ndarray) and reader.holds(result.obs_slot, 4)
         assert isinstance(w.envs.last_obs, np.ndarray)
         assert np.array_equal(rows, w.envs.last_obs)
         figures = w.figures()

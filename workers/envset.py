@@ -175,8 +175,7 @@ class EnvSet:
         self.last_obs = obs
         return obs
 
-    def step(self, actions: np.ndarray, options: dict,
-             out: np.ndarray | None = None) -> p.StepResult:
+    def step(self, actions: np.ndarray, options: dict, out: Obs | None = None) -> p.StepResult:
         """`out`: where the observations go (a shared-memory slot), not a new array."""
         self.unobserved.clear()  # marks of a step an exception cut short are not this one's
         if self.agents:
@@ -339,12 +338,12 @@ class EnvSet:
         return obs
 
     def _step_parallel(self, actions: np.ndarray, options: dict,
-                       out: np.ndarray | None = None) -> p.StepResult:
+                       out: Obs | None = None) -> p.StepResult:
         obs: Obs
         if out is None:
             obs = obs_rows.zeros_like(self.last_obs)
         else:
-            out.fill(0)
+            obs_rows.zero(out)
             obs = out
         rows = RowOutcomes.empty(self.rows)
         actions = self._clipped(actions)

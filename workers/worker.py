@@ -98,8 +98,9 @@ class Config:
         "help": "wrap each env in Gymnasium's RecordEpisodeStatistics, so a vector env's "
                 "infos carry `episode` (r, l, t) at each episode's end"})
     shm_frames: bool = field(default=True, metadata={
-        "help": "Box observations through a shared-memory segment in /dev/shm when a batch of "
-                "them is at least --shm-min-batch-bytes and the steps endpoint is on this host "
+        "help": "observations (every leaf of any space) through a shared-memory segment in "
+                "/dev/shm when a batch of them is at least --shm-min-batch-bytes and the steps "
+                "endpoint is on this host "
                 "(ipc or loopback), where the broker (and the assembler) can map it; ZeroMQ "
                 "then carries only a slot number. Otherwise, and whenever the assembler lags "
                 "16 batches behind for 20 ms, they go on the socket, as with --no-shm-frames"})
@@ -273,7 +274,7 @@ class Worker(node.Process):
         self.envs.report, self.envs.tick = self.report, self.beat_while_busy
         self.segment = self.open_segment() if cfg.shm_frames else None
         self.use_shm = False  # the broker marked our segment (before its RESET) as mapped
-        self.no_rows = np.zeros((0, *self.envs.spec.obs_shape), self.envs.spec.obs_dtype or "u1")
+        self.no_rows = rows.copy(rows.take(self.envs.last_obs, slice(0, 0)))  # the layout alone
         self.hello = p.WorkerHello(
             worker=cfg.name, incarnation=self.incarnation, env_id=cfg.env,
             num_envs=cfg.envs_per_worker, seed=cfg.seed, spec=self.envs.spec,
@@ -286,20 +287,15 @@ class Worker(node.Process):
             self.wake_on_readable_fds = {lane.read_fd}
 
     def open_segment(self) -> shm.Writer | None:
-        """The shared-memory segment (None: observations on the socket): for Box observations
-        in batches of at least --shm-min-batch-bytes, with --shm-frames."""
+        """The shared-memory segment (None: observations on the socket): for batches of at
+        least --shm-min-batch-bytes, with --shm-frames."""
         if rows.nbytes(self.envs.last_obs) < self.cfg.shm_min_batch_bytes:
-            return None
-        if not self.envs.write.plain:
-            keys = ", ".join(leaf.key for leaf in self.envs.spec.obs_leaves)
-            self.log.info("--shm-frames carries Box observations only; these (%s) go on the "
-                          "socket", keys)
             return None
         try:
             if shm.remove_orphans(self.cfg.name):
                 self.log.info("removed shared-memory segments of earlier, dead incarnations")
-            return shm.Writer(shm.segment_name(self.cfg.name, self.incarnation), self.envs.rows,
-                              tuple(self.envs.spec.obs_shape), np.dtype(self.envs.spec.obs_dtype))
+            return shm.Writer(shm.segment_name(self.cfg.name, self.incarnation),
+                              self.envs.last_obs)
         except OSError as exc:
             self.log.warning("--shm-frames: cannot create a segment in %s (%s); observations "
                              "go on the socket", shm.DIR, exc)
