@@ -14,7 +14,9 @@ stop, the pipeline runs 15 s more, then `stepbus shutdown` ends it.
 
 Sampled as it runs, from outside stepbus: env steps produced (each env instance's count file,
 every 0.5 s: the stepping rate), the RSS of every process of the run by role (every 5 s), and
-metrics.jsonl (env steps and policy version must never go back). At the end: the last
+metrics.jsonl (env steps and policy version must never go back); and from `stepbus status
+--json --watch 5`, the broker's, assembler's and learner's own figures (status.jsonl, to see
+why a stretch ran slow). At the end: the last
 checkpoint's ledger against what was produced (chaos_ledger.account), each hole in it matched
 to the fault that explains it, RSS growth, shared-memory segments and processes left behind,
 and the stepping time each fault cost (from the fault until the rate is back to half its
@@ -36,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -54,6 +57,8 @@ FAULT_GAP_S = (10.0, 30.0)
 FREEZE_S = (2.0, 8.0)
 DRAIN_S = 15.0  # after the last fault, before the shutdown
 STEPS_EVERY_S, RSS_EVERY_S = 0.5, 5.0
+STATUS_EVERY_S = 5
+STATUS_ROLES = ("broker", "assembler", "learner")
 RATE_WINDOW_S, BEFORE_S = 1.0, 5.0  # stall: a window's rate against the rate before a fault
 SHUTDOWN_WAIT_S = 30.0
 ROLES = ("controller", "broker", "worker", "assembler", "learner")
@@ -205,6 +210,35 @@ def stepbus(soak: Soak, *args: str) -> subprocess.Popen[bytes]:
 
 
 # ----------------------------------------------------------------------------- sampling
+
+def keep_status(soak: Soak, watching: threading.Event) -> None:
+    """While `watching`: `stepbus status --json --watch`, its broker, assembler and learner
+    rows appended to status.jsonl as they come; started again whenever it exits (its first
+    look at a controller not up yet ends it). Its process is one of `soak.clients`."""
+    with open(soak.work / "status.jsonl", "a") as out:
+        while watching.is_set():
+            watcher = stepbus(soak, "status", "--json", "--watch", str(STATUS_EVERY_S))
+            assert watcher.stdout is not None
+            for line in watcher.stdout:
+                with contextlib.suppress(ValueError, AttributeError, TypeError):
+                    rows = json.loads(line).get("processes", [])
+                    kept = [r for r in rows if r.get("role") in STATUS_ROLES]
+                    out.write(json.dumps({"t_s": round(time.time() - soak.t0, 1),
+                                          "rows": kept}) + "\n")
+                    out.flush()
+            watcher.wait()
+            if watching.is_set():
+                time.sleep(1.0)
+
+
+def stop_watching(soak: Soak, watching: threading.Event) -> None:
+    """End the status watch before the shutdown, so it is not counted as left behind."""
+    watching.clear()
+    for client in soak.clients:
+        if client.args[1:3] == ["status", "--json"] and client.poll() is None:
+            client.kill()
+            client.wait()
+
 
 def sample_steps(soak: Soak, now: float) -> None:
     produced = chaos_ledger.produced(soak.ledger_dir)
@@ -568,6 +602,9 @@ def soak_run(args: argparse.Namespace, work: Path, group: launch.Group, stopped:
                 random.Random(args.seed), args.workers, stopped=stopped, clients=clients)
     soak.next_fault = soak.t0 + soak.rng.uniform(*FAULT_GAP_S)
     duration_s = args.minutes * 60
+    watching = threading.Event()
+    watching.set()
+    threading.Thread(target=keep_status, args=(soak, watching), daemon=True).start()
     run_for(soak, soak.t0 + duration_s, faults=True)
     log(soak, f"faults over; {DRAIN_S:.0f} s to drain")
     run_for(soak, time.time() + DRAIN_S, faults=False)
@@ -575,6 +612,7 @@ def soak_run(args: argparse.Namespace, work: Path, group: launch.Group, stopped:
     for fault in soak.faults:
         fault.stall_s = stall(soak.steps, fault.at)
     final = final_ledger(work)  # drained, still running: tails are what is in flight
+    stop_watching(soak, watching)
     ended = shut_down(soak, group.tag, shm_before)
     read_metrics(soak)
     result = summary(soak, final, ended, duration_s)

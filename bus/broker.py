@@ -741,6 +741,7 @@ class Broker(node.Process):
             "credit_unexplained": default.credit.unexplained,
             "credit_braked": default.credit.braked,
             "credit_rescaled": default.credit.rescaled,
+            "credit_rescale_held": default.credit.rescale_held,
             "assembler_blocked": self.assembler_blocked, **self.rejects.figures(),
             **self.counts.figures(), "held_by": self.held_by}
         if self.memory is not None:
@@ -756,6 +757,7 @@ class Broker(node.Process):
                 figures[f"credit_unexplained_{slot.name}"] = slot.credit.unexplained
                 figures[f"credit_braked_{slot.name}"] = slot.credit.braked
                 figures[f"credit_rescaled_{slot.name}"] = slot.credit.rescaled
+                figures[f"credit_rescale_held_{slot.name}"] = slot.credit.rescale_held
                 figures[f"credit_rebases_{slot.name}"] = slot.credit.rebases
         return figures
 

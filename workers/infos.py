@@ -51,7 +51,10 @@ class InfoEncoder:
         self.dropped = 0  # values left out (figure `info_values_dropped`)
 
     def fields(self, infos: StepInfos) -> dict[str, Any]:
-        """StepResult's `infos`, `final_infos` and `info_arrays` for `infos`."""
+        """StepResult's `infos`, `final_infos` and `info_arrays` for `infos` (none at all
+        when every row's is empty and no episode ended: the common step costs nothing here)."""
+        if not infos.finals and not any(infos.rows):
+            return {"infos": [], "final_infos": [], "info_arrays": {}}
         budget = Budget()
         rows = [None if i is None else self.encode(i, budget, "") for i in infos.rows]
         finals = [self.encode(i, budget, "") for i in infos.finals]

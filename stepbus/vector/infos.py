@@ -47,6 +47,8 @@ class InfoDecoder:
 
     def decode(self, r: p.StepResult) -> tuple[list[dict[str, Any] | None], list[dict[str, Any]]]:
         n = len(r.reward)
+        if not r.infos and not r.final_infos:  # a worker sends none when no row has one
+            return [None] * n, []
         try:
             rows = [None if i is None else _info(wire.decode(i, r.info_arrays)) for i in r.infos]
             finals = [_info(wire.decode(i, r.info_arrays)) for i in r.final_infos]
@@ -69,6 +71,8 @@ def layout(infos: EnvInfos, final_obs: Sequence[Any] | None) -> dict[str, Any]:
     SyncVectorEnv adds them."""
     n = len(infos.rows)
     out: dict[str, Any] = {}
+    if final_obs is None and not any(infos.rows):
+        return out
     for i in range(n):
         final = infos.finals[i] if final_obs is not None and i < len(infos.finals) else None
         if final is not None and final_obs is not None:
