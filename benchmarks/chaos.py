@@ -58,7 +58,7 @@ FREEZE_S = (2.0, 8.0)
 DRAIN_S = 15.0  # after the last fault, before the shutdown
 STEPS_EVERY_S, RSS_EVERY_S = 0.5, 5.0
 STATUS_EVERY_S = 5
-STATUS_ROLES = ("broker", "assembler", "learner")
+STATUS_ROLES = ("broker", "assembler", "trainer")
 RATE_WINDOW_S, BEFORE_S = 1.0, 5.0  # stall: a window's rate against the rate before a fault
 SHUTDOWN_WAIT_S = 30.0
 ROLES = ("controller", "broker", "worker", "assembler", "learner")
@@ -212,7 +212,7 @@ def stepbus(soak: Soak, *args: str) -> subprocess.Popen[bytes]:
 # ----------------------------------------------------------------------------- sampling
 
 def keep_status(soak: Soak, watching: threading.Event) -> None:
-    """While `watching`: `stepbus status --json --watch`, its broker, assembler and learner
+    """While `watching`: `stepbus status --json --watch`, its broker, assembler and learner (trainer)
     rows appended to status.jsonl as they come; started again whenever it exits (its first
     look at a controller not up yet ends it). Its process is one of `soak.clients`."""
     with open(soak.work / "status.jsonl", "a") as out:
