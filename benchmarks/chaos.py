@@ -212,9 +212,9 @@ def stepbus(soak: Soak, *args: str) -> subprocess.Popen[bytes]:
 # ----------------------------------------------------------------------------- sampling
 
 def keep_status(soak: Soak, watching: threading.Event) -> None:
-    """While `watching`: `stepbus status --json --watch`, its broker, assembler and learner (trainer)
-    rows appended to status.jsonl as they come; started again whenever it exits (its first
-    look at a controller not up yet ends it). Its process is one of `soak.clients`."""
+    """While `watching`: `stepbus status --json --watch`, its broker, assembler and learner
+    (role trainer) rows appended to status.jsonl as they come; started again whenever it exits
+    (its first look at a controller not up yet ends it). Its process is one of `soak.clients`."""
     with open(soak.work / "status.jsonl", "a") as out:
         while watching.is_set():
             watcher = stepbus(soak, "status", "--json", "--watch", str(STATUS_EVERY_S))
