@@ -45,9 +45,9 @@ from stepbus.processor.outlets import (
 
 # A worker silent this long while the policy moves on has its rows' completed steps cut
 # (processor/buffers.py): far longer than a worker's usual gap between messages, far shorter
-# than the few versions (a fraction of a second) that make steps stale. Looked for this often.
+# than the few versions (a fraction of a second) that make steps stale.
 BEHIND_S = 0.1
-BEHIND_CHECK_S = 0.05
+BEHIND_CHECK_S = 0.05  # how often silent workers are looked for
 SHUTDOWN_FLUSH_S = 1.0  # how long shutdown waits for a trainer to take the last trajectories
 
 
@@ -121,7 +121,7 @@ class Assembler(node.Process):
         # Per policy, the versions a trajectory may span (processor/buffers.py): half its
         # learner's --max-policy-lag, as its receipts say; none until they do.
         self.version_spans: dict[str, int] = {}
-        self.newest: dict[str, int] = {}  # per policy, the newest version that acted
+        self.newest: dict[str, int] = {}  # per policy, the version of the latest actions
         # Experience messages the loop may still take in this pass: what waits for a learner
         # is bounded, so intake pauses (and then stepping) while too much waits.
         self.room = cfg.max_buffered
