@@ -211,33 +211,58 @@ def stepbus(soak: Soak, *args: str) -> subprocess.Popen[bytes]:
 
 # ----------------------------------------------------------------------------- sampling
 
-def keep_status(soak: Soak, watching: threading.Event) -> None:
-    """While `watching`: `stepbus status --json --watch`, its broker, assembler and learner
-    (role trainer) rows appended to status.jsonl as they come; started again whenever it exits
-    (its first look at a controller not up yet ends it). Its process is one of `soak.clients`."""
+@dataclass
+class StatusWatch:
+    """`stepbus status --json --watch` as the soak runs: on until `stop_watching`; the lock
+    keeps a new watcher from starting once it is off."""
+
+    on: bool = True
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    thread: threading.Thread | None = None
+    watcher: subprocess.Popen[bytes] | None = None
+
+
+def watch_status(soak: Soak) -> StatusWatch:
+    watch = StatusWatch()
+    watch.thread = threading.Thread(target=keep_status, args=(soak, watch), daemon=True)
+    watch.thread.start()
+    return watch
+
+
+def keep_status(soak: Soak, watch: StatusWatch) -> None:
+    """The watcher's broker, assembler and learner (role trainer) rows appended to
+    status.jsonl as they come; started again whenever it exits (its first look at a
+    controller not up yet ends it). Its process is one of `soak.clients`."""
     with open(soak.work / "status.jsonl", "a") as out:
-        while watching.is_set():
-            watcher = stepbus(soak, "status", "--json", "--watch", str(STATUS_EVERY_S))
+        while True:
+            with watch.lock:
+                if not watch.on:
+                    return
+                watcher = watch.watcher = stepbus(soak, "status", "--json", "--watch",
+                                                  str(STATUS_EVERY_S))
             assert watcher.stdout is not None
-            for line in watcher.stdout:
-                with contextlib.suppress(ValueError, AttributeError, TypeError):
-                    rows = json.loads(line).get("processes", [])
-                    kept = [r for r in rows if r.get("role") in STATUS_ROLES]
-                    out.write(json.dumps({"t_s": round(time.time() - soak.t0, 1),
-                                          "rows": kept}) + "\n")
-                    out.flush()
+            with watcher.stdout:
+                for line in watcher.stdout:
+                    with contextlib.suppress(ValueError, AttributeError, TypeError):
+                        rows = json.loads(line).get("processes", [])
+                        kept = [r for r in rows if r.get("role") in STATUS_ROLES]
+                        out.write(json.dumps({"t_s": round(time.time() - soak.t0, 1),
+                                              "rows": kept}) + "\n")
+                        out.flush()
             watcher.wait()
-            if watching.is_set():
-                time.sleep(1.0)
+            time.sleep(1.0)
 
 
-def stop_watching(soak: Soak, watching: threading.Event) -> None:
-    """End the status watch before the shutdown, so it is not counted as left behind."""
-    watching.clear()
-    for client in soak.clients:
-        if client.args[1:3] == ["status", "--json"] and client.poll() is None:
-            client.kill()
-            client.wait()
+def stop_watching(watch: StatusWatch) -> None:
+    """End the status watch (before the shutdown, so it is not counted as left behind; again
+    in any case)."""
+    with watch.lock:
+        watch.on = False
+        if watch.watcher is not None and watch.watcher.poll() is None:
+            watch.watcher.kill()
+            watch.watcher.wait()
+    if watch.thread is not None:
+        watch.thread.join(timeout=5.0)
 
 
 def sample_steps(soak: Soak, now: float) -> None:
@@ -602,17 +627,17 @@ def soak_run(args: argparse.Namespace, work: Path, group: launch.Group, stopped:
                 random.Random(args.seed), args.workers, stopped=stopped, clients=clients)
     soak.next_fault = soak.t0 + soak.rng.uniform(*FAULT_GAP_S)
     duration_s = args.minutes * 60
-    watching = threading.Event()
-    watching.set()
-    threading.Thread(target=keep_status, args=(soak, watching), daemon=True).start()
-    run_for(soak, soak.t0 + duration_s, faults=True)
-    log(soak, f"faults over; {DRAIN_S:.0f} s to drain")
-    run_for(soak, time.time() + DRAIN_S, faults=False)
+    watch = watch_status(soak)
+    try:
+        run_for(soak, soak.t0 + duration_s, faults=True)
+        log(soak, f"faults over; {DRAIN_S:.0f} s to drain")
+        run_for(soak, time.time() + DRAIN_S, faults=False)
+    finally:
+        stop_watching(watch)
     sample_rss(soak, time.time())
     for fault in soak.faults:
         fault.stall_s = stall(soak.steps, fault.at)
     final = final_ledger(work)  # drained, still running: tails are what is in flight
-    stop_watching(soak, watching)
     ended = shut_down(soak, group.tag, shm_before)
     read_metrics(soak)
     result = summary(soak, final, ended, duration_s)

@@ -91,6 +91,13 @@ def zeros_like(obs: Obs) -> Obs:
     return _each(np.zeros_like, obs)
 
 
+def layout_only(obs: Obs) -> bool:
+    """Whether `obs` is a batch of no rows with at least one leaf: how a message names the
+    layout of rows it does not carry (a slot of shared memory holds them)."""
+    leaves = list(obs.values()) if isinstance(obs, dict) else [obs]
+    return bool(leaves) and all(leaf.ndim >= 1 and leaf.shape[0] == 0 for leaf in leaves)
+
+
 def zero(obs: Obs) -> None:
     """Every row of every leaf := 0, in place."""
     for leaf in obs.values() if isinstance(obs, dict) else (obs,):

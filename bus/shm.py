@@ -272,10 +272,13 @@ class Reader:
         self.bytes = np.frombuffer(self.data, np.uint8).reshape(slots, -1)
 
     def view(self, s: int, like: Obs) -> Obs | None:
-        """Slot s as `rows` observations laid out as `like` (any number of rows: a message
-        carries its layout as zero-row arrays), read in place (None if they do not fit)."""
+        """Slot s as `rows` observations laid out as `like` (zero rows of every leaf: how a
+        message names its layout), read in place (None: not such a layout, or not of the
+        segment's row size)."""
+        if not (0 <= s < self.slots and obs_rows.layout_only(like)):
+            return None
         layout = obs_rows.layout(like)
-        if not 0 <= s < self.slots or layout_bytes(layout) != self.row_bytes:
+        if layout_bytes(layout) != self.row_bytes:
             return None
         return slot_obs(self.bytes[s], self.rows, layout)
 

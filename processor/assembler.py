@@ -43,10 +43,12 @@ from stepbus.processor.outlets import (
     port_name,
 )
 
-# A worker silent this long while the policy moves on has its rows' completed steps cut
-# (processor/buffers.py): far longer than a worker's usual gap between messages, far shorter
-# than the few versions (a fraction of a second) that make steps stale.
-BEHIND_S = 0.1
+# A worker silent while every other one answered this many times (on average) and the policy
+# moved on has its rows' completed steps cut (processor/buffers.py). Counted in messages, not
+# seconds, so a batch released at once after a wait (every worker waiting on the credit
+# window, or on a --deterministic broker, which serves workers in lockstep) never makes a
+# worker whose message is still queued look behind: what is cut never depends on timing.
+BEHIND_ROUNDS = 3
 BEHIND_CHECK_S = 0.05  # how often silent workers are looked for
 SHUTDOWN_FLUSH_S = 1.0  # how long shutdown waits for a trainer to take the last trajectories
 
@@ -122,6 +124,7 @@ class Assembler(node.Process):
         # learner's --max-policy-lag, as its receipts say; none until they do.
         self.version_spans: dict[str, int] = {}
         self.newest: dict[str, int] = {}  # per policy, the version of the latest actions
+        self.heard = 0  # experience messages taken in: tracks' `heard_at` are counts of these
         # Experience messages the loop may still take in this pass: what waits for a learner
         # is bounded, so intake pauses (and then stepping) while too much waits.
         self.room = cfg.max_buffered
@@ -156,7 +159,8 @@ class Assembler(node.Process):
             for traj in done.trajectories:
                 self.emit(traj)
         track.last_obs, track.epoch, track.seq = m.obs, m.epoch, m.seq
-        track.heard_at = self.now
+        self.heard += 1
+        track.heard_at = self.heard
         problem = track.choose(m)
         if problem:
             self.reject(m, "bad experience", problem, problem)
@@ -238,7 +242,7 @@ class Assembler(node.Process):
                         "observations we cannot read")
             return None
         s = m.obs_slot
-        view = seg.view(s, m.obs) if rows.count(m.obs) == 0 else None
+        view = seg.view(s, m.obs)
         if view is None:
             self.reject(m, "bad experience", f"obs_slot {s}", "bad obs_slot")
             return None
@@ -254,12 +258,14 @@ class Assembler(node.Process):
         return dataclasses.replace(m, obs=obs)
 
     def cut_behind(self, now: float) -> None:
-        """The completed steps of workers silent for BEHIND_S, where the policy moved on
-        (processor/buffers.py), go to the learner while they are fresh enough to learn from."""
+        """The completed steps of workers silent for BEHIND_ROUNDS of the others' messages,
+        where the policy moved on (processor/buffers.py), go to the learner while they are
+        fresh enough to learn from."""
         if not self.version_spans:
             return
+        silent = BEHIND_ROUNDS * len(self.tracks)
         for track in self.tracks.values():
-            if now - track.heard_at >= BEHIND_S:
+            if self.heard - track.heard_at >= silent:
                 for traj in track.cut_behind(self.newest, self.version_spans):
                     self.counts.cut_behind += 1
                     self.emit(traj)

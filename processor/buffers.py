@@ -13,7 +13,8 @@ or just slow) would otherwise collect a horizon of steps over that many versions
 learner's bound is the span, leaving the other half for what stepping may run ahead of the
 learner (the broker's credit window). A worker that stops answering (stopped, starved of CPU)
 cannot bring the next action that would show the span reached, while other workers' actions
-show the policy moving on: its rows' completed steps are cut then (`WorkerTrack.cut_behind`),
+show the policy moving on: once they have answered a few times each meanwhile, its rows'
+completed steps are cut (`WorkerTrack.cut_behind`),
 bootstrapping from the observation the pending action was chosen on, and that action begins
 the next trajectory, so only the step the worker was in can come too late to learn from. A
 vanished agent, and a truncated row the worker marks in
@@ -189,7 +190,7 @@ class WorkerTrack:
     last_obs: Obs
     seq: int = 0  # of the last message; the next must be seq + 1 or a reset
     action_shape: tuple | None = None
-    heard_at: float = 0.0  # when its last message came
+    heard_at: int = 0  # the assembler's count of messages at its last one
 
     @classmethod
     def start(cls, m: p.Experience, horizon: int) -> WorkerTrack:

@@ -228,6 +228,8 @@ def obs_problem(obs: Obs, spec: p.SpaceSpec, lead: tuple[int, ...]) -> str:
         want = (*lead, *spec.obs_shape)
         if isinstance(obs, dict) or obs.shape != want:
             return f"obs {_shape_of(obs)}, expected {want}"
+        if obs.dtype != np.dtype(spec.obs_dtype):
+            return f"obs of {obs.dtype}, expected {np.dtype(spec.obs_dtype)}"
         return ""
     if not isinstance(obs, dict) or obs.keys() != layout.keys():
         return f"obs leaves {_shape_of(obs)}, expected {sorted(layout)}"[:200]

@@ -157,27 +157,31 @@ def test_a_slow_rows_trajectory_is_cut_once_the_policy_moved_on_half_the_learner
 
 def test_a_silent_workers_completed_steps_are_cut_while_the_others_move_the_policy_on():
     """A worker stops answering (stopped, starved) while another's actions show the policy
-    moving on: once it has been silent for BEHIND_S and its trajectories span half the
-    learner's bound, their completed steps go out, bootstrapping from the observation its
-    pending action was chosen on; that action begins the next trajectory, in the same
-    episode, when the worker answers at last."""
+    moving on: once every other worker has answered BEHIND_ROUNDS times meanwhile and its
+    trajectories span half the learner's bound, their completed steps go out, bootstrapping
+    from the observation its pending action was chosen on; that action begins the next
+    trajectory, in the same episode, when the worker answers at last. Silence is counted in
+    messages: however long the wall clock says it was, nothing is cut while no other worker
+    answered (a batch released after a wait must not cut a worker whose message is queued)."""
     bench, a, b = Bench(horizon=32), Script("a", k=2), Script("b")
 
     def acted(version: int, msg: p.Experience) -> p.Experience:
         return dataclasses.replace(msg, policy_version=version)
 
-    def later(seconds: float, *messages: p.Message) -> list[p.Trajectory]:
-        bench.t += seconds
+    def looked(*messages: p.Message) -> list[p.Trajectory]:
+        bench.t += 1.0
         bench.feed(*messages)
         bench.asm.run_timers(bench.t)
         bench.asm.tick(bench.t)
         return bench.trajectories()
 
     bench.feed(bench.receipt(max_policy_lag=8))  # a span of 4
-    bench.feed(acted(10, a.first()), acted(10, a.step()), acted(11, a.step()),
-               acted(12, b.first()))
-    assert later(assembler.BEHIND_S / 2, acted(14, b.step())) == [], "a: silent too briefly"
-    got = later(assembler.BEHIND_S, acted(14, b.step()))
+    bench.feed(acted(10, a.first()), acted(10, a.step()), acted(11, a.step()))
+    assert looked(acted(14, b.first())) == [], "a: silent for seconds, but b answered once"
+    rounds = assembler.BEHIND_ROUNDS * 2  # two workers
+    for _ in range(rounds - 2):
+        assert looked(acted(14, b.step())) == [], "a: b has not answered enough yet"
+    got = looked(acted(14, b.step()))
     assert [t.agent for t in got] == ["a/0", "a/1"]
     assert [t.policy_versions.tolist() for t in got] == [[10, 10]] * 2
     assert [t.obs[:, 1].tolist() for t in got if isinstance(t.obs, np.ndarray)] == [[0, 1]] * 2
@@ -185,14 +189,24 @@ def test_a_silent_workers_completed_steps_are_cut_while_the_others_move_the_poli
             if isinstance(t.bootstrap_obs, np.ndarray)] == [[0, 2], [1, 2]], "pending obs"
     assert not any(t.terminated or t.truncated or t.bootstrap_from_last for t in got)
     assert bench.asm.counts.cut_behind == 2 and bench.asm.counts.steps_lost == 0
-    assert later(1.0, acted(15, b.step())) == [], "what is pending is not cut again"
-    got = later(0.0, acted(16, a.step(terminated=[1])))
+    assert looked(acted(15, b.step())) == [], "what is pending is not cut again"
+    got = looked(acted(16, a.step(terminated=[1])))
     assert [t.agent for t in got] == ["a/0", "a/1"], "a/0: the span rule, a/1: its episode end"
     assert [t.policy_versions.tolist() for t in got] == [[11]] * 2
     assert [t.obs[:, 1].tolist() for t in got
             if isinstance(t.obs, np.ndarray)] == [[2]] * 2, "the pending step began them"
     assert got[1].terminated and got[1].episode_length == 3 and got[1].episode_return == 3.0
     assert [t.episode_step for t in got] == [2, 2], "the same episodes went on"
+
+
+def test_a_worker_behind_others_whose_policy_did_not_move_on_is_left_alone():
+    bench, a, b = Bench(horizon=4), Script("a"), Script("b")
+    bench.feed(bench.receipt(max_policy_lag=8))
+    bench.feed(a.first(), a.step(), b.first(), *[b.step() for _ in range(20)])
+    bench.asm.run_timers(bench.t + 1.0)
+    bench.asm.tick(bench.t + 1.0)
+    assert [t.agent for t in bench.trajectories()] == ["b/0"] * 5, "b's horizons only"
+    assert bench.asm.counts.cut_behind == 0, "every action acted by version 7"
 
 
 def test_the_newest_versions_are_per_policy_and_a_recurrent_trajectory_is_not_cut_early():

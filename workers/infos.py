@@ -52,7 +52,8 @@ class InfoEncoder:
 
     def fields(self, infos: StepInfos) -> dict[str, Any]:
         """StepResult's `infos`, `final_infos` and `info_arrays` for `infos` (none at all
-        when every row's is empty and no episode ended: the common step costs nothing here)."""
+        when every row's is empty and there are no final infos: the common step costs nothing
+        here)."""
         if not infos.finals and not any(infos.rows):
             return {"infos": [], "final_infos": [], "info_arrays": {}}
         budget = Budget()
