@@ -230,6 +230,14 @@ class PolicySlot:
             self.policy.version = -1
 
 
+def credit_figures(credit: Credit) -> dict[str, int]:
+    """A policy's credit window as `stepbus status` shows it (docs/operations.md)."""
+    return {"outstanding_steps": credit.outstanding(), "credit_window": credit.window(),
+            "credit_topups": credit.topups, "credit_rebases": credit.rebases,
+            "credit_unexplained": credit.unexplained, "credit_braked": credit.braked,
+            "credit_rescaled": credit.rescaled, "credit_rescale_held": credit.rescale_held}
+
+
 class Broker(node.Process):
     """Workers on "steps", trainers on "policy", experience out on "experience" and barrier
     reports on "controller". `tick` purges silent workers, ends a barrier once every worker
@@ -735,13 +743,7 @@ class Broker(node.Process):
         figures: dict[str, Any] = {
             "workers": len(self.table), "policy_version": default.version,
             "epoch": self.barrier.epoch, "steps_per_s": round(self.steps_per_s),
-            "outstanding_steps": default.credit.outstanding(),
-            "credit_window": default.credit.window(), "credit_topups": default.credit.topups,
-            "credit_rebases": default.credit.rebases,
-            "credit_unexplained": default.credit.unexplained,
-            "credit_braked": default.credit.braked,
-            "credit_rescaled": default.credit.rescaled,
-            "credit_rescale_held": default.credit.rescale_held,
+            **credit_figures(default.credit),
             "assembler_blocked": self.assembler_blocked, **self.rejects.figures(),
             **self.counts.figures(), "held_by": self.held_by}
         if self.memory is not None:
@@ -751,14 +753,8 @@ class Broker(node.Process):
             for slot in self.slots:
                 figures[f"policy_version_{slot.name}"] = slot.version
                 figures[f"policy_rows_{slot.name}"] = slot.credit.rows
-                figures[f"outstanding_steps_{slot.name}"] = slot.credit.outstanding()
-                figures[f"credit_window_{slot.name}"] = slot.credit.window()
-                figures[f"credit_topups_{slot.name}"] = slot.credit.topups
-                figures[f"credit_unexplained_{slot.name}"] = slot.credit.unexplained
-                figures[f"credit_braked_{slot.name}"] = slot.credit.braked
-                figures[f"credit_rescaled_{slot.name}"] = slot.credit.rescaled
-                figures[f"credit_rescale_held_{slot.name}"] = slot.credit.rescale_held
-                figures[f"credit_rebases_{slot.name}"] = slot.credit.rebases
+                figures |= {f"{key}_{slot.name}": value
+                            for key, value in credit_figures(slot.credit).items()}
         return figures
 
     def finish(self) -> None:

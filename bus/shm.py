@@ -100,9 +100,14 @@ def _words(buf: mmap.mmap | memoryview, slots: int) -> np.ndarray:
 Layout = tuple[tuple[str, str, tuple[int, ...]], ...]  # `rows.layout`: key, dtype, row shape
 
 
+def leaf_bytes(dtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes of one row of one leaf."""
+    return int(np.prod(shape)) * np.dtype(dtype).itemsize
+
+
 def layout_bytes(layout: Layout) -> int:
     """Bytes of one row of every leaf."""
-    return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for _, dtype, shape in layout)
+    return sum(leaf_bytes(dtype, shape) for _, dtype, shape in layout)
 
 
 def slot_stride(rows: int, width: int) -> int:
@@ -120,7 +125,7 @@ def slot_obs(slot: np.ndarray, rows: int, layout: Layout) -> Obs:
     out: dict[str, np.ndarray] = {}
     offset = 0
     for key, dtype, shape in sorted(layout, key=lambda leaf: -np.dtype(leaf[1]).itemsize):
-        size = rows * int(np.prod(shape)) * np.dtype(dtype).itemsize
+        size = rows * leaf_bytes(dtype, shape)
         out[key] = slot[offset:offset + size].view(dtype).reshape(rows, *shape)
         offset += size
     return {key: out[key] for key, _, _ in layout}  # in the batch's own order
