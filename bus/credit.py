@@ -27,13 +27,8 @@ received when they arrive, though we never stepped them, so our scale takes that
 own steps in flight for received and stepping runs as far past the window, for good. We cannot
 tell those steps from ours, so the lag brake rescales instead: while the trainer's median lag
 stays over half its bound in the first INHERIT_S after our first report, it moves the scale by
-a batch, up to one window (what the dead broker could have had in flight) less what a rebase
-already took in (those of its steps that arrived before ours: the trainer reported more than
-we had stepped), until the lag is back within 3/8 of the bound or a new trainer incarnation
-connects. Without that bound a restart whose dead broker's steps all came first (the usual
-case: a new broker resets every worker before it steps) took them twice, and its window
-stayed three quarters shut for the rest of its life (an hour's soak: steps at half the rate
-for minutes after 4 of 9 broker kills). A rescale that went too
+a batch, up to one window (what the dead broker could have had in flight), until the lag is
+back within 3/8 of the bound or a new trainer incarnation connects. A rescale that went too
 far (the trainer starves with the window full, or its lag stays within a quarter of the bound)
 is given back a batch at a time.
 
@@ -118,7 +113,6 @@ class Credit:
     inherit_until: float = 0.0
     rescaled: int = 0
     rescale_held: int = 0
-    absorbed: int = 0  # steps rebases took as received since our first trainer connected
     lagging: int = 0  # reports in a row with the median lag over half the bound
     leading: int = 0  # ... within 3/8 of it
     below: int = 0  # ... within a quarter of it (a rescale that went too far shows so)
@@ -215,14 +209,12 @@ class Credit:
 
     def rescale(self) -> None:
         """Take a batch of the steps a dead broker left in flight as ours (module docstring):
-        our scale moves, as a rebase's does, never by more than a window in all, rebases
-        included (they took in the dead broker's steps that came before ours)."""
-        room = self.window() - self.rescale_held - self.absorbed
-        move = max(0, min(self.batch_steps, room))
+        our scale moves, as a rebase's does, never by more than a window in all."""
+        move = max(0, min(self.batch_steps, self.window() - self.rescale_held))
         self.shift(-move)
         self.rescaled += move
         self.rescale_held += move
-        if move >= room:
+        if self.rescale_held >= self.window():
             self.inherit_until = 0.0
 
     def unrescale(self, steps: int) -> None:
@@ -272,7 +264,6 @@ class Credit:
                 self.rebases += 1
             self.start = self.baseline = self.produced - consumed_steps
             self.granted = self.braked = self.lost = self.lagging = self.leading = 0
-            self.absorbed = 0
             self.starving_since = None
         self.trainer, self.first_consumed, self.extra = incarnation, consumed_steps, 0
         self.run = run
@@ -289,7 +280,6 @@ class Credit:
         if over > back:
             self.shift(back - over)
             self.rebases += 1
-            self.absorbed += over - back
 
     def shift(self, steps: int) -> None:
         """Move our whole scale (top-ups' grants kept): outstanding falls by `steps`."""

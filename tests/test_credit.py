@@ -235,27 +235,6 @@ def test_a_restarted_broker_takes_the_dead_ones_steps_in_flight_as_its_own_while
     assert not credit.inheriting()
 
 
-def test_what_a_rebase_took_in_of_the_dead_brokers_steps_is_not_taken_again() -> None:
-    """The usual restart: the dead broker's steps in flight reach the trainer before ours (a
-    new broker resets every worker first), the trainer reports more than we stepped, and the
-    scale moves for them there and then. The old data's lag that follows must not move it
-    again for the same steps: a rescale then is bounded by the window less what was taken in,
-    else the window stays shut by as much for the broker's whole life."""
-    credit = restarted()
-    credit.produced = 100
-    credit.report("l1", 50_000 + 400, 100, False, now=0.1)  # 300 of them were the dead one's
-    assert credit.outstanding() == 0 and credit.rebases == 1 and credit.absorbed == 300
-    steer(credit, 9, 20 * STEER_REPORTS)
-    assert credit.rescaled == 472 - 300 and credit.outstanding() == 172
-    assert not credit.inheriting()
-
-    whole = restarted()
-    whole.produced = 50
-    whole.report("l1", 50_000 + 600, 100, False, now=0.1)  # a window's worth and more
-    steer(whole, 9, 4 * STEER_REPORTS)
-    assert whole.rescaled == 0 and not whole.inheriting()
-
-
 def test_a_rescale_ends_once_the_lag_is_back_and_never_starts_late() -> None:
     back = restarted()
     steer(back, 3, STEER_REPORTS)  # young before any rescale: not over yet
