@@ -275,6 +275,9 @@ class Reader:
         self.written = self.words[_FIXED:_FIXED + slots]
         self.released = self.words[_FIXED + slots:]
         self.bytes = np.frombuffer(self.data, np.uint8).reshape(slots, -1)
+        # Every slot laid out as the last layout asked for: one per worker in practice, so a
+        # message costs a lookup, not a layout (one kept: a hostile peer cannot grow it).
+        self.laid_out: tuple[Layout, list[Obs]] = ((), [])
 
     def view(self, s: int, like: Obs) -> Obs | None:
         """Slot s as `rows` observations laid out as `like` (zero rows of every leaf: how a
@@ -283,9 +286,12 @@ class Reader:
         if not (0 <= s < self.slots and obs_rows.layout_only(like)):
             return None
         layout = obs_rows.layout(like)
-        if layout_bytes(layout) != self.row_bytes:
-            return None
-        return slot_obs(self.bytes[s], self.rows, layout)
+        if layout != self.laid_out[0]:
+            if layout_bytes(layout) != self.row_bytes:
+                return None
+            self.laid_out = (layout, [slot_obs(self.bytes[k], self.rows, layout)
+                                      for k in range(self.slots)])
+        return self.laid_out[1][s]
 
     def holds(self, s: int, seq: int) -> bool:
         return int(self.written[s]) == seq

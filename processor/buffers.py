@@ -14,10 +14,10 @@ learner's bound is the span, leaving the other half for what stepping may run ah
 learner (the broker's credit window). A worker that stops answering (stopped, starved of CPU)
 cannot bring the next action that would show the span reached, while other workers' actions
 show the policy moving on: once they have answered a few times each meanwhile, its rows'
-completed steps are cut (`WorkerTrack.cut_behind`),
-bootstrapping from the observation the pending action was chosen on, and that action begins
-the next trajectory, so only the step the worker was in can come too late to learn from. A
-vanished agent, and a truncated row the worker marks in
+completed steps are cut (`WorkerTrack.cut_behind`), bootstrapping from the observation the
+pending action was chosen on, and that action begins the next trajectory, so only the step
+the worker was in can come too late to learn from. A vanished agent, and a truncated row the
+worker marks in
 `no_final_obs` (an agent that left without an observation, an env that raised), has no
 observation after its last step: its bootstrap observation is that step's own, and the
 trajectory says `bootstrap_from_last`. Closing a worker's trajectories (`WorkerTrack.close`)
